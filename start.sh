@@ -44,9 +44,12 @@ setup() {
         else
             say "no NVIDIA driver found: installing the CPU build of PyTorch"
             # A local CPU wheel where the machine has one, else PyTorch's CPU index (about 200 MB).
-            "$PY" -m pip install -q --no-index "torch==2.13.0" 2>/dev/null ||
-                "$PY" -m pip install "torch>=2.4" --index-url https://download.pytorch.org/whl/cpu ||
-                "$PY" -m pip install "torch>=2.4"
+            if "$PY" -m pip install -q --no-index --no-deps "torch==2.13.0" >/dev/null 2>&1; then
+                "$PY" -m pip install -q "torch==2.13.0"  # its own dependencies, from the package index
+            else
+                "$PY" -m pip install --retries 1 "torch>=2.4" --index-url https://download.pytorch.org/whl/cpu \
+                    --extra-index-url https://pypi.org/simple || "$PY" -m pip install "torch>=2.4"
+            fi
         fi
     fi
     extras=${STRATA_EXTRAS:-}
