@@ -24,15 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
 def inventory() -> dict:
     import psutil
 
-    from installer.gpus import probe_gpus
+    from installer.gpus import probe
 
-    probe = probe_gpus()
+    result = probe()
     return {
         "hostname": platform.node(),
         "os": f"{platform.system()} {platform.release()}",
         "cpu_count": psutil.cpu_count(logical=True),
         "ram_total": psutil.virtual_memory().total,
-        "gpus": probe.to_dict() if hasattr(probe, "to_dict") else str(probe),
+        "gpu_status": result.message or result.kind,
+        "gpus": [g.short for g in result.gpus],
     }
 
 

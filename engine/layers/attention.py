@@ -1,0 +1,38 @@
+"""Causal grouped-query attention over the KV cache, with sliding windows and logit soft-capping."""
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_mask(q_pos: torch.Tensor, k_len: int, window: int) -> torch.Tensor:
+    """Boolean [T, S] mask, True where query position may attend key position."""
+    k_pos = torch.arange(k_len, device=q_pos.device)
+    allowed = k_pos[None, :] <= q_pos[:, None]  # [T, S]
+    if window > 0:
+        allowed &= (q_pos[:, None] - k_pos[None, :]) < window
+    return allowed
+
+
+def attention(
+    q: torch.Tensor,  # [T, H, Dk]
+    k: torch.Tensor,  # [S, Hkv, Dk]
+    v: torch.Tensor,  # [S, Hkv, Dv]
+    mask: torch.Tensor,  # [T, S] bool
+    scale: float,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """-> [T, H, Dv]"""
+    n_head, n_kv = q.shape[1], k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, S, D]
+    if softcap <= 0:
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=n_head != n_kv
+        )
+        return out.transpose(0, 1)
+    rep = n_head // n_kv
+    kh, vh = kh.repeat_interleave(rep, dim=0), vh.repeat_interleave(rep, dim=0)
+    scores = (qh.float() @ kh.float().transpose(1, 2)) * scale  # [H, T, S]
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.softmax(scores, dim=-1).to(vh.dtype) @ vh  # [H, T, Dv]
+    return out.transpose(0, 1)

@@ -1,0 +1,105 @@
+"""Per-layer key/value cache of one sequence: float (f32/f16/bf16) or int8 with a scale per token and head."""
+
+from dataclasses import dataclass
+
+import torch
+
+KV_TYPES = ("auto", "f32", "f16", "bf16", "int8")
+_FLOAT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+class KVCacheError(ValueError):
+    pass
+
+
+@dataclass
+class _LayerKV:
+    k: torch.Tensor  # [ctx, Hkv, Dk] (int8 or float)
+    v: torch.Tensor  # [ctx, Hkv, Dv]
+    k_scale: torch.Tensor | None = None  # [ctx, Hkv, 1] for int8
+    v_scale: torch.Tensor | None = None
+
+
+def resolve_kv_type(kv: str, compute_dtype: torch.dtype) -> str:
+    if kv not in KV_TYPES:
+        raise KVCacheError(f"--kv {kv!r} is not a KV cache type; use one of {', '.join(KV_TYPES)}")
+    if kv != "auto":
+        return kv
+    return {torch.float32: "f32", torch.float16: "f16"}.get(compute_dtype, "bf16")
+
+
+def _quant8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-8) / 127.0  # [T, H, 1]
+    q = torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8)
+    return q, scale.to(torch.float16)
+
+
+class KVCache:
+    """KV for the layers `layers` of one sequence, up to `max_ctx` positions."""
+
+    def __init__(
+        self,
+        layers: range,
+        max_ctx: int,
+        n_head_kv: int,
+        head_dim_k: int,
+        head_dim_v: int,
+        kv_type: str,
+        device: torch.device,
+    ) -> None:
+        if kv_type not in _FLOAT and kv_type != "int8":
+            raise KVCacheError(f"KV type {kv_type!r} must be resolved first (f32, f16, bf16 or int8)")
+        self.kv_type = kv_type
+        self.max_ctx = max_ctx
+        self.length = 0  # positions filled
+        self.layers: dict[int, _LayerKV] = {}
+        for i in layers:
+            if kv_type == "int8":
+                self.layers[i] = _LayerKV(
+                    torch.zeros(max_ctx, n_head_kv, head_dim_k, dtype=torch.int8, device=device),
+                    torch.zeros(max_ctx, n_head_kv, head_dim_v, dtype=torch.int8, device=device),
+                    torch.zeros(max_ctx, n_head_kv, 1, dtype=torch.float16, device=device),
+                    torch.zeros(max_ctx, n_head_kv, 1, dtype=torch.float16, device=device),
+                )
+            else:
+                dt = _FLOAT[kv_type]
+                self.layers[i] = _LayerKV(
+                    torch.zeros(max_ctx, n_head_kv, head_dim_k, dtype=dt, device=device),
+                    torch.zeros(max_ctx, n_head_kv, head_dim_v, dtype=dt, device=device),
+                )
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for lk in self.layers.values():
+            for t in (lk.k, lk.v, lk.k_scale, lk.v_scale):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total
+
+    def store(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [T, Hkv, D] at positions start..start+T and return all keys and values [start+T, Hkv, D]
+        in the dtype of k."""
+        end = start + k.shape[0]
+        if end > self.max_ctx:
+            raise KVCacheError(
+                f"the sequence needs {end} positions but the KV cache holds {self.max_ctx} (--max-context)"
+            )
+        lk = self.layers[layer]
+        if self.kv_type == "int8":
+            qk, sk = _quant8(k)
+            qv, sv = _quant8(v)
+            lk.k[start:end], lk.k_scale[start:end] = qk, sk  # type: ignore[index]
+            lk.v[start:end], lk.v_scale[start:end] = qv, sv  # type: ignore[index]
+            keys = lk.k[:end].to(k.dtype) * lk.k_scale[:end].to(k.dtype)  # type: ignore[index]
+            values = lk.v[:end].to(v.dtype) * lk.v_scale[:end].to(v.dtype)  # type: ignore[index]
+            return keys, values
+        lk.k[start:end] = k.to(lk.k.dtype)
+        lk.v[start:end] = v.to(lk.v.dtype)
+        return lk.k[:end].to(k.dtype), lk.v[:end].to(v.dtype)
+
+    def truncate(self, length: int) -> None:
+        """Forget positions >= length (a rejected draft, or a prompt-cache entry reused up to a prefix)."""
+        self.length = min(self.length, length)

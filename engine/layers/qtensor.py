@@ -1,0 +1,66 @@
+"""Weights kept in GGUF block format; dequantized tile by tile only where they are used."""
+
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.gguf.quants import dequantize
+
+_FLOAT_VIEWS = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
+# Largest dequantized tile a matmul materialises at once (elements): bounds the transient memory of big heads.
+_TILE_ELEMS = 1 << 24
+
+
+class QTensor:
+    """A weight of logical shape `shape` stored as raw GGUF blocks `raw` ([..., row_bytes], uint8)."""
+
+    __slots__ = ("qtype", "raw", "shape")
+
+    def __init__(self, raw: torch.Tensor, qtype: QT, shape: tuple[int, ...]) -> None:
+        self.raw = raw
+        self.qtype = qtype
+        self.shape = tuple(shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel() * self.raw.element_size()
+
+    def to(self, device: torch.device | str) -> "QTensor":
+        return QTensor(self.raw.to(device), self.qtype, self.shape)
+
+    def _deq(self, raw: torch.Tensor, rows_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.qtype in _FLOAT_VIEWS:
+            return (
+                raw.contiguous().view(_FLOAT_VIEWS[self.qtype]).reshape(*rows_shape, self.shape[-1]).to(dtype)
+            )
+        return dequantize(raw, self.qtype, dtype=dtype).reshape(*rows_shape, self.shape[-1])
+
+    def dequant(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole tensor as floats (small tensors: norms, biases, one expert)."""
+        return self._deq(self.raw, self.shape[:-1], dtype)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `index` of a 2-D weight (an embedding lookup): only those rows are dequantized."""
+        sel = self.raw.index_select(0, index.to(self.raw.device))  # [N, row_bytes]
+        return self._deq(sel, (index.numel(),), dtype)
+
+    def __getitem__(self, i: int) -> "QTensor":
+        """Slice along the first dimension (one expert of a 3-D expert tensor)."""
+        return QTensor(self.raw[i], self.qtype, self.shape[1:])
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T for a 2-D weight [n_out, n_in]; x [..., n_in] -> [..., n_out]."""
+        n_out, n_in = self.shape
+        if self.qtype in _FLOAT_VIEWS:
+            return x @ self._deq(self.raw, (n_out,), x.dtype).T
+        step = max(1, _TILE_ELEMS // n_in)
+        if step >= n_out:
+            return x @ self._deq(self.raw, (n_out,), x.dtype).T
+        parts = [
+            x @ self._deq(self.raw[r : r + step], (min(step, n_out - r),), x.dtype).T
+            for r in range(0, n_out, step)
+        ]
+        return torch.cat(parts, dim=-1)

@@ -1,0 +1,80 @@
+"""Open a GGUF model: metadata -> typed config (through the architecture registry), tokenizer, chat template,
+weights on the chosen device in block format."""
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.gguf import names
+from engine.gguf.reader import GGUFFile
+from engine.models.config import ModelConfig
+from engine.models.decoder import DecoderLM
+from engine.models.registry import config_for
+from engine.tokenizer import ChatFormatter, Tokenizer
+
+log = logging.getLogger("strata.engine")
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+class DeviceError(ValueError):
+    pass
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("--device cuda was asked for but no CUDA device is available: use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise DeviceError(f"--device {name} is not supported: use cpu, cuda or cuda:N")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise DeviceError(f"--dtype {name} is not a compute type: use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    gguf: GGUFFile
+    config: ModelConfig
+    model: DecoderLM
+    tokenizer: Tokenizer
+    chat: ChatFormatter
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def load_model(path: str | Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    gf = GGUFFile.open(path)
+    tok = Tokenizer.from_metadata(gf.metadata)
+    embd = gf.tensors.get(names.TOKEN_EMBD)
+    # The embedding's rows are the model's vocabulary (files may pad it beyond the tokenizer's).
+    cfg = config_for(gf.architecture, gf.metadata, n_vocab=embd.shape[0] if embd else tok.vocab_size)
+    model = DecoderLM(cfg, gf, device=dev, dtype=dt)
+    chat = ChatFormatter.from_metadata(gf.metadata)
+    if chat.is_fallback:
+        log.warning("%s has no chat template: using the ChatML fallback template", Path(path).name)
+    log.info(
+        "loaded %s: %s, %d layers, %s on %s (%s)",
+        Path(path).name,
+        cfg.arch,
+        cfg.n_layer,
+        f"{cfg.n_expert} experts (top-{cfg.n_expert_used})" if cfg.is_moe else "dense",
+        dev,
+        str(dt).removeprefix("torch."),
+    )
+    return LoadedModel(Path(path), gf, cfg, model, tok, chat)

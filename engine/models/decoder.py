@@ -1,0 +1,278 @@
+"""The decoder stack shared by the transformer families (llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma3).
+
+Each family's file only turns its metadata into a `ModelConfig`; the differences in the math (biases, QK norms,
+post norms, sliding windows, shared experts, RoPE layout) are flags of that config. A model can be loaded for a
+range of layers only (a pipeline stage), with or without the embedding and the output head."""
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.gguf import names
+from engine.gguf.quants import SUPPORTED_TYPES
+from engine.gguf.reader import GGUFError, GGUFFile
+from engine.layers.attention import attention, causal_mask
+from engine.layers.kv_cache import KVCache
+from engine.layers.moe import ACTIVATIONS, ExpertWeights, moe_forward
+from engine.layers.norm import rms_norm
+from engine.layers.qtensor import QTensor
+from engine.layers.rope import Rope
+from engine.models.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    q: QTensor
+    k: QTensor
+    v: QTensor
+    o: QTensor
+    ffn_norm: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_ffw_norm: torch.Tensor | None = None
+    ffn_gate: QTensor | None = None
+    ffn_up: QTensor | None = None
+    ffn_down: QTensor | None = None
+    experts: ExpertWeights | None = None
+    shexp_gate_inp: torch.Tensor | None = None
+    shexp_gate: QTensor | None = None
+    shexp_up: QTensor | None = None
+    shexp_down: QTensor | None = None
+
+
+class _Loader:
+    def __init__(self, gf: GGUFFile, device: torch.device) -> None:
+        self.gf = gf
+        self.device = device
+
+    def has(self, name: str) -> bool:
+        return name in self.gf.tensors
+
+    def q(self, name: str) -> QTensor:
+        info = self.gf.tensors.get(name)
+        if info is None:
+            raise GGUFError(
+                self.gf.path,
+                f"tensor {name} is missing",
+                "the file is not a complete model of its architecture",
+            )
+        if info.qtype not in SUPPORTED_TYPES:
+            supported = ", ".join(t.name for t in SUPPORTED_TYPES)
+            raise GGUFError(
+                f"{self.gf.path}: tensor {name} has block type {info.qtype.name}, supported: {supported}"
+            )
+        raw = self.gf.tensor_bytes(name)
+        if self.device.type != "cpu":
+            raw = raw.to(self.device)
+        return QTensor(raw, info.qtype, info.shape)
+
+    def f(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        t = self.q(name).dequant(torch.float32)
+        if shape is not None and tuple(t.shape) != shape:
+            raise GGUFError(self.gf.path, f"tensor {name} has shape {tuple(t.shape)}, expected {shape}", "")
+        return t
+
+    def opt_f(self, name: str) -> torch.Tensor | None:
+        return self.f(name) if self.has(name) else None
+
+    def opt_q(self, name: str) -> QTensor | None:
+        return self.q(name) if self.has(name) else None
+
+
+def _check_shape(gf: GGUFFile, qt: QTensor, name: str, shape: tuple[int, ...]) -> QTensor:
+    if qt.shape != shape:
+        raise GGUFError(
+            gf.path, f"tensor {name} has shape {qt.shape}, expected {shape} from the metadata", ""
+        )
+    return qt
+
+
+class DecoderLM:
+    """Layers `layers` of a decoder model on `device`, computing in `dtype`."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        gf: GGUFFile,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        layers: range | None = None,
+        embed: bool = True,
+        head: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.layer_range = layers if layers is not None else range(cfg.n_layer)
+        ld = _Loader(gf, self.device)
+        d = cfg.n_embd
+        self.token_embd = (
+            _check_shape(gf, ld.q(names.TOKEN_EMBD), names.TOKEN_EMBD, (cfg.n_vocab, d))
+            if embed or (head and not ld.has(names.OUTPUT))
+            else None
+        )
+        self.has_embed = embed
+        self.has_head = head
+        self.output_norm = ld.f(names.OUTPUT_NORM, (d,)).to(self.device) if head else None
+        self.output: QTensor | None = None
+        if head:
+            if ld.has(names.OUTPUT):
+                self.output = _check_shape(gf, ld.q(names.OUTPUT), names.OUTPUT, (cfg.n_vocab, d))
+            else:
+                self.output = self.token_embd  # tied embeddings
+        freq_factors = ld.opt_f(names.ROPE_FREQS)
+        self.rope = Rope(cfg.rope, freq_factors)
+        self.rope_swa = (
+            Rope(cfg.rope, freq_factors, base=cfg.rope.base_swa) if cfg.rope.base_swa else self.rope
+        )
+        self.layers = {i: self._load_layer(ld, gf, i) for i in self.layer_range}
+        # Expert selections per (layer, expert) since load: the usage profile's raw counts.
+        self.expert_counts = (
+            torch.zeros(cfg.n_layer, cfg.n_expert, dtype=torch.int64, device=self.device)
+            if cfg.is_moe
+            else None
+        )
+
+    def _load_layer(self, ld: _Loader, gf: GGUFFile, i: int) -> LayerWeights:
+        c = self.cfg
+        n = names.blk
+        qd, kd, vd = c.n_head * c.head_dim_k, c.n_head_kv * c.head_dim_k, c.n_head_kv * c.head_dim_v
+        dev = self.device
+
+        def f(part: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return ld.f(n(i, part), shape).to(dev)
+
+        def opt(part: str, suffix: str) -> torch.Tensor | None:
+            t = ld.opt_f(n(i, part, suffix))
+            return t.to(dev) if t is not None else None
+
+        def q(part: str, shape: tuple[int, ...]) -> QTensor:
+            return _check_shape(gf, ld.q(n(i, part)), n(i, part), shape)
+
+        lw = LayerWeights(
+            attn_norm=f("attn_norm", (c.n_embd,)),
+            q=q("attn_q", (qd, c.n_embd)),
+            k=q("attn_k", (kd, c.n_embd)),
+            v=q("attn_v", (vd, c.n_embd)),
+            o=q("attn_output", (c.n_embd, c.n_head * c.head_dim_v)),
+            ffn_norm=f("ffn_norm", (c.n_embd,)),
+            q_bias=opt("attn_q", "bias"),
+            k_bias=opt("attn_k", "bias"),
+            v_bias=opt("attn_v", "bias"),
+        )
+        if c.qk_norm:
+            lw.q_norm, lw.k_norm = f("attn_q_norm", (c.head_dim_k,)), f("attn_k_norm", (c.head_dim_k,))
+        if c.post_norms:
+            lw.post_attn_norm = f("post_attention_norm", (c.n_embd,))
+            lw.post_ffw_norm = f("post_ffw_norm", (c.n_embd,))
+        if c.is_moe:
+            e, ff = c.n_expert, c.n_ff_exp
+            lw.experts = ExpertWeights(
+                router=q("ffn_gate_inp", (e, c.n_embd)),
+                gate=q("ffn_gate_exps", (e, ff, c.n_embd)),
+                up=q("ffn_up_exps", (e, ff, c.n_embd)),
+                down=q("ffn_down_exps", (e, c.n_embd, ff)),
+            )
+            if c.n_ff_shexp:
+                sf = c.n_ff_shexp
+                lw.shexp_gate = q("ffn_gate_shexp", (sf, c.n_embd))
+                lw.shexp_up = q("ffn_up_shexp", (sf, c.n_embd))
+                lw.shexp_down = q("ffn_down_shexp", (c.n_embd, sf))
+                if c.shared_expert_gate:
+                    lw.shexp_gate_inp = f("ffn_gate_inp_shexp", (c.n_embd,))
+        else:
+            lw.ffn_gate = q("ffn_gate", (c.n_ff, c.n_embd))
+            lw.ffn_up = q("ffn_up", (c.n_ff, c.n_embd))
+            lw.ffn_down = q("ffn_down", (c.n_embd, c.n_ff))
+        return lw
+
+    # ---- forward pieces (a pipeline stage calls the ones it owns) ----
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [T] -> hidden [T, D]"""
+        assert self.token_embd is not None
+        h = self.token_embd.rows(tokens, torch.float32)
+        if self.cfg.embed_scale != 1.0:
+            h = h * self.cfg.embed_scale
+        return h.to(self.dtype)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """hidden [T, D] -> logits [T, V] (float32)"""
+        assert self.output is not None and self.output_norm is not None
+        x = rms_norm(h, self.output_norm, self.cfg.rms_eps)
+        logits = self.output.linear(x).float()
+        cap = self.cfg.final_softcap
+        if cap > 0:
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    def layer(self, i: int, h: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """hidden [T, D] at positions start..start+T -> hidden [T, D]"""
+        c, lw = self.cfg, self.layers[i]
+        t = h.shape[0]
+        pos = torch.arange(start, start + t, device=h.device)
+        x = rms_norm(h, lw.attn_norm, c.rms_eps)
+        q, k, v = lw.q.linear(x), lw.k.linear(x), lw.v.linear(x)
+        if lw.q_bias is not None:
+            q = q + lw.q_bias.to(q.dtype)
+        if lw.k_bias is not None:
+            k = k + lw.k_bias.to(k.dtype)
+        if lw.v_bias is not None:
+            v = v + lw.v_bias.to(v.dtype)
+        q = q.view(t, c.n_head, c.head_dim_k)
+        k = k.view(t, c.n_head_kv, c.head_dim_k)
+        v = v.view(t, c.n_head_kv, c.head_dim_v)
+        if lw.q_norm is not None:
+            q = rms_norm(q, lw.q_norm, c.rms_eps)
+            k = rms_norm(k, lw.k_norm, c.rms_eps)
+        swa = c.is_swa(i)
+        rope = self.rope_swa if swa else self.rope
+        cos, sin = rope.cos_sin(pos)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        keys, values = cache.store(i, start, k, v)
+        mask = causal_mask(pos, start + t, c.sliding_window if swa else 0)
+        a = attention(q, keys, values, mask, c.attn_scale, c.attn_softcap).reshape(t, c.n_head * c.head_dim_v)
+        a = lw.o.linear(a)
+        if lw.post_attn_norm is not None:
+            a = rms_norm(a, lw.post_attn_norm, c.rms_eps)
+        h = h + a
+        x = rms_norm(h, lw.ffn_norm, c.rms_eps)
+        f = self._ffn(i, lw, x)
+        if lw.post_ffw_norm is not None:
+            f = rms_norm(f, lw.post_ffw_norm, c.rms_eps)
+        return h + f
+
+    def _ffn(self, i: int, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        act = ACTIVATIONS[c.activation]
+        if lw.experts is None:
+            assert lw.ffn_gate is not None and lw.ffn_up is not None and lw.ffn_down is not None
+            return lw.ffn_down.linear(act(lw.ffn_gate.linear(x)) * lw.ffn_up.linear(x))
+        counts = self.expert_counts[i] if self.expert_counts is not None else None
+        y = moe_forward(x, lw.experts, c.n_expert_used, c.expert_weights_norm, c.activation, counts)
+        if lw.shexp_gate is not None:
+            assert lw.shexp_up is not None and lw.shexp_down is not None
+            s = lw.shexp_down.linear(act(lw.shexp_gate.linear(x)) * lw.shexp_up.linear(x))
+            if lw.shexp_gate_inp is not None:
+                s = s * torch.sigmoid(x.float() @ lw.shexp_gate_inp).unsqueeze(-1).to(s.dtype)  # [T, 1]
+            y = y + s
+        return y
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """A whole-model step: tokens [T] -> logits [T, V]; the cache then holds start+T positions."""
+        h = self.embed(tokens.to(self.device))
+        for i in self.layer_range:
+            h = self.layer(i, h, cache, start)
+        cache.length = start + tokens.shape[0]
+        return self.head(h)
+
+    def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
+        c = self.cfg
+        return KVCache(
+            self.layer_range, max_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, kv_type, self.device
+        )

@@ -1,0 +1,34 @@
+"""Which module runs which `general.architecture`."""
+
+import importlib
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
+
+from engine.models.config import ModelConfig
+
+# architecture -> module under engine.models (one file per family)
+ARCHITECTURES: dict[str, str] = {
+    "qwen3moe": "qwen3moe",
+    "qwen2moe": "qwen2moe",
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3",
+}
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
+
+
+def module_for(arch: str) -> ModuleType:
+    if arch not in ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return importlib.import_module(f"engine.models.{ARCHITECTURES[arch]}")
+
+
+def config_for(arch: str, metadata: Mapping[str, Any], n_vocab: int) -> ModelConfig:
+    return module_for(arch).config_from_metadata(metadata, n_vocab)

@@ -1,0 +1,226 @@
+"""The one generation stream: a generator of typed events that the server, the CLI and the worker all consume."""
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.layers.kv_cache import KVCache
+from engine.pipeline.prompt_cache import PromptCache, common_prefix
+from engine.pipeline.sampling import Sampler, SamplingParams
+from engine.tokenizer import Tokenizer
+
+
+class GenerationError(ValueError):
+    """A request that cannot be served as asked (too long for the context, nothing to read)."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int
+    text: str  # the text this token completes (may be empty: part of a UTF-8 character or of a possible stop string)
+
+
+@dataclass(frozen=True)
+class TextEvent:
+    text: str  # text released at the end (held back for a possible stop string, or an unfinished character)
+
+
+@dataclass(frozen=True)
+class PromptChunkEvent:
+    start: int
+    tokens: int
+    ms: float
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    index: int
+    ms: float
+
+
+@dataclass
+class Timings:
+    prompt_tokens: int = 0
+    prompt_cached: int = 0  # prompt tokens reused from an earlier request's KV
+    prompt_ms: float = 0.0
+    generated_tokens: int = 0
+    generated_ms: float = 0.0
+
+    @property
+    def prompt_per_second(self) -> float:
+        read = self.prompt_tokens - self.prompt_cached
+        return read / (self.prompt_ms / 1e3) if self.prompt_ms > 0 else 0.0
+
+    @property
+    def generated_per_second(self) -> float:
+        return self.generated_tokens / (self.generated_ms / 1e3) if self.generated_ms > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    finish_reason: str  # stop | length
+    timings: Timings
+    tokens: list[int] = field(default_factory=list)
+
+
+Event = TokenEvent | TextEvent | PromptChunkEvent | StepEvent | DoneEvent
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: Sequence[int]
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+    cache_prompt: bool = True  # False: read the whole prompt again (no KV reuse)
+
+
+class _StopMatcher:
+    """Holds back text that might be the start of a stop string; reports a completed one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """-> (text safe to emit now, stop reached)"""
+        if not self.stops:
+            return text, False
+        buf = self.pending + text
+        hits = [buf.find(s) for s in self.stops if s in buf]
+        if hits:
+            self.pending = ""
+            return buf[: min(hits)], True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        self.pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Runner:
+    """Runs one sequence at a time through a model with its KV cache, reusing the cached prefix of the last one
+    and, with a `PromptCache`, of several recent ones."""
+
+    def __init__(
+        self,
+        model: "torch.nn.Module | object",
+        tokenizer: Tokenizer,
+        max_ctx: int,
+        kv_type: str,
+        prefill_chunk: int = 512,
+        prompt_cache: PromptCache | None = None,
+    ) -> None:
+        self.model = model
+        self.prompt_cache = prompt_cache
+        self.tok = tokenizer
+        self.max_ctx = max_ctx
+        self.prefill_chunk = max(1, prefill_chunk)
+        self.cache: KVCache = model.new_cache(max_ctx, kv_type)  # type: ignore[attr-defined]
+        self.cached_tokens: list[int] = []
+
+    def reset(self) -> None:
+        """Forget the live sequence (after a failed step its KV may be incomplete)."""
+        self.cache.truncate(0)
+        self.cached_tokens = []
+
+    def _reuse(self, prompt: list[int], allow: bool) -> int:
+        """Make the live cache hold the longest prefix of `prompt[:-1]` that the live sequence or a kept one
+        has; -> its length. The last prompt token is always read again, for its logits."""
+        target = prompt[:-1]
+        live = common_prefix(self.cached_tokens, target) if allow else 0
+        pc = self.prompt_cache
+        if pc is not None:
+            entry, n = pc.lookup(target) if allow else (None, 0)
+            if entry is not None and n > live:
+                snap = pc.snapshot(self.cached_tokens, self.cache)  # keep the live sequence before replacing it
+                pc.restore(entry, n, self.cache)
+                pc.insert(snap)
+                self.cached_tokens = list(entry.tokens[:n])
+                return n
+            if live < len(self.cached_tokens):
+                pc.save(self.cached_tokens, self.cache)
+        self.cache.truncate(live)
+        self.cached_tokens = self.cached_tokens[:live]
+        return live
+
+    def _sync(self) -> None:
+        dev = self.model.device  # type: ignore[attr-defined]
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    @torch.inference_mode()
+    def generate(self, req: GenerationRequest) -> Iterator[Event]:
+        prompt = list(req.prompt)
+        if not prompt:
+            raise GenerationError("the prompt is empty: give at least one token")
+        if len(prompt) >= self.max_ctx:
+            raise GenerationError(
+                f"the prompt has {len(prompt)} tokens but the context holds {self.max_ctx}: "
+                "shorten it or start with a larger --max-context"
+            )
+        max_new = min(req.max_tokens, self.max_ctx - len(prompt))
+        timings = Timings(prompt_tokens=len(prompt))
+        common = self._reuse(prompt, req.cache_prompt)
+        timings.prompt_cached = common
+        sampler = Sampler(req.sampling)
+        t0 = time.perf_counter()
+        logits = None
+        pos = common
+        while pos < len(prompt):
+            chunk = prompt[pos : pos + self.prefill_chunk]
+            c0 = time.perf_counter()
+            logits = self.model.forward(torch.tensor(chunk, dtype=torch.long), self.cache, pos)  # type: ignore[attr-defined]
+            self._sync()
+            self.cached_tokens.extend(chunk)
+            yield PromptChunkEvent(pos, len(chunk), (time.perf_counter() - c0) * 1e3)
+            pos += len(chunk)
+        assert logits is not None
+        timings.prompt_ms = (time.perf_counter() - t0) * 1e3
+
+        history = list(prompt)
+        out: list[int] = []
+        decoder = self.tok.stream_decoder()
+        stops = _StopMatcher(req.stop)
+        eog = set() if req.ignore_eos else set(self.tok.eog_ids)
+        finish = "length"
+        stopped_by_string = False
+        t1 = time.perf_counter()
+        step_logits = logits[-1]
+        for step in range(max_new):
+            s0 = time.perf_counter()
+            token = sampler.sample(step_logits, history)
+            if token in eog:
+                finish = "stop"
+                break
+            out.append(token)
+            history.append(token)
+            text, hit = stops.feed(decoder.push(token))
+            yield TokenEvent(token, text)
+            if hit:
+                finish, stopped_by_string = "stop", True
+                break
+            if step + 1 < max_new:
+                p = len(self.cached_tokens)
+                step_logits = self.model.forward(torch.tensor([token]), self.cache, p)[-1]  # type: ignore[attr-defined]
+                self._sync()
+                self.cached_tokens.append(token)
+            yield StepEvent(step, (time.perf_counter() - s0) * 1e3)
+        if not stopped_by_string:
+            tail, hit = stops.feed(decoder.flush())
+            tail += "" if hit else stops.flush()
+            if tail:
+                yield TextEvent(tail)
+        timings.generated_tokens = len(out)
+        timings.generated_ms = (time.perf_counter() - t1) * 1e3
+        yield DoneEvent(finish, timings, out)

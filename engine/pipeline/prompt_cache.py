@@ -1,0 +1,143 @@
+"""Prompt cache: the KV of recent sequences kept in host memory, so that a request which extends any of them (the
+next turn of a conversation, another branch of it) reads only its new tokens.
+
+The live sequence stays in the runner's KV cache; only when a request leaves it (another conversation comes in) is
+its filled part copied here. A request that shares a longer prefix with a kept sequence than with the live one gets
+that sequence's KV copied back. Entries are evicted least recently used first, within `max_bytes`.
+"""
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.layers.kv_cache import KVCache
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class CacheEntry:
+    tokens: list[int]
+    # per layer: k [n, Hkv, Dk], v [n, Hkv, Dv], and for int8 KV their scales [n, Hkv, 1]
+    layers: dict[int, tuple[torch.Tensor | None, ...]]
+    kv_type: str
+    nbytes: int
+    used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class PromptCacheStats:
+    entries: int
+    bytes: int
+    max_bytes: int
+    saves: int
+    restores: int
+    evictions: int
+    restored_tokens: int
+
+
+def _copy_out(t: torch.Tensor | None, n: int, pin: bool) -> torch.Tensor | None:
+    if t is None:
+        return None
+    src = t[:n]
+    out = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+    out.copy_(src)
+    return out
+
+
+class PromptCache:
+    """Several sequences' KV, at most `max_bytes` in all, kept in host memory (pinned when the model is on CUDA)."""
+
+    def __init__(self, max_bytes: int, min_tokens: int = 16) -> None:
+        self.max_bytes = max(0, int(max_bytes))
+        self.min_tokens = max(1, min_tokens)  # shorter sequences cost little to read again
+        self.entries: list[CacheEntry] = []
+        self._saves = self._restores = self._evictions = self._restored_tokens = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def stats(self) -> PromptCacheStats:
+        return PromptCacheStats(
+            len(self.entries),
+            self.nbytes,
+            self.max_bytes,
+            self._saves,
+            self._restores,
+            self._evictions,
+            self._restored_tokens,
+        )
+
+    def lookup(self, tokens: Sequence[int]) -> tuple[CacheEntry | None, int]:
+        """The entry sharing the longest prefix with `tokens`, and that prefix's length (ties: most recent)."""
+        best, best_n = None, 0
+        for e in self.entries:
+            n = common_prefix(e.tokens, tokens)
+            if n > best_n or (n == best_n and n > 0 and best is not None and e.used > best.used):
+                best, best_n = e, n
+        return best, best_n
+
+    def snapshot(self, tokens: Sequence[int], cache: KVCache) -> CacheEntry | None:
+        """A host copy of the first len(tokens) positions of `cache`, or None when not worth keeping."""
+        n = len(tokens)
+        if n < self.min_tokens or n > cache.length:
+            return None
+        per_token = cache.nbytes // max(1, cache.max_ctx)
+        if per_token * n > self.max_bytes:
+            return None
+        # A kept entry that already holds this sequence (or more of it) makes a copy useless.
+        for e in self.entries:
+            if len(e.tokens) >= n and common_prefix(e.tokens, tokens) == n:
+                e.used = time.monotonic()
+                return None
+        pin = any(lk.k.device.type == "cuda" for lk in cache.layers.values()) and torch.cuda.is_available()
+        layers: dict[int, tuple[torch.Tensor | None, ...]] = {}
+        nbytes = 0
+        for i, lk in cache.layers.items():
+            parts = tuple(_copy_out(t, n, pin) for t in (lk.k, lk.v, lk.k_scale, lk.v_scale))
+            nbytes += sum(p.numel() * p.element_size() for p in parts if p is not None)
+            layers[i] = parts
+        return CacheEntry(list(tokens), layers, cache.kv_type, nbytes)
+
+    def insert(self, entry: CacheEntry | None) -> None:
+        if entry is None or entry.nbytes > self.max_bytes:
+            return
+        # Entries that are a prefix of the new one are covered by it.
+        self.entries = [e for e in self.entries if common_prefix(e.tokens, entry.tokens) < len(e.tokens)]
+        self.entries.append(entry)
+        self._saves += 1
+        while self.nbytes > self.max_bytes and len(self.entries) > 1:
+            oldest = min(self.entries, key=lambda e: e.used)
+            self.entries.remove(oldest)
+            self._evictions += 1
+
+    def save(self, tokens: Sequence[int], cache: KVCache) -> None:
+        self.insert(self.snapshot(tokens, cache))
+
+    def restore(self, entry: CacheEntry, n: int, cache: KVCache) -> None:
+        """Copy the first n positions of `entry` into `cache`, which then holds exactly those n positions."""
+        if entry.kv_type != cache.kv_type:
+            raise ValueError(f"prompt cache entry has KV type {entry.kv_type}, the cache {cache.kv_type}")
+        n = min(n, len(entry.tokens))
+        for i, lk in cache.layers.items():
+            for dst, src in zip((lk.k, lk.v, lk.k_scale, lk.v_scale), entry.layers[i], strict=True):
+                if dst is not None and src is not None:
+                    dst[:n].copy_(src[:n])
+        cache.length = n
+        entry.used = time.monotonic()
+        self._restores += 1
+        self._restored_tokens += n
+
+    def clear(self) -> None:
+        self.entries.clear()
