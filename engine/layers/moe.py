@@ -26,8 +26,9 @@ class ExpertWeights:
 
 
 def route(x: torch.Tensor, router: QTensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] -> weights [T, k] (float32), expert ids [T, k]. Softmax over all experts, then top-k."""
-    probs = torch.softmax(router.linear(x).float(), dim=-1)  # [T, E]
+    """x [T, D] -> weights [T, k] (float32), expert ids [T, k]. Softmax over all experts, then top-k.
+    The router runs in float32 whatever the compute type: a bf16 router flips near-tied expert choices."""
+    probs = torch.softmax(router.linear(x.float()), dim=-1)  # [T, E]
     w, ids = torch.topk(probs, k, dim=-1)  # [T, k]
     if norm:
         w = w / w.sum(dim=-1, keepdim=True)
@@ -54,7 +55,7 @@ def moe_forward(
         h = fn(ew.gate[e].linear(xe)) * ew.up[e].linear(xe)  # [n, F]
         y = ew.down[e].linear(h).float()  # [n, D]
         out.index_add_(0, tok, y * w[tok, slot].unsqueeze(-1))
-    return out.to(x.dtype)
+    return out  # float32: it joins the float32 residual stream
 
 
 def moe_reference(x: torch.Tensor, ew: ExpertWeights, k: int, norm: bool, act: str = "silu") -> torch.Tensor:

@@ -199,12 +199,12 @@ class DecoderLM:
         h = self.token_embd.rows(tokens, torch.float32)
         if self.cfg.embed_scale != 1.0:
             h = h * self.cfg.embed_scale
-        return h.to(self.dtype)
+        return h  # the residual stream stays float32; matmuls run in self.dtype
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """hidden [T, D] -> logits [T, V] (float32)"""
         assert self.output is not None and self.output_norm is not None
-        x = rms_norm(h, self.output_norm, self.cfg.rms_eps)
+        x = rms_norm(h.float(), self.output_norm, self.cfg.rms_eps).to(self.dtype)
         logits = self.output.linear(x).float()
         cap = self.cfg.final_softcap
         if cap > 0:
@@ -216,7 +216,8 @@ class DecoderLM:
         c, lw = self.cfg, self.layers[i]
         t = h.shape[0]
         pos = torch.arange(start, start + t, device=h.device)
-        x = rms_norm(h, lw.attn_norm, c.rms_eps)
+        h = h.float()
+        x = rms_norm(h, lw.attn_norm, c.rms_eps).to(self.dtype)
         q, k, v = lw.q.linear(x), lw.k.linear(x), lw.v.linear(x)
         if lw.q_bias is not None:
             q = q + lw.q_bias.to(q.dtype)
@@ -240,12 +241,12 @@ class DecoderLM:
         a = lw.o.linear(a)
         if lw.post_attn_norm is not None:
             a = rms_norm(a, lw.post_attn_norm, c.rms_eps)
-        h = h + a
-        x = rms_norm(h, lw.ffn_norm, c.rms_eps)
+        h = h + a.float()
+        x = rms_norm(h, lw.ffn_norm, c.rms_eps).to(self.dtype)
         f = self._ffn(i, lw, x)
         if lw.post_ffw_norm is not None:
             f = rms_norm(f, lw.post_ffw_norm, c.rms_eps)
-        return h + f
+        return h + f.float()
 
     def _ffn(self, i: int, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg

@@ -107,7 +107,7 @@ class _Writer:
         else:
             rows = int(np.prod(shape[:-1]))
             # Random rows: the Q/K permutation would not change their distribution, so none is applied.
-            raw = random_blocks(qtype, rows, shape[-1], seed=int(self.rng.integers(1 << 31)))
+            raw = random_blocks(qtype, rows, shape[-1], seed=int(self.rng.integers(1 << 31)), std=std)
             self.tensors.append((name, raw.reshape(*shape[:-1], raw.shape[-1]), qtype))
 
     def vector(self, name: str, n: int, center: float, std: float) -> None:
@@ -226,7 +226,8 @@ def _add_tensors(w: _Writer, s: TinySpec) -> None:
         w.vector(p + "ffn_norm.weight", d, norm_center, 0.1)
         if s.is_moe:
             e, f = s.n_expert, s.n_ff_exp
-            w.matrix(p + "ffn_gate_inp.weight", (e, d), std=2 * d**-0.5)
+            # Decisive routers, as trained ones are: near-tied expert choices would flip under bf16 rounding.
+            w.matrix(p + "ffn_gate_inp.weight", (e, d), std=8 * d**-0.5)
             w.matrix(p + "ffn_gate_exps.weight", (e, f, d), std=d**-0.5)
             w.matrix(p + "ffn_up_exps.weight", (e, f, d), std=d**-0.5)
             w.matrix(p + "ffn_down_exps.weight", (e, d, f), std=f**-0.5)
