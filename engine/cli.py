@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+from engine.serve.cli import add_serve_args, cmd_serve
 from installer.version import __version__
 
 PROG = "strata-engine"
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--chat", "-c", help="a user message, formatted with the model's chat template")
     g.add_argument("--system", help="system prompt for --chat")
     _sampling_args(g)
+
+    sv = sub.add_parser("serve", help="serve the OpenAI-compatible API, /metrics, /stats and /events")
+    _model_arg(sv)
+    add_serve_args(sv)
 
     lg = sub.add_parser("logits", help="write the logits of a token-id list to a .npy file")
     _model_arg(lg)
@@ -170,7 +175,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "logits": cmd_logits}
+COMMANDS = {"generate": cmd_generate, "logits": cmd_logits, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

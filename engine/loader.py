@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from engine.experts.policy import ExpertPolicy
 from engine.gguf import names
 from engine.gguf.reader import GGUFFile
 from engine.models.config import ModelConfig
@@ -56,7 +57,13 @@ class LoadedModel:
         return self.path.name
 
 
-def load_model(path: str | Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+def load_model(
+    path: str | Path,
+    device: str = "auto",
+    dtype: str = "auto",
+    experts: ExpertPolicy | None = None,
+    cuda_graphs: bool = True,
+) -> LoadedModel:
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     gf = GGUFFile.open(path)
@@ -64,7 +71,7 @@ def load_model(path: str | Path, device: str = "auto", dtype: str = "auto") -> L
     embd = gf.tensors.get(names.TOKEN_EMBD)
     # The embedding's rows are the model's vocabulary (files may pad it beyond the tokenizer's).
     cfg = config_for(gf.architecture, gf.metadata, n_vocab=embd.shape[0] if embd else tok.vocab_size)
-    model = DecoderLM(cfg, gf, device=dev, dtype=dt)
+    model = DecoderLM(cfg, gf, device=dev, dtype=dt, experts=experts, cuda_graphs=cuda_graphs)
     chat = ChatFormatter.from_metadata(gf.metadata)
     if chat.is_fallback:
         log.warning("%s has no chat template: using the ChatML fallback template", Path(path).name)

@@ -47,7 +47,15 @@ def _u32(b: torch.Tensor, start: int, count: int) -> torch.Tensor:
 
 
 def _shifts(values: list[int], shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).reshape(shape)
+    return _shift_tensor(tuple(values), shape, like.dtype, like.device)
+
+
+@functools.cache
+def _shift_tensor(
+    values: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    # Cached per device: no host-to-device copy inside a step, so dequantization can be captured in a CUDA graph.
+    return torch.tensor(values, dtype=dtype, device=device).reshape(shape)
 
 
 def _lo_hi(q: torch.Tensor) -> torch.Tensor:

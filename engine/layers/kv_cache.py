@@ -78,27 +78,28 @@ class KVCache:
         return total
 
     def store(
-        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [T, Hkv, D] at positions start..start+T and return all keys and values [start+T, Hkv, D]
-        in the dtype of k."""
-        end = start + k.shape[0]
-        if end > self.max_ctx:
+        """Write k, v [T, Hkv, D] at the positions `pos` [T] (a device tensor) and return the keys and values of
+        positions 0..span-1, in the dtype of k. No host synchronisation: the step can be captured in a CUDA graph."""
+        if span > self.max_ctx:
             raise KVCacheError(
-                f"the sequence needs {end} positions but the KV cache holds {self.max_ctx} (--max-context)"
+                f"the sequence needs {span} positions but the KV cache holds {self.max_ctx} (--max-context)"
             )
         lk = self.layers[layer]
         if self.kv_type == "int8":
             qk, sk = _quant8(k)
             qv, sv = _quant8(v)
-            lk.k[start:end], lk.k_scale[start:end] = qk, sk  # type: ignore[index]
-            lk.v[start:end], lk.v_scale[start:end] = qv, sv  # type: ignore[index]
-            keys = lk.k[:end].to(k.dtype) * lk.k_scale[:end].to(k.dtype)  # type: ignore[index]
-            values = lk.v[:end].to(v.dtype) * lk.v_scale[:end].to(v.dtype)  # type: ignore[index]
+            lk.k.index_copy_(0, pos, qk)
+            lk.k_scale.index_copy_(0, pos, sk)  # type: ignore[union-attr]
+            lk.v.index_copy_(0, pos, qv)
+            lk.v_scale.index_copy_(0, pos, sv)  # type: ignore[union-attr]
+            keys = lk.k[:span].to(k.dtype) * lk.k_scale[:span].to(k.dtype)  # type: ignore[index]
+            values = lk.v[:span].to(v.dtype) * lk.v_scale[:span].to(v.dtype)  # type: ignore[index]
             return keys, values
-        lk.k[start:end] = k.to(lk.k.dtype)
-        lk.v[start:end] = v.to(lk.v.dtype)
-        return lk.k[:end].to(k.dtype), lk.v[:end].to(v.dtype)
+        lk.k.index_copy_(0, pos, k.to(lk.k.dtype))
+        lk.v.index_copy_(0, pos, v.to(lk.v.dtype))
+        return lk.k[:span].to(k.dtype), lk.v[:span].to(v.dtype)
 
     def truncate(self, length: int) -> None:
         """Forget positions >= length (a rejected draft, or a prompt-cache entry reused up to a prefix)."""

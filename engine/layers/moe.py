@@ -5,11 +5,16 @@
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QT
 
 from engine.layers.qtensor import QTensor
+
+if TYPE_CHECKING:
+    from engine.experts.cache import ExpertCache
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -44,18 +49,86 @@ def moe_forward(
     counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, D] -> [T, D]. `counts` [E] (optional) accumulates how often each expert was selected."""
-    fn = ACTIVATIONS[act]
     w, ids = route(x, ew.router, k, norm)
-    if counts is not None:
-        counts += torch.bincount(ids.flatten(), minlength=counts.numel()).to(counts.device, counts.dtype)
+    _count(counts, ids)
+    return _per_expert(x, w, ids, lambda e: ew.gate[e], lambda e: ew.up[e], lambda e: ew.down[e], act)
+
+
+def _count(counts: torch.Tensor | None, ids: torch.Tensor) -> None:
+    if counts is not None:  # index_add_ rather than bincount: no host sync, capturable
+        flat = ids.flatten()
+        counts.index_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
+
+
+def _per_expert(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ids: torch.Tensor,
+    gate: Callable[[int], QTensor],
+    up: Callable[[int], QTensor],
+    down: Callable[[int], QTensor],
+    act: str,
+) -> torch.Tensor:
+    """Each selected expert on the tokens that chose it (reads the ids on the host: prompt chunks, the CPU)."""
+    fn = ACTIVATIONS[act]
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)  # [T, D]
     for e in torch.unique(ids).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         xe = x.index_select(0, tok)  # [n, D]
-        h = fn(ew.gate[e].linear(xe)) * ew.up[e].linear(xe)  # [n, F]
-        y = ew.down[e].linear(h).float()  # [n, D]
+        h = fn(gate(e).linear(xe)) * up(e).linear(xe)  # [n, F]
+        y = down(e).linear(h).float()  # [n, D]
         out.index_add_(0, tok, y * w[tok, slot].unsqueeze(-1))
     return out  # float32: it joins the float32 residual stream
+
+
+def moe_forward_cached(
+    x: torch.Tensor,
+    cache: "ExpertCache",
+    layer: int,
+    k: int,
+    norm: bool,
+    act: str = "silu",
+    counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MoE block with the experts of an `ExpertCache` (CUDA). Decode-sized inputs run two fused kernels that
+    read each selected expert wherever the cache's table says it is; prompt chunks run expert by expert."""
+    le = cache.layers[layer]
+    w, ids = route(x, le.router, k, norm)  # [T, k]
+    _count(counts, ids)
+    cache.record(layer, ids)
+    t, d = x.shape
+    g, u, dn = le.gate.host, le.up.host, le.down.host
+    f = g.shape[1]
+    if t <= _FUSED_MAX_ROWS and _fused_ok(g.qtype, u.qtype, dn.qtype, d, f):
+        from engine.kernels.gemv import moe_gemv
+
+        h = moe_gemv(le.gate.table, g.qtype, g.raw.shape[-1], ids, x, f, d, k, up_table=le.up.table, act=act)
+        y = moe_gemv(le.down.table, dn.qtype, dn.raw.shape[-1], ids, h, d, f, k, x_per_slot=True)  # [T*k, D]
+        return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
+    experts: dict[int, ExpertWeights] = {}
+
+    def get(e: int) -> ExpertWeights:
+        if e not in experts:
+            experts[e] = le.expert(e, x.device)
+        return experts[e]
+
+    return _per_expert(x, w, ids, lambda e: get(e).gate, lambda e: get(e).up, lambda e: get(e).down, act)
+
+
+_FUSED_MAX_ROWS = 8
+
+
+def _fused_ok(gate: QT, up: QT, down: QT, d: int, f: int) -> bool:
+    try:
+        from engine.kernels.gemv import supports
+    except ImportError:
+        return False
+    return gate == up and supports(gate, d) and supports(down, f)
+
+
+def fused_moe_available(gate: QT, up: QT, down: QT, d: int, f: int) -> bool:
+    """Whether decode steps of such experts avoid host synchronisation (and can be captured in a CUDA graph)."""
+    return _fused_ok(gate, up, down, d, f)
 
 
 def moe_reference(x: torch.Tensor, ew: ExpertWeights, k: int, norm: bool, act: str = "silu") -> torch.Tensor:

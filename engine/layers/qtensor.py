@@ -6,6 +6,18 @@ from gguf import GGMLQuantizationType as QT
 from engine.gguf.quants import dequantize
 
 _FLOAT_VIEWS = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
+# Up to this many activation rows, CUDA matmuls on supported block types run the block-format GEMV kernels.
+_GEMV_MAX_ROWS = 8
+
+
+def _gemv_for(qtype: QT, n_in: int):  # -> the kernel, or None where it does not apply
+    try:
+        from engine.kernels import gemv as kernels
+    except ImportError:  # no Triton (CPU-only installs)
+        return None
+    return kernels.gemv if kernels.supports(qtype, n_in) else None
+
+
 # Largest dequantized tile a matmul materialises at once (elements): bounds the transient memory of big heads.
 _TILE_ELEMS = 1 << 24
 
@@ -54,6 +66,11 @@ class QTensor:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for a 2-D weight [n_out, n_in]; x [..., n_in] -> [..., n_out]."""
         n_out, n_in = self.shape
+        if x.is_cuda and x.numel() <= _GEMV_MAX_ROWS * n_in:
+            gemv = _gemv_for(self.qtype, n_in)
+            if gemv is not None:  # decode: compute on the blocks, no dequantized copy
+                flat = x.reshape(-1, n_in)
+                return gemv(self.raw, self.qtype, n_out, n_in, flat).to(x.dtype).reshape(*x.shape[:-1], n_out)
         if self.qtype in _FLOAT_VIEWS:
             return x @ self._deq(self.raw, (n_out,), x.dtype).T
         step = max(1, _TILE_ELEMS // n_in)

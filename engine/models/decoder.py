@@ -8,16 +8,19 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.experts.cache import ExpertCache
+from engine.experts.policy import ExpertPolicy, build_expert_cache
 from engine.gguf import names
 from engine.gguf.quants import SUPPORTED_TYPES
 from engine.gguf.reader import GGUFError, GGUFFile
 from engine.layers.attention import attention, causal_mask
 from engine.layers.kv_cache import KVCache
-from engine.layers.moe import ACTIVATIONS, ExpertWeights, moe_forward
+from engine.layers.moe import ACTIVATIONS, ExpertWeights, moe_forward, moe_forward_cached
 from engine.layers.norm import rms_norm
 from engine.layers.qtensor import QTensor
 from engine.layers.rope import Rope
 from engine.models.config import ModelConfig
+from engine.pipeline.cuda_graphs import DecodeGraphs
 
 
 @dataclass
@@ -53,7 +56,7 @@ class _Loader:
     def has(self, name: str) -> bool:
         return name in self.gf.tensors
 
-    def q(self, name: str) -> QTensor:
+    def q(self, name: str, host: bool = False) -> QTensor:
         info = self.gf.tensors.get(name)
         if info is None:
             raise GGUFError(
@@ -67,7 +70,7 @@ class _Loader:
                 f"{self.gf.path}: tensor {name} has block type {info.qtype.name}, supported: {supported}"
             )
         raw = self.gf.tensor_bytes(name)
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" and not host:
             raw = raw.to(self.device)
         return QTensor(raw, info.qtype, info.shape)
 
@@ -104,6 +107,8 @@ class DecoderLM:
         layers: range | None = None,
         embed: bool = True,
         head: bool = True,
+        experts: ExpertPolicy | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
@@ -130,7 +135,13 @@ class DecoderLM:
         self.rope_swa = (
             Rope(cfg.rope, freq_factors, base=cfg.rope.base_swa) if cfg.rope.base_swa else self.rope
         )
+        # On CUDA the routed experts stay on the host here; the expert cache decides which go to VRAM.
+        self._experts_on_host = self.device.type == "cuda" and cfg.is_moe
         self.layers = {i: self._load_layer(ld, gf, i) for i in self.layer_range}
+        self.expert_cache: ExpertCache | None = None
+        if self._experts_on_host:
+            self.expert_cache = build_expert_cache(self, experts or ExpertPolicy())
+        self.graphs = DecodeGraphs(self) if cuda_graphs and self.device.type == "cuda" else None
         # Expert selections per (layer, expert) since load: the usage profile's raw counts.
         self.expert_counts = (
             torch.zeros(cfg.n_layer, cfg.n_expert, dtype=torch.int64, device=self.device)
@@ -172,11 +183,16 @@ class DecoderLM:
             lw.post_ffw_norm = f("post_ffw_norm", (c.n_embd,))
         if c.is_moe:
             e, ff = c.n_expert, c.n_ff_exp
+            host = self._experts_on_host
+
+            def qe(part: str, shape: tuple[int, ...]) -> QTensor:
+                return _check_shape(gf, ld.q(n(i, part), host=host), n(i, part), shape)
+
             lw.experts = ExpertWeights(
                 router=q("ffn_gate_inp", (e, c.n_embd)),
-                gate=q("ffn_gate_exps", (e, ff, c.n_embd)),
-                up=q("ffn_up_exps", (e, ff, c.n_embd)),
-                down=q("ffn_down_exps", (e, c.n_embd, ff)),
+                gate=qe("ffn_gate_exps", (e, ff, c.n_embd)),
+                up=qe("ffn_up_exps", (e, ff, c.n_embd)),
+                down=qe("ffn_down_exps", (e, c.n_embd, ff)),
             )
             if c.n_ff_shexp:
                 sf = c.n_ff_shexp
@@ -213,9 +229,14 @@ class DecoderLM:
 
     def layer(self, i: int, h: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """hidden [T, D] at positions start..start+T -> hidden [T, D]"""
+        pos = torch.arange(start, start + h.shape[0], device=h.device)
+        return self.layer_at(i, h, cache, pos, start + h.shape[0])
+
+    def layer_at(self, i: int, h: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int) -> torch.Tensor:
+        """One layer for the tokens at positions `pos` [T] (device), attending to cache positions below `span`
+        (a static bound, so that a decode step can be captured in a CUDA graph)."""
         c, lw = self.cfg, self.layers[i]
         t = h.shape[0]
-        pos = torch.arange(start, start + t, device=h.device)
         h = h.float()
         x = rms_norm(h, lw.attn_norm, c.rms_eps).to(self.dtype)
         q, k, v = lw.q.linear(x), lw.k.linear(x), lw.v.linear(x)
@@ -235,8 +256,8 @@ class DecoderLM:
         rope = self.rope_swa if swa else self.rope
         cos, sin = rope.cos_sin(pos)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        keys, values = cache.store(i, start, k, v)
-        mask = causal_mask(pos, start + t, c.sliding_window if swa else 0)
+        keys, values = cache.store(i, pos, k, v, span)
+        mask = causal_mask(pos, span, c.sliding_window if swa else 0)
         a = attention(q, keys, values, mask, c.attn_scale, c.attn_softcap).reshape(t, c.n_head * c.head_dim_v)
         a = lw.o.linear(a)
         if lw.post_attn_norm is not None:
@@ -255,7 +276,12 @@ class DecoderLM:
             assert lw.ffn_gate is not None and lw.ffn_up is not None and lw.ffn_down is not None
             return lw.ffn_down.linear(act(lw.ffn_gate.linear(x)) * lw.ffn_up.linear(x))
         counts = self.expert_counts[i] if self.expert_counts is not None else None
-        y = moe_forward(x, lw.experts, c.n_expert_used, c.expert_weights_norm, c.activation, counts)
+        if self.expert_cache is not None:
+            y = moe_forward_cached(
+                x, self.expert_cache, i, c.n_expert_used, c.expert_weights_norm, c.activation, counts
+            )
+        else:
+            y = moe_forward(x, lw.experts, c.n_expert_used, c.expert_weights_norm, c.activation, counts)
         if lw.shexp_gate is not None:
             assert lw.shexp_up is not None and lw.shexp_down is not None
             s = lw.shexp_down.linear(act(lw.shexp_gate.linear(x)) * lw.shexp_up.linear(x))
@@ -266,10 +292,20 @@ class DecoderLM:
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """A whole-model step: tokens [T] -> logits [T, V]; the cache then holds start+T positions."""
-        h = self.embed(tokens.to(self.device))
+        t = tokens.shape[0]
+        if t == 1 and self.graphs is not None and self.graphs.usable:
+            logits = self.graphs.step(tokens, cache, start)
+        else:
+            pos = torch.arange(start, start + t, device=self.device)
+            logits = self.forward_at(tokens.to(self.device), cache, pos, start + t)
+        cache.length = start + t
+        return logits
+
+    def forward_at(self, tokens: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int) -> torch.Tensor:
+        """tokens [T] at positions `pos` (device) -> logits [T, V]; capturable in a CUDA graph."""
+        h = self.embed(tokens)
         for i in self.layer_range:
-            h = self.layer(i, h, cache, start)
-        cache.length = start + tokens.shape[0]
+            h = self.layer_at(i, h, cache, pos, span)
         return self.head(h)
 
     def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:

@@ -143,7 +143,8 @@ class Runner:
         if pc is not None:
             entry, n = pc.lookup(target) if allow else (None, 0)
             if entry is not None and n > live:
-                snap = pc.snapshot(self.cached_tokens, self.cache)  # keep the live sequence before replacing it
+                # Keep the live sequence before replacing it.
+                snap = pc.snapshot(self.cached_tokens, self.cache)
                 pc.restore(entry, n, self.cache)
                 pc.insert(snap)
                 self.cached_tokens = list(entry.tokens[:n])

@@ -1,0 +1,281 @@
+"""The per-card expert cache: routed experts in pinned host RAM once (block format), the most-used ones also in
+VRAM slots, and a device-side table per layer that gives each expert's address, VRAM slot or pinned host memory.
+
+The MoE kernels read whichever address the table holds, so a miss costs a PCIe read inside the same kernel: no
+host synchronisation in the decode step, and the step can be captured in a CUDA graph. Swaps copy an expert into a
+slot on a side stream and then rewrite its table entry; a step never waits for them."""
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.layers.moe import ExpertWeights
+from engine.layers.qtensor import QTensor
+
+log = logging.getLogger("strata.engine")
+GiB = 1 << 30
+
+
+class ExpertCacheError(ValueError):
+    pass
+
+
+@dataclass
+class _Proj:
+    """One projection (gate, up or down) of one layer's experts."""
+
+    host: QTensor  # [E, rows, row_bytes] in pinned host memory (or the CPU tensor it was read from)
+    slots: torch.Tensor  # uint8 [C, rows, row_bytes] on the device
+    table: torch.Tensor  # int64 [E] on the device: address of each expert's first row
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.host.raw[0].numel()
+
+    def host_addr(self, e: int) -> int:
+        return self.host.raw[e].data_ptr()
+
+    def slot_addr(self, c: int) -> int:
+        return self.slots[c].data_ptr()
+
+
+@dataclass
+class LayerExperts:
+    router: QTensor
+    gate: _Proj
+    up: _Proj
+    down: _Proj
+    n_expert: int
+    slot_of: list[int]  # expert -> slot, -1 when only in host RAM
+    expert_in: list[int]  # slot -> expert
+    resident: torch.Tensor  # bool [E] on the device
+    hits: torch.Tensor  # int64 [1] on the device
+    misses: torch.Tensor
+    side_stream: "torch.cuda.Stream | None" = None
+    swaps: int = 0
+    bytes_moved: int = 0
+
+    @property
+    def projections(self) -> tuple[_Proj, _Proj, _Proj]:
+        return self.gate, self.up, self.down
+
+    @property
+    def capacity(self) -> int:
+        return len(self.expert_in)
+
+    def expert(self, e: int, device: torch.device) -> ExpertWeights:
+        """Expert e's weights on the device for a prompt chunk: its slot, or a copy streamed from host RAM."""
+        c = self.slot_of[e]
+        if device.type == "cuda":  # a swap into this slot may still be in flight on the side stream
+            torch.cuda.current_stream(device).wait_stream(self.side_stream)
+        parts = []
+        for p in self.projections:
+            raw = p.slots[c] if c >= 0 else p.host.raw[e].to(device, non_blocking=True)
+            parts.append(QTensor(raw, p.host.qtype, p.host.shape[1:]))
+        return ExpertWeights(self.router, *parts)
+
+
+@dataclass
+class CacheStats:
+    experts_in_vram: int
+    experts_total: int
+    vram_bytes: int
+    hits: int
+    misses: int
+    swaps: int
+    bytes_moved: int
+    per_layer: dict[int, int] = field(default_factory=dict)
+
+
+def _pin(raw: torch.Tensor) -> torch.Tensor:
+    try:
+        out = torch.empty(raw.shape, dtype=raw.dtype, pin_memory=True)
+    except RuntimeError as e:  # pinning can fail when RAM is short: the experts are then copied before use
+        log.warning(
+            "could not pin %.1f MiB of host RAM for experts (%s): misses are staged through copies",
+            raw.numel() / 2**20,
+            e,
+        )
+        return raw
+    out.copy_(raw)
+    return out
+
+
+def plan_capacity(
+    expert_bytes: Mapping[int, int],
+    n_expert: int,
+    budget_bytes: int,
+    profile: torch.Tensor | None,
+    max_pairs: int | None = None,
+) -> dict[int, int]:
+    """Slots per layer for `budget_bytes` (and at most `max_pairs` experts): the hottest (layer, expert) pairs of
+    the profile first, all equal without one. A pure function of its inputs."""
+    layers = sorted(expert_bytes)
+    if budget_bytes <= 0 or max_pairs == 0:
+        return dict.fromkeys(layers, 0)
+    pairs = []
+    for li in layers:
+        for e in range(n_expert):
+            heat = float(profile[li, e]) if profile is not None else 0.0
+            pairs.append((-heat, li, e))
+    pairs.sort()
+    cap = dict.fromkeys(layers, 0)
+    used = 0
+    taken = 0
+    for _, li, _ in pairs:
+        if used + expert_bytes[li] > budget_bytes:
+            continue
+        if max_pairs is not None and taken >= max_pairs:
+            break
+        cap[li] += 1
+        used += expert_bytes[li]
+        taken += 1
+    return cap
+
+
+class ExpertCache:
+    """The experts of one stage's MoE layers on one CUDA device."""
+
+    def __init__(
+        self,
+        experts: Mapping[int, ExpertWeights],
+        device: torch.device,
+        capacity: Mapping[int, int],
+        profile: torch.Tensor | None = None,
+        device_label: str = "",
+    ) -> None:
+        self.device = device
+        self.layers: dict[int, LayerExperts] = {}
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        for li, ew in experts.items():
+            n_e = ew.gate.shape[0]
+            cap = min(capacity.get(li, n_e), n_e)
+            order = list(range(n_e))
+            if profile is not None:
+                order.sort(key=lambda e: -float(profile[li, e]))
+            projs = []
+            full = cap == n_e
+            if full:  # every expert in VRAM, in expert order: no pinned copy is needed
+                order = list(range(n_e))
+            for q in (ew.gate, ew.up, ew.down):
+                if full:
+                    host, slots = q, q.raw.to(device)
+                else:
+                    host = QTensor(_pin(q.raw), q.qtype, q.shape)
+                    slots = torch.empty((cap, *q.raw.shape[1:]), dtype=torch.uint8, device=device)
+                projs.append(_Proj(host, slots, torch.empty(n_e, dtype=torch.int64, device=device)))
+            slot_of = [-1] * n_e
+            expert_in = order[:cap]
+            for c, e in enumerate(expert_in):
+                slot_of[e] = c
+                if not full:
+                    for p in projs:
+                        p.slots[c].copy_(p.host.raw[e], non_blocking=True)
+            le = LayerExperts(
+                router=ew.router.to(device),
+                gate=projs[0],
+                up=projs[1],
+                down=projs[2],
+                n_expert=n_e,
+                slot_of=slot_of,
+                expert_in=expert_in,
+                resident=torch.zeros(n_e, dtype=torch.bool, device=device),
+                hits=torch.zeros(1, dtype=torch.int64, device=device),
+                misses=torch.zeros(1, dtype=torch.int64, device=device),
+                side_stream=self.side,
+            )
+            self._write_tables(le)
+            self.layers[li] = le
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        st = self.stats()
+        if self.layers:
+            lo, hi = min(self.layers), max(self.layers)
+            log.info(
+                "layers %d to %d on %s: %d of %d routed experts in VRAM (%.1f GiB)",
+                lo,
+                hi,
+                device_label or str(device),
+                st.experts_in_vram,
+                st.experts_total,
+                st.vram_bytes / GiB,
+            )
+
+    def _write_tables(self, le: LayerExperts) -> None:
+        for p in le.projections:
+            addrs = [p.slot_addr(c) if c >= 0 else p.host_addr(e) for e, c in enumerate(le.slot_of)]
+            p.table.copy_(torch.tensor(addrs, dtype=torch.int64))
+        le.resident.copy_(torch.tensor([c >= 0 for c in le.slot_of]))
+
+    def snapshot_counters(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(le.hits.clone(), le.misses.clone()) for le in self.layers.values()]
+
+    def restore_counters(self, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for le, (h, m) in zip(self.layers.values(), saved, strict=True):
+            le.hits.copy_(h)
+            le.misses.copy_(m)
+
+    def record(self, li: int, ids: torch.Tensor) -> None:
+        """Count hits and misses of a step's selections on the device (no sync)."""
+        le = self.layers[li]
+        hit = le.resident[ids].sum()
+        le.hits += hit
+        le.misses += ids.numel() - hit
+
+    def stats(self) -> CacheStats:
+        in_vram = sum(le.capacity for le in self.layers.values())
+        total = sum(le.n_expert for le in self.layers.values())
+        vram = sum(le.capacity * sum(p.expert_bytes for p in le.projections) for le in self.layers.values())
+        hits = sum(int(le.hits.item()) for le in self.layers.values())
+        misses = sum(int(le.misses.item()) for le in self.layers.values())
+        return CacheStats(
+            experts_in_vram=in_vram,
+            experts_total=total,
+            vram_bytes=vram,
+            hits=hits,
+            misses=misses,
+            swaps=sum(le.swaps for le in self.layers.values()),
+            bytes_moved=sum(le.bytes_moved for le in self.layers.values()),
+            per_layer={li: le.capacity for li, le in self.layers.items()},
+        )
+
+    def adapt(self, counts: torch.Tensor, max_swaps: int = 8) -> int:
+        """Promote hot experts that miss over the coldest resident ones of the same layer, on the side stream.
+        `counts` [n_layer, E] are the usage counts (host copy). Returns the number of swaps started."""
+        done = 0
+        for li, le in self.layers.items():
+            if le.capacity in (0, le.n_expert):
+                continue
+            heat = counts[li]
+            cold_slot = min(range(le.capacity), key=lambda c: float(heat[le.expert_in[c]]))
+            hot = max((e for e in range(le.n_expert) if le.slot_of[e] < 0), key=lambda e: float(heat[e]))
+            if float(heat[hot]) <= float(heat[le.expert_in[cold_slot]]):
+                continue
+            self._swap(le, cold_slot, hot)
+            done += 1
+            if done >= max_swaps:
+                break
+        return done
+
+    def _swap(self, le: LayerExperts, slot: int, new: int) -> None:
+        old = le.expert_in[slot]
+        main = torch.cuda.current_stream(self.device)
+        assert self.side is not None
+        # On the main stream: the old expert reads from host memory from the next step on. The side stream waits
+        # for the steps already queued (they may still read the slot), copies, then points the table at the slot.
+        for p in le.projections:
+            p.table[old] = p.host_addr(old)
+        le.resident[old] = False
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            for p in le.projections:
+                p.slots[slot].copy_(p.host.raw[new], non_blocking=True)
+                p.table[new] = p.slot_addr(slot)
+                le.bytes_moved += p.expert_bytes
+            le.resident[new] = True
+        le.slot_of[old] = -1
+        le.slot_of[new] = slot
+        le.expert_in[slot] = new
+        le.swaps += 1

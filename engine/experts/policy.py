@@ -1,0 +1,56 @@
+"""How many experts each card keeps in VRAM: from `--expert-cache N`, a VRAM budget, or the free VRAM."""
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.experts.cache import ExpertCache, plan_capacity
+
+if TYPE_CHECKING:
+    from engine.models.decoder import DecoderLM
+
+log = logging.getLogger("strata.engine")
+MiB = 1 << 20
+# Room kept for activations, the dequantized tiles of prompt chunks and CUDA graphs.
+WORKSPACE_BYTES = 768 * MiB
+
+
+@dataclass(frozen=True)
+class ExpertPolicy:
+    slots: int | None = None  # --expert-cache N: experts in VRAM on this card (all layers together)
+    vram_budget_mib: int | None = None  # make the card behave like one of this size (tests, shared cards)
+    reserve_mib: int = 512  # --vram-reserve-mib: left free for the desktop and other programs
+    kv_bytes: int = 0  # the KV cache still to be allocated
+    profile: torch.Tensor | None = None  # usage counts [n_layer, n_expert] to fill the cache hottest first
+
+
+def expert_budget(device: torch.device, policy: ExpertPolicy) -> int:
+    """Bytes of VRAM left for expert slots once what is loaded, the KV cache and the workspace are counted."""
+    held = torch.cuda.memory_allocated(device)
+    if policy.vram_budget_mib is not None:
+        room = policy.vram_budget_mib * MiB - held
+    else:
+        free, _total = torch.cuda.mem_get_info(device)
+        room = free
+    return room - policy.reserve_mib * MiB - policy.kv_bytes - WORKSPACE_BYTES
+
+
+def build_expert_cache(model: "DecoderLM", policy: ExpertPolicy) -> ExpertCache:
+    experts = {i: lw.experts for i, lw in model.layers.items() if lw.experts is not None}
+    per_expert = {i: sum(q.raw[0].numel() for q in (ew.gate, ew.up, ew.down)) for i, ew in experts.items()}
+    budget = expert_budget(model.device, policy)
+    n_expert = model.cfg.n_expert
+    capacity = plan_capacity(per_expert, n_expert, budget, policy.profile, max_pairs=policy.slots)
+    if budget <= 0:
+        log.warning(
+            "no VRAM left for experts on %s (budget %.0f MiB): every expert is read from host RAM",
+            model.device,
+            budget / MiB,
+        )
+    return ExpertCache(experts, model.device, capacity, policy.profile, device_label=_label(model.device))
+
+
+def _label(device: torch.device) -> str:
+    return f"CUDA{device.index if device.index is not None else torch.cuda.current_device()}"

@@ -1,0 +1,219 @@
+"""Triton matrix-vector kernels that compute directly on GGUF blocks (decode: a few rows of activations).
+
+One kernel body serves dense weights and routed experts: for experts the weight pointer of each (token, slot) comes
+from a device-side table (`int64` addresses, one per expert: a VRAM slot or pinned host memory read over PCIe), so
+one launch covers every selected expert of a layer with no host synchronisation, and the launch can be captured
+in a CUDA graph. The dequantization happens in registers; nothing is written back to memory but the outputs.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType as QT
+
+# qtype -> (constexpr id, elements per block, bytes per block)
+KERNEL_TYPES: dict[QT, tuple[int, int, int]] = {
+    QT.Q4_K: (0, 256, 144),
+    QT.Q6_K: (1, 256, 210),
+    QT.Q8_0: (2, 32, 34),
+    QT.Q4_0: (3, 32, 18),
+    QT.Q5_K: (4, 256, 176),
+}
+
+
+@triton.jit
+def _f16_at(p):
+    return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _row_dot(w_rows, x_row, K, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """sum_k W[n, k] * x[k] for the BLOCK_N rows starting at the uint8 pointers `w_rows` [BLOCK_N, 1, 1]."""
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    j = tl.arange(0, 8)[None, :, None]  # sub-block (or 32-element block) within a 256-element step
+    l32 = tl.arange(0, 32)[None, None, :]
+    m3 = nmask[:, None, None]
+    if QTYPE == 0:  # Q4_K: d, dmin (f16), 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+        for sb in range(0, K // 256):
+            base = w_rows + sb * 144
+            d = tl.load((base).to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
+            dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
+            a = tl.load(base + 4 + j, mask=m3, other=0).to(tl.int32)  # scales[j]
+            b = tl.load(base + 8 + j, mask=m3, other=0).to(tl.int32)  # scales[j + 4]
+            c = tl.load(base + 4 + tl.where(j >= 4, j - 4, j), mask=m3, other=0).to(tl.int32)  # scales[j - 4]
+            sc = tl.where(j < 4, a & 63, (b & 15) | ((c >> 6) << 4))
+            mn = tl.where(j < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
+            qb = tl.load(base + 16 + 32 * (j // 2) + l32, mask=m3, other=0).to(tl.int32)
+            q = tl.where(j % 2 == 1, qb >> 4, qb & 15)
+            w = d * sc.to(tl.float32) * q.to(tl.float32) - dmin * mn.to(tl.float32)
+            x = tl.load(x_row + sb * 256 + j * 32 + l32).to(tl.float32)
+            acc += tl.sum(tl.sum(w * x, axis=2), axis=1)
+    elif QTYPE == 4:  # Q5_K: as Q4_K plus 32 bytes of high bits before the nibbles
+        for sb in range(0, K // 256):
+            base = w_rows + sb * 176
+            d = tl.load((base).to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
+            dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
+            a = tl.load(base + 4 + j, mask=m3, other=0).to(tl.int32)
+            b = tl.load(base + 8 + j, mask=m3, other=0).to(tl.int32)
+            c = tl.load(base + 4 + tl.where(j >= 4, j - 4, j), mask=m3, other=0).to(tl.int32)
+            sc = tl.where(j < 4, a & 63, (b & 15) | ((c >> 6) << 4))
+            mn = tl.where(j < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
+            qb = tl.load(base + 48 + 32 * (j // 2) + l32, mask=m3, other=0).to(tl.int32)
+            qh = tl.load(base + 16 + l32, mask=m3, other=0).to(tl.int32)
+            q = tl.where(j % 2 == 1, qb >> 4, qb & 15) + (((qh >> j) & 1) << 4)
+            w = d * sc.to(tl.float32) * q.to(tl.float32) - dmin * mn.to(tl.float32)
+            x = tl.load(x_row + sb * 256 + j * 32 + l32).to(tl.float32)
+            acc += tl.sum(tl.sum(w * x, axis=2), axis=1)
+    elif QTYPE == 1:  # Q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, d (f16)
+        h = tl.arange(0, 2)[None, :, None, None]
+        qq = tl.arange(0, 4)[None, None, :, None]
+        li = tl.arange(0, 32)[None, None, None, :]
+        m4 = nmask[:, None, None, None]
+        w_rows4 = w_rows[:, :, :, None]
+        for sb in range(0, K // 256):
+            base = w_rows4 + sb * 210
+            d = tl.load((base + 208).to(tl.pointer_type(tl.float16)), mask=m4, other=0.0).to(tl.float32)
+            ql = tl.load(base + 64 * h + 32 * (qq % 2) + li, mask=m4, other=0).to(tl.int32)
+            qh = tl.load(base + 128 + 32 * h + li, mask=m4, other=0).to(tl.int32)
+            lo = tl.where(qq >= 2, ql >> 4, ql & 15)
+            q = (lo | (((qh >> (2 * qq)) & 3) << 4)) - 32
+            sc = tl.load(
+                (base + 192 + 8 * h + li // 16 + 2 * qq).to(tl.pointer_type(tl.int8)), mask=m4, other=0
+            )
+            w = d * sc.to(tl.float32) * q.to(tl.float32)
+            x = tl.load(x_row + sb * 256 + 128 * h + 32 * qq + li).to(tl.float32)
+            acc += tl.sum(tl.sum(tl.sum(w * x, axis=3), axis=2), axis=1)
+    elif QTYPE == 2:  # Q8_0: d (f16) + 32 int8, eight blocks a step
+        nblk = K // 32
+        for step in range(0, tl.cdiv(nblk, 8)):
+            blk = step * 8 + j
+            bm = m3 & (blk < nblk)
+            base = w_rows + blk * 34
+            d = tl.load((base).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+            q = tl.load((base + 2 + l32).to(tl.pointer_type(tl.int8)), mask=bm, other=0).to(tl.float32)
+            x = tl.load(x_row + blk * 32 + l32, mask=blk < nblk, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.sum(d * q * x, axis=2), axis=1)
+    else:  # Q4_0: d (f16) + 16 bytes; element l < 16 low nibble of byte l, else high nibble of byte l - 16
+        nblk = K // 32
+        for step in range(0, tl.cdiv(nblk, 8)):
+            blk = step * 8 + j
+            bm = m3 & (blk < nblk)
+            base = w_rows + blk * 18
+            d = tl.load((base).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+            qb = tl.load(base + 2 + (l32 % 16), mask=bm, other=0).to(tl.int32)
+            q = tl.where(l32 >= 16, qb >> 4, qb & 15) - 8
+            x = tl.load(x_row + blk * 32 + l32, mask=blk < nblk, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.sum(d * q.to(tl.float32) * x, axis=2), axis=1)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(w_ptr, row_bytes, x_ptr, y_ptr, N, K, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[t, n] = W[n, :] . x[t, :] for a dense weight."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs < N
+    w_rows = (w_ptr + offs.to(tl.int64) * row_bytes)[:, None, None]
+    acc = _row_dot(w_rows, x_ptr + t * K, K, nmask, QTYPE, BLOCK_N)
+    tl.store(y_ptr + t * N + offs, acc, mask=nmask)
+
+
+@triton.jit
+def _moe_gemv_kernel(
+    table_ptr,  # int64 [E]: address of each expert's first row (VRAM slot or pinned host memory)
+    table2_ptr,  # int64 [E]: the up projection's table when FUSE_GLU
+    row_bytes,
+    ids_ptr,  # int [S]: expert id of each (token, slot), S = T * k
+    x_ptr,  # [T, K] (X_PER_SLOT == 0) or [S, K]
+    y_ptr,  # [S, N] float32
+    N,
+    K,
+    TOPK,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    X_PER_SLOT: tl.constexpr,
+    FUSE_GLU: tl.constexpr,  # 0: plain, 1: silu(gate) * up, 2: gelu_tanh(gate) * up
+):
+    pid_n = tl.program_id(0)
+    s = tl.program_id(1)
+    e = tl.load(ids_ptr + s).to(tl.int64)
+    if X_PER_SLOT:
+        x_row = x_ptr + s * K
+    else:
+        x_row = x_ptr + (s // TOPK) * K
+    offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs < N
+    w_base = tl.load(table_ptr + e).to(tl.pointer_type(tl.uint8))
+    acc = _row_dot((w_base + offs.to(tl.int64) * row_bytes)[:, None, None], x_row, K, nmask, QTYPE, BLOCK_N)
+    if FUSE_GLU != 0:
+        u_base = tl.load(table2_ptr + e).to(tl.pointer_type(tl.uint8))
+        up = _row_dot(
+            (u_base + offs.to(tl.int64) * row_bytes)[:, None, None], x_row, K, nmask, QTYPE, BLOCK_N
+        )
+        if FUSE_GLU == 1:
+            acc = acc / (1.0 + tl.exp(-acc)) * up
+        else:
+            inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            acc = 0.5 * acc * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0)) * up
+    tl.store(y_ptr + s * N + offs, acc, mask=nmask)
+
+
+_BLOCK_N = 16
+_GLU = {"silu": 1, "gelu_tanh": 2}
+
+
+def supports(qtype: QT, k: int) -> bool:
+    if qtype not in KERNEL_TYPES:
+        return False
+    elems = KERNEL_TYPES[qtype][1]
+    return k % elems == 0
+
+
+def gemv(raw: torch.Tensor, qtype: QT, n: int, k: int, x: torch.Tensor) -> torch.Tensor:
+    """raw uint8 [n, row_bytes] on CUDA, x [T, k] -> float32 [T, n]."""
+    x = x.contiguous()
+    t = x.shape[0]
+    y = torch.empty(t, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, _BLOCK_N), t)
+    _gemv_kernel[grid](raw, raw.shape[-1], x, y, n, k, QTYPE=KERNEL_TYPES[qtype][0], BLOCK_N=_BLOCK_N)
+    return y
+
+
+def moe_gemv(
+    table: torch.Tensor,
+    qtype: QT,
+    row_bytes: int,
+    ids: torch.Tensor,
+    x: torch.Tensor,
+    n: int,
+    k: int,
+    topk: int,
+    x_per_slot: bool = False,
+    up_table: torch.Tensor | None = None,
+    act: str | None = None,
+) -> torch.Tensor:
+    """For each (token, slot) s with expert ids[s]: y[s] = W_e . x (or act(W_e . x) * U_e . x with `up_table`).
+    ids [T, topk] (device), x [T, k] or [T * topk, k] -> float32 [T * topk, n]."""
+    x = x.contiguous()
+    flat = ids.reshape(-1).contiguous()
+    s = flat.numel()
+    y = torch.empty(s, n, dtype=torch.float32, device=x.device)
+    glu = _GLU[act] if up_table is not None and act is not None else 0
+    grid = (triton.cdiv(n, _BLOCK_N), s)
+    _moe_gemv_kernel[grid](
+        table,
+        up_table if up_table is not None else table,
+        row_bytes,
+        flat,
+        x,
+        y,
+        n,
+        k,
+        topk,
+        QTYPE=KERNEL_TYPES[qtype][0],
+        BLOCK_N=_BLOCK_N,
+        X_PER_SLOT=int(x_per_slot),
+        FUSE_GLU=glu,
+    )
+    return y

@@ -1,0 +1,220 @@
+"""`strata-engine serve`: the OpenAI-compatible server. Only the standard library is imported here, so that
+`strata-engine --help` stays fast; FastAPI, uvicorn and torch load when the server starts."""
+
+import argparse
+import ipaddress
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+PROG = "strata-engine serve"
+API_KEY_ENV = "STRATA_API_KEY"
+log = logging.getLogger("strata.serve")
+
+
+class ServeError(RuntimeError):
+    """A start that cannot go ahead; the message says why and what to do."""
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The serve options (the model options come from engine/cli.py's shared set)."""
+    p.add_argument(
+        "--config", help="a strata-<model>.json config (its model, cards and args); flags override it"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this PC only)"
+    )
+    p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 = any free port)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require this key (Authorization: Bearer KEY); needed off 127.0.0.1; also read from ${API_KEY_ENV}",
+    )
+    p.add_argument(
+        "--alias", action="append", default=[], help="another model name to answer to (repeatable)"
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=64, help="requests that may wait for the model (default 64)"
+    )
+    p.add_argument(
+        "--prompt-cache-mib",
+        type=int,
+        default=2048,
+        help="host memory for the KV of recent conversations (default 2048 MiB; 0 = off)",
+    )
+    p.add_argument("--max-body-mib", type=float, default=16.0, help="largest request body (default 16 MiB)")
+    p.add_argument(
+        "--cors", action="append", default=[], help="a web origin allowed to call the API (repeatable)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=0, help="CPU threads for the model's math (default: torch's choice)"
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _defaults() -> argparse.Namespace:
+    from engine.cli import build_parser  # engine.cli imports this module; by now it is loaded
+
+    return build_parser().parse_args(["serve"])
+
+
+def apply_config(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill what the command line left at its default from the config file (its keys, then its "args")."""
+    from installer.config import ConfigError, read_config
+
+    path = Path(args.config)
+    try:
+        cfg = read_config(path)
+    except ConfigError as e:
+        raise ServeError(str(e)) from None
+    if cfg.workers:
+        raise ServeError(
+            f'{path.name} lists worker PCs, but this engine runs every layer in this process: remove "workers"'
+        )
+    if len(cfg.gpu) > 1:
+        raise ServeError(
+            f"{path.name} asks for cards {list(cfg.gpu)} together, but this engine runs on one card: "
+            f'set "gpu": [{cfg.gpu[0]}]'
+        )
+    from engine.cli import build_parser
+
+    defaults = _defaults()
+    from_file, unknown = build_parser().parse_known_args(["serve", *cfg.args])
+    if unknown:
+        log.warning("%s: args %s are not options of %s and are ignored", path.name, " ".join(unknown), PROG)
+    out = argparse.Namespace(**vars(args))
+    for key, value in vars(from_file).items():
+        if getattr(args, key, None) == getattr(defaults, key, None):
+            setattr(out, key, value)
+    keyed = {"model": cfg.model, "max_context": cfg.max_context, "kv": cfg.kv}
+    if cfg.gpu:
+        keyed["device"] = f"cuda:{cfg.gpu[0]}"
+    for key, value in keyed.items():
+        if value is not None and getattr(args, key) == getattr(defaults, key):
+            setattr(out, key, value)
+    if out.model and not Path(out.model).is_absolute():
+        out.model = str(path.parent / out.model)
+    return out
+
+
+def _prefill(arg: str) -> int:
+    if arg == "auto":
+        return 512
+    if not arg.isdigit() or int(arg) < 1:
+        raise ServeError(f"--prefill must be auto or a number of tokens >= 1, not {arg!r}")
+    return int(arg)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (bound here so that --port 0 can be reported and a busy port said plainly)."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ServeError(f"--host {host} is not an address of this PC: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    if sys.platform != "win32":  # on Windows SO_REUSEADDR would let two servers share the port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ServeError(
+            f"cannot listen on {host}:{port}: {e.strerror}; stop the program using that port or pick another "
+            "with --port"
+        ) from None
+    sock.listen(256)
+    return sock
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        return _serve(args)
+    except ServeError as e:
+        print(f"strata-engine: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.config:
+        args = apply_config(args)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not is_loopback(args.host) and not api_key:
+        raise ServeError(
+            f"refusing to listen on {args.host} without an API key: anyone on the network could use the model; "
+            f"add --api-key KEY (or set {API_KEY_ENV}), or listen on 127.0.0.1"
+        )
+    if not 0 <= args.port <= 65535:
+        raise ServeError(f"--port must be 0..65535, not {args.port}")
+    if args.max_context < 16:
+        raise ServeError(f"--max-context must be at least 16 positions, not {args.max_context}")
+    if args.max_queue < 1:
+        raise ServeError(f"--max-queue must be at least 1, not {args.max_queue}")
+    if args.prompt_cache_mib < 0:
+        raise ServeError(f"--prompt-cache-mib must be 0 (off) or more, not {args.prompt_cache_mib}")
+    if args.threads < 0:
+        raise ServeError(f"--threads must be 0 (automatic) or more, not {args.threads}")
+    if args.max_body_mib <= 0:
+        raise ServeError(f"--max-body-mib must be more than 0, not {args.max_body_mib}")
+    model = Path(args.model) if args.model else None
+    if model is not None and not model.is_file():
+        raise ServeError(f'model file {model} does not exist: check --model (or the config\'s "model")')
+
+    import uvicorn
+
+    from engine.serve.app import create_app
+    from engine.serve.serving import EngineService, ServeOptions
+
+    opts = ServeOptions(
+        model=model,
+        device=args.device,
+        dtype=args.dtype,
+        kv=args.kv,
+        max_context=args.max_context,
+        prefill=_prefill(str(args.prefill)),
+        prompt_cache_mib=args.prompt_cache_mib,
+        max_queue=args.max_queue,
+        aliases=tuple(args.alias),
+        api_key=api_key,
+        max_body_bytes=int(args.max_body_mib * (1 << 20)),
+        threads=args.threads,
+    )
+    sock = bind(args.host, args.port)
+    service = EngineService(opts)
+    app = create_app(service, args.cors)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    # The app and the tests read this line for the port (--port 0).
+    print(
+        f"strata-engine: listening on http://{shown}:{port} (OpenAI API at /v1)", file=sys.stderr, flush=True
+    )
+    if not is_loopback(args.host):
+        log.warning("listening on %s: every request must carry the API key", args.host)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            service.stop_soon()  # end running and queued requests and event streams now, not after the grace
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        ws="none",
+        lifespan="on",
+        timeout_graceful_shutdown=2,
+    )
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    _Server(config).run(sockets=[sock])
+    return 0

@@ -1,0 +1,389 @@
+"""The OpenAI wire format: request models (strict: unknown fields, wrong types and values are refused) and the
+dicts of responses and stream chunks.
+
+Requests accept every documented OpenAI field that a client may send (`user`, `stream_options`, `logprobs`, ...);
+fields we cannot honour are accepted at their neutral value (`logprobs: false`, `n: 1`, `logit_bias: {}`) and
+refused otherwise with a message that says so. llama-server's extensions that map onto our sampler are accepted too
+(`top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`, `ignore_eos`, `cache_prompt`, `chat_template_kwargs`).
+"""
+
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+if TYPE_CHECKING:  # torch loads in the background, after the server already answers /health
+    from engine.pipeline.generate import Timings
+
+MAX_STOP = 16
+
+
+class FieldError(ValueError):
+    """A refused value; `param` names the field (model-level checks have no location of their own)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+# ---- messages -------------------------------------------------------------------------------------------------
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class RefusalPart(_Strict):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class _MediaPart(BaseModel):
+    """An image, audio or file part: valid OpenAI, refused by us with a clear message (text-only models)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file"]
+
+
+UserPart = Annotated[TextPart | _MediaPart, Field(discriminator="type")]
+AssistantPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class SystemMessage(_Strict):
+    role: Literal["system"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class DeveloperMessage(_Strict):
+    role: Literal["developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class UserMessage(_Strict):
+    role: Literal["user"]
+    content: str | list[UserPart]
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, v: str | list[Any]) -> str | list[Any]:
+        if isinstance(v, list):
+            for p in v:
+                if isinstance(p, _MediaPart):
+                    raise ValueError(
+                        f"content part type {p.type!r} is not supported: this server reads text only; "
+                        "send text parts ({'type': 'text', 'text': ...})"
+                    )
+        return v
+
+
+class AssistantMessage(_Strict):
+    role: Literal["assistant"]
+    content: str | list[AssistantPart] | None = None
+    name: str | None = None
+    refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    audio: None = None
+
+
+class ToolMessage(_Strict):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str
+
+
+Message = Annotated[
+    SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage,
+    Field(discriminator="role"),
+]
+
+
+def _text(content: str | list[Any] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(p.text if isinstance(p, TextPart) else p.refusal for p in content)
+
+
+def _arguments(raw: str) -> Any:
+    """Chat templates expect a tool call's arguments as a mapping (they `tojson` it); keep other text as is."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    return value if isinstance(value, dict) else raw
+
+
+def template_message(m: BaseModel) -> dict[str, Any]:
+    """One message as chat templates expect it: role, content as a string, tool calls with parsed arguments."""
+    if isinstance(m, AssistantMessage):
+        out: dict[str, Any] = {"role": "assistant", "content": _text(m.content) or (m.refusal or "")}
+        if m.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                }
+                for c in m.tool_calls
+            ]
+    elif isinstance(m, ToolMessage):
+        out = {"role": "tool", "content": _text(m.content), "tool_call_id": m.tool_call_id}
+    elif isinstance(m, DeveloperMessage):
+        out = {"role": "system", "content": _text(m.content)}  # templates know "system", not "developer"
+    else:
+        out = {"role": m.role, "content": _text(m.content)}  # type: ignore[attr-defined]
+    name = getattr(m, "name", None)
+    if name:
+        out["name"] = name
+    return out
+
+
+# ---- tools ----------------------------------------------------------------------------------------------------
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _NamedFunction
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+# ---- requests -------------------------------------------------------------------------------------------------
+
+
+class _Common(_Strict):
+    model: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    n: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    user: str | None = None
+    # llama-server's extensions
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repeat_penalty: Annotated[float, Field(gt=0)] | None = None
+    repeat_last_n: Annotated[int, Field(ge=-1)] | None = None
+    ignore_eos: bool | None = None
+    cache_prompt: bool | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError(f"n={v} is not supported: this server returns one choice per request; send n=1")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("logit_bias is not supported: leave it out or send {}")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_Common":
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options", "stream_options is only allowed with stream: true")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    # extension (vLLM, llama-server): extra variables for the chat template, e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "ChatCompletionRequest":
+        if self.logprobs:
+            raise FieldError("logprobs", "logprobs is not supported: leave it out or send false")
+        if self.top_logprobs:
+            raise FieldError("top_logprobs", "top_logprobs is not supported: leave it out or send 0")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise FieldError(
+                "response_format",
+                f"response_format {self.response_format.type!r} is not supported: only 'text'; "
+                "ask for JSON in the prompt instead",
+            )
+        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+            raise FieldError(
+                "tool_choice",
+                "tool_choice 'required' or a named function is not supported: use 'auto' or 'none'",
+            )
+        if (self.modalities and "audio" in self.modalities) or self.audio is not None:
+            raise FieldError("modalities", "audio output is not supported: this server answers with text")
+        if self.web_search_options is not None:
+            raise FieldError("web_search_options", "web_search_options is not supported: leave it out")
+        if self.functions is not None or self.function_call is not None:
+            raise FieldError(
+                "functions", "functions and function_call are deprecated and not supported: use tools"
+            )
+        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
+            raise FieldError("tool_choice", "tool_choice needs tools: send tools or leave tool_choice out")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_Common):
+    prompt: Prompt
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the OpenAI default for completions
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "CompletionRequest":
+        p = self.prompt
+        if isinstance(p, list) and not p:
+            raise FieldError("prompt", "prompt is an empty list: send a string or a list of token ids")
+        if isinstance(p, list) and len(p) != 1 and isinstance(p[0], str | list):
+            raise FieldError(
+                "prompt",
+                f"prompt is a batch of {len(p)} prompts: this server takes one prompt per request "
+                "(a string, a list of one string, or a list of token ids)",
+            )
+        if isinstance(p, list) and p and isinstance(p[0], list) and not p[0]:
+            raise FieldError("prompt", "prompt is an empty token list")
+        if self.suffix:
+            raise FieldError("suffix", "suffix is not supported: leave it out")
+        if self.best_of is not None and self.best_of != 1:
+            raise FieldError("best_of", f"best_of={self.best_of} is not supported: send 1 or leave it out")
+        if self.logprobs:
+            raise FieldError("logprobs", "logprobs is not supported: leave it out or send 0")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+# ---- responses ------------------------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage_dict(t: "Timings") -> dict[str, Any]:
+    return {
+        "prompt_tokens": t.prompt_tokens,
+        "completion_tokens": t.generated_tokens,
+        "total_tokens": t.prompt_tokens + t.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": t.prompt_cached},
+    }
+
+
+def timings_dict(t: "Timings", queued_ms: float = 0.0) -> dict[str, Any]:
+    """llama-server's `timings`: prompt_n is the tokens read, cache_n those reused from the prompt cache."""
+    read = t.prompt_tokens - t.prompt_cached
+    return {
+        "cache_n": t.prompt_cached,
+        "prompt_n": read,
+        "prompt_ms": round(t.prompt_ms, 3),
+        "prompt_per_token_ms": round(t.prompt_ms / read, 3) if read else 0.0,
+        "prompt_per_second": round(t.prompt_per_second, 3),
+        "predicted_n": t.generated_tokens,
+        "predicted_ms": round(t.generated_ms, 3),
+        "predicted_per_token_ms": round(t.generated_ms / t.generated_tokens, 3)
+        if t.generated_tokens
+        else 0.0,
+        "predicted_per_second": round(t.generated_per_second, 3),
+        "queued_ms": round(queued_ms, 3),
+    }
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
