@@ -38,9 +38,9 @@ def _row_dot(w_rows, x_row, K, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr
             base = w_rows + sb * 144
             d = tl.load((base).to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
             dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
-            a = tl.load(base + 4 + j, mask=m3, other=0).to(tl.int32)  # scales[j]
-            b = tl.load(base + 8 + j, mask=m3, other=0).to(tl.int32)  # scales[j + 4]
-            c = tl.load(base + 4 + tl.where(j >= 4, j - 4, j), mask=m3, other=0).to(tl.int32)  # scales[j - 4]
+            a = tl.load(base + 4 + j, mask=m3, other=0).to(tl.int32)
+            b = tl.load(base + 8 + j, mask=m3, other=0).to(tl.int32)
+            c = tl.load(base + 4 + tl.where(j >= 4, j - 4, j), mask=m3, other=0).to(tl.int32)
             sc = tl.where(j < 4, a & 63, (b & 15) | ((c >> 6) << 4))
             mn = tl.where(j < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
             qb = tl.load(base + 16 + 32 * (j // 2) + l32, mask=m3, other=0).to(tl.int32)
@@ -170,13 +170,23 @@ def supports(qtype: QT, k: int) -> bool:
     return k % elems == 0
 
 
-def gemv(raw: torch.Tensor, qtype: QT, n: int, k: int, x: torch.Tensor) -> torch.Tensor:
+def gemv(
+    raw: torch.Tensor,
+    qtype: QT,
+    n: int,
+    k: int,
+    x: torch.Tensor,
+    block_n: int = _BLOCK_N,
+    num_warps: int = 4,
+    variant: int | None = None,
+) -> torch.Tensor:
     """raw uint8 [n, row_bytes] on CUDA, x [T, k] -> float32 [T, n]."""
     x = x.contiguous()
     t = x.shape[0]
     y = torch.empty(t, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, _BLOCK_N), t)
-    _gemv_kernel[grid](raw, raw.shape[-1], x, y, n, k, QTYPE=KERNEL_TYPES[qtype][0], BLOCK_N=_BLOCK_N)
+    grid = (triton.cdiv(n, block_n), t)
+    qid = KERNEL_TYPES[qtype][0] if variant is None else variant
+    _gemv_kernel[grid](raw, raw.shape[-1], x, y, n, k, QTYPE=qid, BLOCK_N=block_n, num_warps=num_warps)
     return y
 
 

@@ -43,6 +43,12 @@ class Rope:
                 self.mscale = cfg.yarn_attn_factor
         self.inv_freq = inv
         self._cache: dict[torch.device, torch.Tensor] = {}
+        # theta = pos * inv_eff: YaRN's mix of interpolated and extrapolated angles is linear in the position.
+        eff = (
+            inv if self.ramp_mix is None else inv * (self.interp_scale * (1 - self.ramp_mix) + self.ramp_mix)
+        )
+        self.inv_freq_effective = eff.float()
+        self._eff_cache: dict[torch.device, torch.Tensor] = {}
 
     def _inv(self, device: torch.device) -> torch.Tensor:
         if device not in self._cache:
@@ -56,6 +62,28 @@ class Rope:
             mix = self.ramp_mix.to(positions.device)
             theta = theta * self.interp_scale * (1 - mix) + theta * mix
         return (theta.cos() * self.mscale).float(), (theta.sin() * self.mscale).float()
+
+    def apply_at(
+        self, x: torch.Tensor, pos: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6
+    ) -> torch.Tensor:
+        """x [T, H, D] at positions pos [T]: optional per-head RMS norm, then the rotation. One fused kernel on
+        CUDA; the same math in torch elsewhere."""
+        if x.is_cuda:
+            try:
+                from engine.kernels.fused import norm_rope
+            except ImportError:
+                norm_rope = None
+            if norm_rope is not None:
+                if x.device not in self._eff_cache:
+                    self._eff_cache[x.device] = self.inv_freq_effective.to(x.device)
+                inv = self._eff_cache[x.device]
+                return norm_rope(x, norm_weight, eps, pos, inv, self.cfg.dim, self.cfg.neox, self.mscale)
+        if norm_weight is not None:
+            from engine.layers.norm import rms_norm
+
+            x = rms_norm(x, norm_weight, eps)
+        cos, sin = self.cos_sin(pos)
+        return self.apply(x, cos, sin)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, D]; rotates the first `dim` features of each head."""

@@ -220,7 +220,7 @@ class DecoderLM:
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """hidden [T, D] -> logits [T, V] (float32)"""
         assert self.output is not None and self.output_norm is not None
-        x = rms_norm(h.float(), self.output_norm, self.cfg.rms_eps).to(self.dtype)
+        x = rms_norm(h.float(), self.output_norm, self.cfg.rms_eps, self.dtype)
         logits = self.output.linear(x).float()
         cap = self.cfg.final_softcap
         if cap > 0:
@@ -232,13 +232,21 @@ class DecoderLM:
         pos = torch.arange(start, start + h.shape[0], device=h.device)
         return self.layer_at(i, h, cache, pos, start + h.shape[0])
 
-    def layer_at(self, i: int, h: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int) -> torch.Tensor:
+    def layer_at(
+        self,
+        i: int,
+        h: torch.Tensor,
+        cache: KVCache,
+        pos: torch.Tensor,
+        span: int,
+        masks: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """One layer for the tokens at positions `pos` [T] (device), attending to cache positions below `span`
         (a static bound, so that a decode step can be captured in a CUDA graph)."""
         c, lw = self.cfg, self.layers[i]
         t = h.shape[0]
         h = h.float()
-        x = rms_norm(h, lw.attn_norm, c.rms_eps).to(self.dtype)
+        x = rms_norm(h, lw.attn_norm, c.rms_eps, self.dtype)
         q, k, v = lw.q.linear(x), lw.k.linear(x), lw.v.linear(x)
         if lw.q_bias is not None:
             q = q + lw.q_bias.to(q.dtype)
@@ -249,21 +257,19 @@ class DecoderLM:
         q = q.view(t, c.n_head, c.head_dim_k)
         k = k.view(t, c.n_head_kv, c.head_dim_k)
         v = v.view(t, c.n_head_kv, c.head_dim_v)
-        if lw.q_norm is not None:
-            q = rms_norm(q, lw.q_norm, c.rms_eps)
-            k = rms_norm(k, lw.k_norm, c.rms_eps)
         swa = c.is_swa(i)
         rope = self.rope_swa if swa else self.rope
-        cos, sin = rope.cos_sin(pos)
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        q = rope.apply_at(q, pos, lw.q_norm, c.rms_eps)
+        k = rope.apply_at(k, pos, lw.k_norm, c.rms_eps)
         keys, values = cache.store(i, pos, k, v, span)
-        mask = causal_mask(pos, span, c.sliding_window if swa else 0)
+        window = c.sliding_window if swa else 0
+        mask = masks[window] if masks is not None and window in masks else causal_mask(pos, span, window)
         a = attention(q, keys, values, mask, c.attn_scale, c.attn_softcap).reshape(t, c.n_head * c.head_dim_v)
         a = lw.o.linear(a)
         if lw.post_attn_norm is not None:
             a = rms_norm(a, lw.post_attn_norm, c.rms_eps)
         h = h + a.float()
-        x = rms_norm(h, lw.ffn_norm, c.rms_eps).to(self.dtype)
+        x = rms_norm(h, lw.ffn_norm, c.rms_eps, self.dtype)
         f = self._ffn(i, lw, x)
         if lw.post_ffw_norm is not None:
             f = rms_norm(f, lw.post_ffw_norm, c.rms_eps)
@@ -304,8 +310,10 @@ class DecoderLM:
     def forward_at(self, tokens: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int) -> torch.Tensor:
         """tokens [T] at positions `pos` (device) -> logits [T, V]; capturable in a CUDA graph."""
         h = self.embed(tokens)
+        # One mask per window size for the whole step, not one per layer.
+        masks = {w: causal_mask(pos, span, w) for w in {0, self.cfg.sliding_window}}
         for i in self.layer_range:
-            h = self.layer_at(i, h, cache, pos, span)
+            h = self.layer_at(i, h, cache, pos, span, masks)
         return self.head(h)
 
     def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:

@@ -112,3 +112,27 @@ def test_adaptive_swaps_keep_the_output(moe_q4k: Path) -> None:
     assert swaps > 0
     assert lm.model.expert_cache.stats().swaps == swaps
     assert out == full
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_fused_norm_and_rope_match_the_torch_path(neox: bool) -> None:
+    from engine.kernels.fused import norm_rope
+    from engine.kernels.fused import rms_norm as fused_rms
+    from engine.layers.rope import Rope
+    from engine.models.config import RopeConfig
+
+    x = torch.randn(5, 2048, device="cuda")
+    w = torch.randn(2048, device="cuda")
+    xf = x.float()
+    ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    assert (fused_rms(x, w, 1e-6, torch.float32) - ref).abs().max().item() < 1e-4
+    for rot in (128, 64):
+        rope = Rope(RopeConfig(dim=rot, base=1e6, neox=neox, scaling="yarn", factor=4.0, orig_ctx=4096))
+        q, qw = torch.randn(5, 8, 128, device="cuda"), torch.randn(128, device="cuda")
+        pos = torch.tensor([0, 7, 100, 4000, 30000], device="cuda")
+        qn = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) * qw
+        # The kernel takes float32 angles (as HF computes them); the reference here does too.
+        theta = pos.float()[:, None] * rope.inv_freq_effective.cuda()[None, :]
+        expect = rope.apply(qn, theta.cos() * rope.mscale, theta.sin() * rope.mscale)
+        got = norm_rope(q, qw, 1e-6, pos, rope.inv_freq_effective.cuda(), rot, neox, rope.mscale)
+        assert (got - expect).abs().max().item() < 1e-3

@@ -1,0 +1,116 @@
+"""Fused elementwise kernels for the decode step: RMS norm, and per-head RMS norm + RoPE of queries and keys.
+Each replaces the handful of small torch kernels it stands for: at batch 1 their launches, not their bytes, cost."""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < D
+    x = tl.load(x_ptr + row * D + offs, mask=m, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    if HAS_W:
+        y = y * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * D + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """x [..., D] -> normalised in float32, times weight, as out_dtype."""
+    d = x.shape[-1]
+    xc = x.contiguous()
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    rows = xc.numel() // d
+    _rms_norm_kernel[(rows,)](
+        xc,
+        weight if weight is not None else xc,
+        y,
+        d,
+        eps,
+        HAS_W=weight is not None,
+        BLOCK=triton.next_power_of_2(d),
+    )
+    return y
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr,  # [T, H, Dh] contiguous
+    w_ptr,  # [Dh] norm weight
+    pos_ptr,  # [T] int64
+    inv_ptr,  # [ROT/2] float32 effective inverse frequencies
+    y_ptr,
+    H,
+    Dh,
+    eps,
+    mscale,
+    ROT: tl.constexpr,
+    HALF: tl.constexpr,  # ROT // 2
+    BLOCK: tl.constexpr,  # >= Dh, power of two
+    NORM: tl.constexpr,
+    NEOX: tl.constexpr,
+):
+    row = tl.program_id(0)  # t * H + h
+    t = row // H
+    offs = tl.arange(0, BLOCK)
+    m = offs < Dh
+    x = tl.load(x_ptr + row * Dh + offs, mask=m, other=0.0).to(tl.float32)
+    if NORM:
+        x = x * tl.rsqrt(tl.sum(x * x, axis=0) / Dh + eps)
+        x = x * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    p = tl.load(pos_ptr + t).to(tl.float32)
+    if NEOX:  # pairs (i, i + HALF)
+        i = offs % HALF
+        partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
+        sign = tl.where(offs < HALF, -1.0, 1.0)
+    else:  # pairs (2i, 2i + 1)
+        i = offs // 2
+        partner = tl.where(offs % 2 == 0, offs + 1, offs - 1)
+        sign = tl.where(offs % 2 == 0, -1.0, 1.0)
+    rot = offs < ROT
+    theta = p * tl.load(inv_ptr + i, mask=rot, other=0.0)
+    xp = tl.load(x_ptr + row * Dh + partner, mask=rot, other=0.0).to(tl.float32)
+    if NORM:  # the partner must be normalised like x: recompute its scaled value from the same row statistics
+        xr = tl.load(x_ptr + row * Dh + offs, mask=m, other=0.0).to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(xr * xr, axis=0) / Dh + eps)
+        xp = xp * inv_rms * tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    out = tl.where(rot, (x * tl.cos(theta) + sign * xp * tl.sin(theta)) * mscale, x)
+    tl.store(y_ptr + row * Dh + offs, out.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    pos: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rot: int,
+    neox: bool,
+    mscale: float,
+) -> torch.Tensor:
+    """x [T, H, Dh] -> optional per-head RMS norm, then RoPE at positions `pos` [T], same dtype as x."""
+    t, h, dh = x.shape
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    _norm_rope_kernel[(t * h,)](
+        xc,
+        weight if weight is not None else xc,
+        pos,
+        inv_freq,
+        y,
+        h,
+        dh,
+        eps,
+        mscale,
+        ROT=rot,
+        HALF=rot // 2,
+        BLOCK=triton.next_power_of_2(dh),
+        NORM=weight is not None,
+        NEOX=neox,
+    )
+    return y
