@@ -5,9 +5,15 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from engine.link.worker import add_worker_args, cmd_worker
+from engine.pipeline.split_args import add_split_args
 from engine.serve.cli import add_serve_args, cmd_serve
 from installer.version import __version__
+
+if TYPE_CHECKING:
+    from engine.loader import LoadedModel
 
 PROG = "strata-engine"
 
@@ -58,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--chat", "-c", help="a user message, formatted with the model's chat template")
     g.add_argument("--system", help="system prompt for --chat")
     _sampling_args(g)
+    add_split_args(g)
 
     sv = sub.add_parser("serve", help="serve the OpenAI-compatible API, /metrics, /stats and /events")
     _model_arg(sv)
@@ -70,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument(
         "--all", action="store_true", help="every position ([T, V]) instead of the last one ([V])"
     )
+    add_split_args(lg)
+
+    wk = sub.add_parser("worker", help="run layers K onward of a model for a main process on another PC")
+    _model_arg(wk)
+    add_worker_args(wk)
     return parser
 
 
@@ -95,11 +107,21 @@ def _prefill(arg: str) -> int:
     return n
 
 
+def _load(args: argparse.Namespace) -> "LoadedModel":
+    """The model on the card(s) the split flags name (one card or CPU: the plain model)."""
+    from engine.pipeline.split import load_split_model
+    from engine.pipeline.split_args import options_from_args
+
+    return load_split_model(
+        _resolve_model(args.model), options_from_args(args), args.max_context, args.kv, args.dtype
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.layers.kv_cache import resolve_kv_type
-    from engine.loader import load_model
     from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner, TextEvent, TokenEvent
     from engine.pipeline.sampling import SamplingParams
+    from engine.pipeline.split import prefill_chunk
 
     sampling = SamplingParams(
         temperature=args.temperature,
@@ -111,7 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty,
         seed=args.seed,
     )
-    lm = load_model(_resolve_model(args.model), args.device, args.dtype)
+    lm = _load(args)
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.chat}
@@ -125,7 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         lm.tokenizer,
         args.max_context,
         resolve_kv_type(args.kv, lm.model.dtype),
-        _prefill(args.prefill),
+        prefill_chunk(lm.model, args.prefill) if args.prefill == "auto" else _prefill(args.prefill),
     )
     req = GenerationRequest(ids, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop)
     if args.prompt is not None:
@@ -150,7 +172,6 @@ def cmd_logits(args: argparse.Namespace) -> int:
     import torch
 
     from engine.layers.kv_cache import resolve_kv_type
-    from engine.loader import load_model
 
     try:
         ids = [int(x) for x in args.tokens.split(",") if x.strip()]
@@ -160,7 +181,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
         ) from None
     if not ids:
         raise SystemExit(f"{PROG}: error: --tokens is empty")
-    lm = load_model(_resolve_model(args.model), args.device, args.dtype)
+    lm = _load(args)
     bad = [i for i in ids if not 0 <= i < lm.config.n_vocab]
     if bad:
         raise SystemExit(
@@ -175,7 +196,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "logits": cmd_logits, "serve": cmd_serve}
+COMMANDS = {"generate": cmd_generate, "logits": cmd_logits, "serve": cmd_serve, "worker": cmd_worker}
 
 
 def main(argv: list[str] | None = None) -> int:

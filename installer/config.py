@@ -27,7 +27,17 @@ APP_NAME = paths.APP_NAME
 CONFIG_DIR_ENV = "STRATA_CONFIG_DIR"
 KV_TYPES = ("bf16", "int8")
 GPU_ORDERS = ("auto", "as_given")
-KEYS = ("model", "gpu", "layer_split", "gpu_order", "args", "workers", "max_context", "kv")
+KEYS = (
+    "model",
+    "gpu",
+    "layer_split",
+    "gpu_order",
+    "split_skip_if_fits",
+    "args",
+    "workers",
+    "max_context",
+    "kv",
+)
 WORKER_KEYS = ("host", "port", "begin", "end")
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.\-:\[\]%]*[A-Za-z0-9\]])?$")
 
@@ -62,6 +72,8 @@ class StrataConfig:
     workers: tuple[Worker, ...] = field(default=())
     max_context: int | None = None
     kv: Literal["bf16", "int8"] | None = None
+    split_skip_if_fits: bool = False
+    """With "layer_split": "auto": run on the first card alone when it holds everything (seed 002, opt-in)."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -76,6 +88,8 @@ class StrataConfig:
             out["max_context"] = self.max_context
         if self.kv is not None:
             out["kv"] = self.kv
+        if self.split_skip_if_fits:
+            out["split_skip_if_fits"] = True
         return out
 
     @classmethod
@@ -182,6 +196,14 @@ def parse_config(data: Any, source: str = "the config", layers: int | None = Non
     kv = data.get("kv")
     if kv is not None and kv not in KV_TYPES:
         raise ConfigError(f'"kv" in {source} is {kv!r}: expected one of {", ".join(KV_TYPES)}')
+    skip = data.get("split_skip_if_fits", False)
+    if not isinstance(skip, bool):
+        raise ConfigError(f'"split_skip_if_fits" in {source} is {skip!r}: expected true or false')
+    if skip and split != "auto":
+        raise ConfigError(
+            f'"split_skip_if_fits" in {source} works with "layer_split": "auto" only (it decides whether to split); '
+            'set "layer_split" to "auto" or remove "split_skip_if_fits"'
+        )
     return StrataConfig(
         model=model,
         gpu=gpus,
@@ -191,6 +213,7 @@ def parse_config(data: Any, source: str = "the config", layers: int | None = Non
         workers=workers,
         max_context=max_context,
         kv=kv,
+        split_skip_if_fits=skip,
     )
 
 

@@ -1,0 +1,290 @@
+"""The model's side of the stage link (torch): what a worker computes, what the main process's chain sees of a
+remote stage, and the fingerprints the handshake compares."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import warnings
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.gguf.reader import GGUFFile
+from engine.layers.kv_cache import KVCache
+from engine.link import protocol as P
+from engine.link.client import StageClient, StageError
+from engine.models.config import ModelConfig
+from engine.models.decoder import DecoderLM
+from engine.pipeline.stages import LocalStage
+
+log = logging.getLogger("strata.link")
+
+_SAMPLE = 4096
+_TIMING_KEYS = ("st", "at", "c", "w", "r", "x")
+_TORCH = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fingerprints
+
+
+def header_digest(gf: GGUFFile) -> str:
+    """sha256 of the file's header bytes (metadata and tensor table, every part): the same file on both PCs."""
+    h = hashlib.sha256()
+    starts: dict[int, int] = {}
+    for info in gf.tensors.values():
+        starts[info.file_index] = min(starts.get(info.file_index, info.offset), info.offset)
+    for i, path in enumerate(gf.paths):
+        with Path(path).open("rb") as fh:
+            h.update(fh.read(starts.get(i, 1 << 20)))
+    return h.hexdigest()
+
+
+def data_digest(gf: GGUFFile, begin: int, end: int) -> str:
+    """A digest of samples (start, middle, end) of every tensor of layers [begin, end): cheap to compute on a mapped
+    file, and it tells two files with equal headers but other weights apart."""
+    h = hashlib.sha256()
+    for name in gf.tensor_names_for_layers(begin, end):
+        flat = gf.tensor_bytes(name).reshape(-1)
+        n = flat.numel()
+        h.update(name.encode())
+        for at in sorted({0, max(0, n // 2 - _SAMPLE // 2), max(0, n - _SAMPLE)}):
+            h.update(flat[at : at + _SAMPLE].numpy().tobytes())
+    return h.hexdigest()
+
+
+def stage_info(
+    gf: GGUFFile, cfg: ModelConfig, begin: int, end: int, max_ctx: int, max_tokens: int, kv: str = "f32",
+    header: str | None = None, data: bool = True,
+) -> P.StageInfo:  # fmt: skip
+    return P.StageInfo(
+        arch=cfg.arch,
+        n_layer=cfg.n_layer,
+        n_embd=cfg.n_embd,
+        n_head_kv=cfg.n_head_kv,
+        head_dim=cfg.head_dim_k,
+        n_vocab=cfg.n_vocab,
+        n_expert=cfg.n_expert,
+        begin=begin,
+        end=end,
+        header=header or header_digest(gf),
+        data=data_digest(gf, begin, end) if data else "",
+        kv=kv,
+        max_ctx=max_ctx,
+        max_tokens=max_tokens,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The worker's compute
+
+
+def tensor_from(payload: memoryview | bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A checked payload (protocol.decode) as a tensor [T, D]; its own memory (the receive buffer is read-only)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter(
+            "ignore", UserWarning
+        )  # torch warns on read-only buffers; the view is copied at once
+        t = torch.frombuffer(payload, dtype=_TORCH[dtype]).view(shape)
+    return t.clone()
+
+
+def payload_of(h: torch.Tensor) -> tuple[memoryview, str, tuple[int, ...]]:
+    """A hidden state as float32 bytes on the host (what the link carries: the residual stream is float32)."""
+    out = h.detach().to("cpu", torch.float32).contiguous()
+    return memoryview(out.numpy()).cast("B"), "f32", tuple(out.shape)
+
+
+class ModelCompute:
+    """Layers [begin, end) of the model on this worker's device (no token table, no head)."""
+
+    def __init__(self, model: DecoderLM, label: str) -> None:
+        if model.has_embed or model.has_head:
+            raise ValueError("a worker stage runs neither the token table nor the head")
+        self.stage = LocalStage(model, label)
+        self.cache: KVCache | None = None
+
+    def open(self, max_ctx: int, kv: str) -> None:
+        self.cache = None  # the old session's KV goes first
+        if self.stage.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.cache = self.stage.model.new_cache(max_ctx, kv)
+
+    @torch.inference_mode()
+    def forward(
+        self, payload: memoryview | bytes, dtype: str, shape: tuple[int, ...], start: int
+    ) -> tuple[memoryview, str, tuple[int, ...]]:
+        if self.cache is None:
+            raise RuntimeError("no session: the handshake did not finish")
+        h = tensor_from(payload, dtype, shape).to(self.stage.device).float()  # [T, D]
+        out = self.stage.run(h, self.cache, start)
+        self.cache.length = start + shape[0]
+        return payload_of(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The main process's view of a remote stage
+
+
+class RemoteStage:
+    """Layers [begin, end) of the chain behind one link, as a pipeline stage of the main process. Hidden states go
+    out and come back as float32 on the host; `pipe` keeps up to `window` prompt pieces in flight."""
+
+    def __init__(
+        self,
+        client: StageClient,
+        expect: P.StageInfo,
+        verify: Callable[[list[P.StageInfo]], None],
+        timing: Callable[[str], None] | None = None,
+        window: int = 2,
+    ) -> None:
+        self.client = client
+        self.expect = expect
+        self.verify = verify
+        self.timing = timing
+        self.window = max(1, window)
+        self.layers = range(expect.begin, expect.end)
+        self.device = torch.device("cpu")
+        self.label = str(client.endpoint)
+        self.chain: list[P.StageInfo] = []
+        self.last_timing: list[dict[str, object]] = []
+        self.last_rtt_ms = 0.0
+        self.status = "not connected"
+
+    @property
+    def max_tokens(self) -> int:
+        return self.expect.max_tokens
+
+    def connect(self) -> None:
+        try:
+            chain = self.client.connect(self.expect)
+        except StageError as e:
+            self.status = f"down: {e}"
+            raise
+        try:
+            self.verify(chain)
+        except StageError as e:
+            self.client.close()
+            self.status = f"refused: {e}"
+            raise
+        self.chain = chain
+        self.status = "ok"
+        log.info(
+            "remote stage: %s",
+            ", ".join(f"layers {c.layers_text} at {c.address or self.label}" for c in chain),
+        )
+
+    def ensure(self) -> bool:
+        """Connected (a new handshake when the last request failed or the worker left since); -> True when this
+        made a new session, whose worker holds no positions yet."""
+        if self.client.ok and self.client.check_idle():
+            return False
+        self.connect()
+        return True
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _note(self, reply_t: object, rtt: float) -> None:
+        """Keep the reply's per-stage timing (numbers and names only: it came over the network)."""
+        keep: list[dict[str, object]] = []
+        for t in reply_t[:16] if isinstance(reply_t, list) else []:
+            if isinstance(t, dict):
+                keep.append(
+                    {
+                        k: (v if isinstance(v, int | float) else str(v)[:80])
+                        for k, v in t.items()
+                        if k in _TIMING_KEYS
+                    }
+                )
+        self.last_timing = keep
+        self.last_rtt_ms = rtt
+
+    def run(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """x [T, D] -> [T, D] after the remote layers (pieces of at most max_tokens)."""
+        if not self.client.ok:
+            raise StageError(f"{self.client.label} is not connected: {self.client.last_error or self.status}")
+        outs = []
+        for o in range(0, x.shape[0], self.max_tokens):
+            payload, dtype, shape = payload_of(x[o : o + self.max_tokens])
+            try:
+                seq = self.client.submit(payload, dtype, shape, start + o)
+                r = self.client.wait(seq)
+            except StageError as e:
+                self.status = f"down: {e}"
+                raise
+            self._note(r.message.get("t"), r.rtt_ms)
+            outs.append(tensor_from(r.message.payload or b"", r.message.dtype or "f32", r.message.shape))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def pipe(
+        self,
+        take: Callable[[float], tuple[int, torch.Tensor] | None],
+        give: Callable[[torch.Tensor], bool],
+        pieces: int,
+        failed: Callable[[], bool],
+    ) -> None:
+        """Prompt pieces through the link with up to `window` in flight: `take(timeout)` gives (start, x) or None,
+        `give(out)` passes a result on (False: stop)."""
+        try:
+            self._pipe(take, give, pieces, failed)
+        except StageError as e:
+            self.status = f"down: {e}"
+            raise
+
+    def _pipe(
+        self,
+        take: Callable[[float], tuple[int, torch.Tensor] | None],
+        give: Callable[[torch.Tensor], bool],
+        pieces: int,
+        failed: Callable[[], bool],
+    ) -> None:
+        if not self.client.ok:
+            raise StageError(f"{self.client.label} is not connected: {self.client.last_error or self.status}")
+        sent = got = 0
+        flight: deque[int] = deque()
+        while got < pieces:
+            if failed():
+                if flight:  # answers still due on this session: a new handshake starts clean next time
+                    self.client.close()
+                    self.status = "down: a local stage failed while pieces were in flight"
+                return
+            if sent < pieces and len(flight) < self.window:
+                item = take(0.002 if flight else 0.05)
+                if item is not None:
+                    pos, x = item
+                    if x.shape[0] > self.max_tokens:
+                        raise StageError(
+                            f"a prompt piece of {x.shape[0]} tokens is over the {self.max_tokens} agreed"
+                        )
+                    payload, dtype, shape = payload_of(x)
+                    flight.append(self.client.submit(payload, dtype, shape, pos))
+                    sent += 1
+                    continue
+            if flight:
+                r = self.client.poll(0.002 if sent < pieces and len(flight) < self.window else 0.05)
+                if r is None:
+                    continue
+                if r.seq != flight[0]:
+                    raise StageError(f"{self.client.label} answered out of order")
+                flight.popleft()
+                got += 1
+                self._note(r.message.get("t"), r.rtt_ms)
+                if not give(tensor_from(r.message.payload or b"", r.message.dtype or "f32", r.message.shape)):
+                    return
+
+
+class HeadStage:
+    """The main process's output head after a remote chain (its model holds layers [0, K) and the head)."""
+
+    def __init__(self, model: DecoderLM, label: str) -> None:
+        self.model = model
+        self.layers = range(model.cfg.n_layer, model.cfg.n_layer)
+        self.device = model.device
+        self.label = label
+
+    def run(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        return self.model.head(x)  # [T, V]

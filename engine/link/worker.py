@@ -1,0 +1,163 @@
+"""`strata-engine worker`: run layers [K, K2) of a model for a main process on another PC (seed 000).
+
+    strata-engine worker --model F --stage-worker 7070 --stage-begin 24                  # the last stage
+    strata-engine worker --model F --stage-worker 7070 --stage-begin 16 --stage-end 32 \\
+                         --stage-next 192.168.1.21:7070                                   # a relay to the next PC
+
+Keys: `STRATA_STAGE_TOKEN` (the same secret on every PC) for a worker started by hand, or `--stage-key FILE` and
+`--stage-allow KEY` (the node agent's fresh key and the main's public key). Standard library only at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+PROG = "strata-engine worker"
+TIMING_ENV = "STRATA_REMOTE_TIMING"
+log = logging.getLogger("strata.link")
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("stage worker")
+    g.add_argument(
+        "--stage-worker", type=int, required=True, metavar="PORT", help="TCP port to listen on (0: any)"
+    )
+    g.add_argument("--stage-begin", type=int, required=True, metavar="K", help="first layer this worker runs")
+    g.add_argument(
+        "--stage-end", type=int, metavar="K2", help="one past its last layer (default: the model's end)"
+    )
+    g.add_argument(
+        "--stage-next", metavar="HOST:PORT", help="the worker of the layers from K2 on (with --stage-end)"
+    )
+    g.add_argument(
+        "--stage-bind", default="0.0.0.0", metavar="ADDR", help="address to listen on (default all)"
+    )
+    g.add_argument(
+        "--stage-key", metavar="FILE", help="this worker's key (a ZeroMQ certificate with its secret)"
+    )
+    g.add_argument(
+        "--stage-allow",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a client public key (Z85 or a certificate file) this worker admits; repeatable",
+    )
+    g.add_argument("--stage-next-key", metavar="KEY", help="the next worker's public key (with --stage-key)")
+    g.add_argument("--gpu", type=int, help="the card to run on (nvidia-smi's number)")
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from engine.experts.placement import PlacementError
+    from engine.link.client import StageError
+    from engine.link.keys import LinkKeyError
+    from engine.link.transport import EndpointError
+
+    try:
+        server = _build(args)
+    except (PlacementError, StageError, LinkKeyError, EndpointError, OSError, ValueError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+    def stop(signum: int, frame: object) -> None:
+        server.request_stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    server.serve_forever()
+    return 0
+
+
+def _build(args: argparse.Namespace) -> object:
+    import torch
+
+    from engine.experts.placement import PlacementError
+    from engine.gguf import names
+    from engine.gguf.reader import GGUFFile
+    from engine.layers.kv_cache import resolve_kv_type
+    from engine.link.keys import client_keys, fingerprint, server_keys
+    from engine.link.remote import ModelCompute, stage_info
+    from engine.link.server import StageServer
+    from engine.link.transport import parse_endpoint
+    from engine.loader import resolve_dtype
+    from engine.models.decoder import DecoderLM
+    from engine.models.registry import config_for
+    from engine.pipeline.split import (
+        SplitOptions,
+        StagePlan,
+        _policies,
+        geometry_from_gguf,
+        plan_stages,
+        visible_cards,
+    )
+    from engine.tokenizer import Tokenizer
+
+    if not args.model:
+        raise PlacementError("--model is required: the same .gguf file as the main process")
+    gf = GGUFFile.open(args.model)
+    tok = Tokenizer.from_metadata(gf.metadata)
+    embd = gf.tensors.get(names.TOKEN_EMBD)
+    cfg = config_for(gf.architecture, gf.metadata, n_vocab=embd.shape[0] if embd else tok.vocab_size)
+    n = cfg.n_layer
+    begin, end = args.stage_begin, args.stage_end if args.stage_end is not None else n
+    if not 1 <= begin < n:
+        raise PlacementError(
+            f"--stage-begin {begin}: a worker starts at a layer between 1 and {n - 1} (the main process always runs "
+            "layer 0 and the head)"
+        )
+    if not begin < end <= n:
+        raise PlacementError(f"--stage-end {end} must lie between --stage-begin + 1 ({begin + 1}) and {n}")
+    if end < n and not args.stage_next:
+        raise PlacementError(
+            f"--stage-end {end} stops before the model's end ({n}): name the worker of layers {end} on with "
+            "--stage-next HOST:PORT, or leave out --stage-end"
+        )
+    if args.stage_next and end == n:
+        raise PlacementError(
+            "--stage-next relays to a later worker: give --stage-end K2 (below the model's end) too"
+        )
+    if args.prefill != "auto" and (not str(args.prefill).isdigit() or int(args.prefill) < 1):
+        raise PlacementError(f"--prefill must be auto or a number of tokens, not {args.prefill!r}")
+    max_tokens = 4096 if args.prefill == "auto" else int(args.prefill)
+
+    keys = server_keys(args.stage_key, args.stage_allow)
+    next_endpoint = parse_endpoint(args.stage_next, "--stage-next") if args.stage_next else None
+    next_keys = None
+    if next_endpoint is not None:
+        if args.stage_key and not args.stage_next_key:
+            raise PlacementError(
+                "--stage-next with --stage-key needs the next worker's public key: --stage-next-key"
+            )
+        next_keys = client_keys(args.stage_key, args.stage_next_key)
+
+    visible = visible_cards()
+    cards = [v.card for v in visible]
+    sp = plan_stages(SplitOptions(device=args.device, gpu=args.gpu), n, cards)
+    d = sp.devices[0]
+    ordinals = {v.card.index: v.ordinal for v in visible}
+    dev = torch.device("cpu") if d is None else torch.device("cuda", ordinals.get(d, d))
+    dtype = resolve_dtype(args.dtype, dev)
+    kv = resolve_kv_type(args.kv, dtype)
+    policy = _policies(StagePlan((range(begin, end),), (d,)), geometry_from_gguf(gf, cfg, kv), args.max_context,
+                       SplitOptions(), None)[0]  # fmt: skip
+    model = DecoderLM(
+        cfg, gf, device=dev, dtype=dtype, layers=range(begin, end), embed=False, head=False, experts=policy
+    )
+    info = stage_info(gf, cfg, begin, end, args.max_context, max_tokens, kv)
+    timing = (lambda line: log.info("%s", line)) if os.environ.get(TIMING_ENV) == "1" else None
+    server = StageServer(
+        info, ModelCompute(model, sp.labels[0]), keys, args.stage_bind, args.stage_worker, next_endpoint, next_keys,
+        timing=timing,
+    )  # fmt: skip
+    relay = f", relaying to {next_endpoint}" if next_endpoint else ""
+    # The node agent and the tests read this line for the port (--stage-worker 0).
+    print(
+        f"{PROG}: layers {begin}-{end - 1} on {sp.labels[0]}, listening on {args.stage_bind}:{server.port}{relay} "
+        f"(key {fingerprint(keys.pair.public)}, clients from {keys.source})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return server

@@ -1,0 +1,621 @@
+"""From the split options (`--gpus`, `--gpu`, `--layer-split`, `--split-device`, `--gpu-order`, the reserves) to the
+stages of one PC: which layers on which device, checked before anything is loaded, then built.
+
+`plan_stages` is pure (cards come in as data, so every rule is tested without a GPU); `visible_cards` asks the
+driver; `build_model` loads each stage's layers on its device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from engine.experts.placement import (
+    MIB,
+    Budget,
+    Card,
+    Geometry,
+    GpuOrder,
+    Placement,
+    PlacementError,
+    check_cards,
+    check_manual_split,
+    plan,
+)
+from engine.experts.policy import WORKSPACE_BYTES, ExpertPolicy
+from engine.gguf import names
+from engine.gguf.reader import GGUFFile, block_index
+from engine.layers.kv_cache import resolve_kv_type
+from engine.loader import LoadedModel, resolve_dtype
+from engine.models.config import ModelConfig
+from engine.models.decoder import DecoderLM
+from engine.models.registry import config_for
+from engine.pipeline.handoff import HandoffMode
+from engine.pipeline.stages import LocalStage, SplitModel
+from engine.tokenizer import ChatFormatter, Tokenizer
+
+log = logging.getLogger("strata.engine")
+
+LayerSplitArg = Literal["auto"] | tuple[int, ...] | None
+_EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """The split flags as given (the CLI and the config fill it; `plan_stages` checks it)."""
+
+    device: str = "auto"  # --device: auto, cpu, cuda, cuda:N
+    gpu: int | None = None  # --gpu N: one card
+    gpus: tuple[int, ...] | Literal["all"] | None = None  # --gpus 0,2 | all
+    layer_split: LayerSplitArg = None  # --layer-split auto | K1,K2 (None: auto when several cards)
+    split_device: tuple[str, ...] = ()  # --split-device D1,D2: later stages' devices (card numbers or cpu)
+    gpu_order: GpuOrder = "auto"
+    reserve_mib: int = 512
+    reserve_later_mib: int | None = None
+    skip_if_fits: bool = False
+    handoff: HandoffMode = "auto"
+    pipeline: bool | None = None  # prompt pieces overlapped across stages (None: when the devices differ)
+    pipe_chunk: int = 512
+    remote: str | None = None  # --remote-stage HOST:PORT: layers [K, end) on worker PCs
+    remote_key: str | None = (
+        None  # --remote-stage-key: the worker's public key (else from STRATA_STAGE_TOKEN)
+    )
+    stage_key: str | None = None  # --stage-key: this side's key file
+    remote_timing: bool = False  # STRATA_REMOTE_TIMING=1
+    remote_stall_s: float = 3.0
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    ranges: tuple[range, ...]
+    devices: tuple[int | None, ...]  # card number as nvidia-smi gives it, or None for the CPU
+    placement: Placement | None = None
+    lines: tuple[str, ...] = field(default=())
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return tuple("CPU" if d is None else f"CUDA{d}" for d in self.devices)
+
+    @property
+    def split(self) -> bool:
+        return len(self.ranges) > 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parsing the flags
+
+
+def parse_gpus(text: str) -> tuple[int, ...] | Literal["all"]:
+    t = text.strip().lower()
+    if t == "all":
+        return "all"
+    parts = [p.strip() for p in t.split(",")]
+    if not t or not all(re.fullmatch(r"\d+", p) for p in parts):
+        raise PlacementError(
+            f"--gpus {text!r}: expected card numbers as nvidia-smi numbers them, e.g. 0,2, or all"
+        )
+    nums = tuple(int(p) for p in parts)
+    if len(set(nums)) != len(nums):
+        raise PlacementError(f"--gpus {text}: a card is named twice; name each card once, e.g. 0,2")
+    return nums
+
+
+def parse_layer_split(value: str | Sequence[int] | None) -> LayerSplitArg:
+    """`auto`, `24,36` or [24, 36] (the first layer of each later card); None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        t = value.strip()
+        if t.lower() == "auto":
+            return "auto"
+        parts = [p.strip() for p in t.split(",")]
+        if not t or not all(re.fullmatch(r"\d+", p) for p in parts):
+            raise PlacementError(
+                f"--layer-split {value!r}: expected auto or the first layer of each later card, e.g. 24 or 24,36"
+            )
+        return tuple(int(p) for p in parts)
+    return tuple(int(v) for v in value)
+
+
+def parse_split_device(text: str | None) -> tuple[str, ...]:
+    if not text:
+        return ()
+    parts = tuple(p.strip().lower() for p in text.split(","))
+    for p in parts:
+        if p != "cpu" and not re.fullmatch(r"(cuda:)?\d+", p):
+            raise PlacementError(
+                f"--split-device {text!r}: expected the later stages' card numbers (or cpu), e.g. 1 or 0,0"
+            )
+    return tuple(p.removeprefix("cuda:") for p in parts)
+
+
+def _device_card(device: str, cards: Sequence[Card]) -> int | None:
+    """--device as a card number (None: the CPU)."""
+    d = device.strip().lower()
+    if d == "cpu":
+        return None
+    if d == "auto":
+        return cards[0].index if cards else None
+    m = re.fullmatch(r"cuda(?::(\d+))?", d)
+    if not m:
+        raise PlacementError(f"--device {device!r} is not supported: use cpu, cuda or cuda:N")
+    if not cards:
+        raise PlacementError(
+            f"--device {device} was asked for but no CUDA device is available: use --device cpu"
+        )
+    return int(m.group(1)) if m.group(1) else cards[0].index
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan
+
+
+def _card(cards: Sequence[Card], index: int, flag: str) -> Card:
+    for c in cards:
+        if c.index == index:
+            return c
+    have = ", ".join(f"GPU {c.index} ({c.name})" for c in cards) or "no CUDA card"
+    raise PlacementError(
+        f"{flag} names GPU {index}, which this PC does not have (it has {have}): name a listed card"
+    )
+
+
+def _plain_lines(ranges: Sequence[range], labels: Sequence[str], note: str = "") -> tuple[str, ...]:
+    parts = ", ".join(f"{r.start}-{r.stop - 1} ({lab})" for r, lab in zip(ranges, labels, strict=True))
+    return (f"layer split: layers {parts}, one hand-off per window{note}",)
+
+
+def plan_stages(
+    opts: SplitOptions,
+    n_layer: int,
+    cards: Sequence[Card],
+    geometry: Geometry | None = None,
+    context: int = 4096,
+    profile: np.ndarray | None = None,
+) -> StagePlan:
+    """Which layers run on which device. `cards`: the CUDA cards this PC shows (empty without CUDA).
+    `geometry` is needed to price a split on cards (`auto`, and the memory check of a manual split)."""
+    if opts.gpus is not None and opts.gpu is not None:
+        raise PlacementError(
+            "--gpus and --gpu are both given: --gpus 0,2 runs cards together, --gpu 0 one card; give one"
+        )
+    if opts.gpus is not None and opts.split_device:
+        raise PlacementError(
+            "--gpus and --split-device are both given: --gpus names every stage's card; --split-device only the later "
+            "stages' (with --layer-split K); give one"
+        )
+    split = opts.layer_split
+    budget = Budget(
+        context,
+        opts.reserve_mib * MIB,
+        None if opts.reserve_later_mib is None else opts.reserve_later_mib * MIB,
+    )
+
+    # --gpus: every stage's card.
+    if opts.gpus is not None:
+        if not cards:
+            raise PlacementError(
+                "--gpus was given but this PC shows no CUDA card: leave it out to run on the CPU"
+            )
+        if opts.gpus == "all":
+            chosen = [c for c in cards if c.compute_capability >= (7, 5)]
+            if not chosen:
+                raise PlacementError(
+                    "--gpus all: no card has compute capability 7.5 or newer; the CPU mode runs without"
+                )
+        else:
+            chosen = [_card(cards, i, f"--gpus {','.join(map(str, opts.gpus))}") for i in opts.gpus]
+        check_cards(chosen)
+        if len(chosen) == 1:
+            if isinstance(split, tuple) and split:
+                raise PlacementError(
+                    f"--layer-split {','.join(map(str, split))} needs {len(split) + 1} cards but --gpus names one: "
+                    "name more cards, or add --split-device to run the stages on one card"
+                )
+            return StagePlan((range(n_layer),), (chosen[0].index,))
+        if geometry is None:
+            raise ValueError("plan_stages needs the model geometry to place layers on several cards")
+        p = plan(
+            chosen,
+            geometry,
+            budget,
+            "auto" if split in (None, "auto") else split,
+            profile,
+            opts.gpu_order,
+            opts.skip_if_fits,
+        )
+        return StagePlan(p.ranges, tuple(c.index for c in p.cards), p, tuple(p.log_lines()))
+
+    # One main device, later stages from --split-device or the next visible cards.
+    main = (
+        _card(cards, opts.gpu, f"--gpu {opts.gpu}").index
+        if opts.gpu is not None
+        else _device_card(opts.device, cards)
+    )
+    if main is not None:
+        check_cards([_card(cards, main, f"--device {opts.device}")])
+    if split in (None, "auto") or (isinstance(split, tuple) and not split):
+        if opts.split_device:
+            raise PlacementError(
+                "--split-device places the later stages of --layer-split K; give the split, e.g. --layer-split 24 "
+                "--split-device 0"
+            )
+        return StagePlan((range(n_layer),), (main,))
+    assert isinstance(split, tuple)
+    n = len(split) + 1
+    check_manual_split(split, n, n_layer)
+    later: list[int | None]
+    if opts.split_device:
+        if len(opts.split_device) != n - 1:
+            raise PlacementError(
+                f"--split-device {','.join(opts.split_device)} names {len(opts.split_device)} device(s) for the "
+                f"{n - 1} later stage(s) of --layer-split {','.join(map(str, split))}: give one per later stage"
+            )
+        later = []
+        for d in opts.split_device:
+            if d == "cpu":
+                later.append(None)
+            else:
+                later.append(_card(cards, int(d), f"--split-device {','.join(opts.split_device)}").index)
+    elif main is None:
+        later = [None] * (n - 1)  # a CPU run keeps every stage on the CPU
+    else:
+        after = [c.index for c in cards if c.index > main] + [c.index for c in cards if c.index < main]
+        if len(after) < n - 1:
+            raise PlacementError(
+                f"--layer-split {','.join(map(str, split))} needs {n} cards but this PC shows {len(cards)}: name the "
+                f"later stages' cards with --split-device (--split-device {','.join([str(main)] * (n - 1))} runs "
+                "them all on one card: the check of the hand-off, not a speed mode)"
+            )
+        later = list(after[: n - 1])
+    devices = (main, *later)
+    bounds = (0, *split, n_layer)
+    ranges = tuple(range(a, b) for a, b in itertools.pairwise(bounds))
+    gpu_devs = [d for d in devices if d is not None]
+    if len(gpu_devs) == n and len(set(gpu_devs)) == n and geometry is not None:
+        chosen = [_card(cards, d, "--split-device") for d in gpu_devs]
+        check_cards(chosen)
+        p = plan(chosen, geometry, budget, split, profile, "as_given")
+        return StagePlan(ranges, devices, p, tuple(p.log_lines()))
+    labels = tuple("CPU" if d is None else f"CUDA{d}" for d in devices)
+    note = ""
+    if len(set(devices)) < n:
+        note = " (several stages on one device: the check of the hand-off, not a speed mode)"
+    return StagePlan(ranges, devices, None, _plain_lines(ranges, labels, note))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Facts from the file and from the driver
+
+
+def kv_bytes_per_value(kv_type: str) -> float:
+    return {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0}[kv_type]
+
+
+def geometry_from_gguf(gf: GGUFFile, cfg: ModelConfig, kv_type: str) -> Geometry:
+    """Bytes per layer of the file's own blocks (what a stage keeps on its card), from the header only."""
+    n = cfg.n_layer
+    dense = [0] * n
+    experts = [0] * n
+    for name, info in gf.tensors.items():
+        i = block_index(name)
+        if i is None or i >= n:
+            continue
+        if any(f"blk.{i}.{part}." in name for part in _EXPERT_PARTS):
+            experts[i] += info.nbytes
+        else:
+            dense[i] += info.nbytes
+    if cfg.n_expert:
+        experts = [e // cfg.n_expert for e in experts]
+    per_value = kv_bytes_per_value(kv_type)
+    values = cfg.n_head_kv * (cfg.head_dim_k + cfg.head_dim_v)
+    scales = 2 * cfg.n_head_kv * 2 if kv_type == "int8" else 0  # one f16 scale per head for K and for V
+    kv_token = int(values * per_value) + scales
+    window = tuple(cfg.sliding_window if cfg.is_swa(i) else 0 for i in range(n))
+    embd = gf.tensors.get(names.TOKEN_EMBD)
+    out = gf.tensors.get(names.OUTPUT)
+    norm = gf.tensors.get(names.OUTPUT_NORM)
+    head = (out.nbytes if out else (embd.nbytes if embd else 0)) + (norm.nbytes if norm else 0)
+    return Geometry(
+        n_layer=n,
+        n_expert=cfg.n_expert,
+        dense_bytes=tuple(dense),
+        expert_bytes=tuple(experts),
+        kv_bytes_per_token=(kv_token,) * n,
+        kv_window=window if any(window) else (),
+        embed_bytes=embd.nbytes if embd else 0,
+        head_bytes=head,
+    )
+
+
+@dataclass(frozen=True)
+class VisibleCard:
+    card: Card
+    ordinal: int  # torch's cuda:N for it
+
+
+def _torch_uuid(ordinal: int) -> str | None:
+    try:
+        u = getattr(torch.cuda.get_device_properties(ordinal), "uuid", None)
+    except Exception:
+        return None
+    return str(u).lower().removeprefix("gpu-") if u is not None else None
+
+
+def visible_cards() -> list[VisibleCard]:
+    """The CUDA cards this process can use, numbered as nvidia-smi numbers them (NVML), each with its torch
+    ordinal (matched by UUID: torch's own order follows CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER)."""
+    if not torch.cuda.is_available():
+        return []
+    count = torch.cuda.device_count()
+    by_uuid = {u: i for i in range(count) if (u := _torch_uuid(i))}
+    out: list[VisibleCard] = []
+    try:
+        from installer.gpus import probe
+
+        result = probe(others=())
+        gpus = result.gpus if result.ok else ()
+    except Exception:
+        gpus = ()
+    for g in gpus:
+        ordinal = by_uuid.get(g.uuid.lower().removeprefix("gpu-"))
+        if ordinal is None:
+            continue  # hidden by CUDA_VISIBLE_DEVICES
+        free = torch.cuda.mem_get_info(ordinal)[0]
+        card = Card(
+            g.index, g.name, int(free), g.vram_total, g.compute_capability, g.sm_count, g.max_sm_clock_mhz
+        )
+        out.append(VisibleCard(card, ordinal))
+    if out:
+        return out
+    for i in range(count):  # no NVML: torch's order and facts
+        props = torch.cuda.get_device_properties(i)
+        clock = getattr(props, "clock_rate", None)
+        free = torch.cuda.mem_get_info(i)[0]
+        card = Card(
+            i, props.name, int(free), int(props.total_memory), (props.major, props.minor),
+            props.multi_processor_count, int(clock) // 1000 if clock else None,
+        )  # fmt: skip
+        out.append(VisibleCard(card, i))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building
+
+
+def _policies(
+    sp: StagePlan, geometry: Geometry, context: int, opts: SplitOptions, profile: np.ndarray | None
+) -> list[ExpertPolicy]:
+    """Each stage's expert-cache policy: its card's reserve (the first card's or the later cards' setting), its own
+    KV still to come, and - for stages sharing a card - room kept for the later stages' weights, KV and work."""
+    n = len(sp.ranges)
+    prof = torch.as_tensor(profile) if profile is not None else None
+    kv = [sum(geometry.kv_bytes(i, context) for i in r) for r in sp.ranges]
+    fixed = [sum(geometry.dense_bytes[i] for i in r) + kv[j] for j, r in enumerate(sp.ranges)]
+    later = opts.reserve_mib if opts.reserve_later_mib is None else opts.reserve_later_mib
+    out = []
+    for j in range(n):
+        keep = sum(fixed[k] + WORKSPACE_BYTES for k in range(j + 1, n) if sp.devices[k] == sp.devices[j])
+        if j < n - 1 and sp.devices[n - 1] == sp.devices[j]:
+            keep += geometry.head_bytes
+        out.append(
+            ExpertPolicy(
+                reserve_mib=opts.reserve_mib if j == 0 else later, kv_bytes=kv[j] + keep, profile=prof
+            )
+        )
+    return out
+
+
+def build_model(
+    gf: GGUFFile,
+    cfg: ModelConfig,
+    sp: StagePlan,
+    dtype: torch.dtype,
+    ordinals: dict[int, int] | None = None,
+    opts: SplitOptions | None = None,
+    context: int = 4096,
+    kv_type: str = "bf16",
+    profile: np.ndarray | None = None,
+) -> DecoderLM | SplitModel:
+    """One `DecoderLM` per stage on its device (each maps and loads only its own layers); one stage is returned
+    as the plain model."""
+    opts = opts or SplitOptions()
+    ordinals = ordinals or {}
+
+    def torch_device(d: int | None) -> torch.device:
+        return torch.device("cpu") if d is None else torch.device("cuda", ordinals.get(d, d))
+
+    policies = _policies(sp, geometry_from_gguf(gf, cfg, kv_type), context, opts, profile)
+    if not sp.split:
+        return DecoderLM(cfg, gf, device=torch_device(sp.devices[0]), dtype=dtype, experts=policies[0])
+    n = len(sp.ranges)
+    stages = []
+    for j, (r, d, label) in enumerate(zip(sp.ranges, sp.devices, sp.labels, strict=True)):
+        dev = torch_device(d)
+        m = DecoderLM(
+            cfg, gf, device=dev, dtype=dtype, layers=r, embed=j == 0, head=j == n - 1, experts=policies[j]
+        )
+        stages.append(LocalStage(m, label))
+    model = SplitModel(cfg, stages, handoff=opts.handoff, pipeline=opts.pipeline, pipe_chunk=opts.pipe_chunk)
+    for line in model.describe():
+        log.info("%s", line)
+    return model
+
+
+def load_split_model(
+    path: str | Path,
+    opts: SplitOptions,
+    max_context: int = 4096,
+    kv: str = "auto",
+    dtype: str = "auto",
+    profile: np.ndarray | None = None,
+) -> LoadedModel:
+    """`engine.loader.load_model` with the split options: the plan is checked before any weight is read (a bad
+    split fails at once, saying how to fix it) and logged, then each stage loads only its own layers on its device.
+    One stage gives the plain `DecoderLM`; several a `SplitModel` (both drive `Runner` alike)."""
+    gf = GGUFFile.open(path)
+    tok = Tokenizer.from_metadata(gf.metadata)
+    embd = gf.tensors.get(names.TOKEN_EMBD)
+    cfg = config_for(gf.architecture, gf.metadata, n_vocab=embd.shape[0] if embd else tok.vocab_size)
+    if opts.remote:
+        check_remote_options(opts, cfg.n_layer)
+    visible = visible_cards()
+    cards = [v.card for v in visible]
+    on_cuda = bool(cards) and opts.device.strip().lower() != "cpu"
+    dt = resolve_dtype(dtype, torch.device("cuda" if on_cuda else "cpu"))
+    kv_type = resolve_kv_type(kv, dt)
+    geometry = geometry_from_gguf(gf, cfg, kv_type) if cards else None
+    # With a remote stage this PC runs one stage: the plan places it (the rest is the worker's).
+    plan_opts = replace(opts, layer_split=None) if opts.remote else opts
+    sp = plan_stages(plan_opts, cfg.n_layer, cards, geometry, max_context, profile)
+    for line in sp.lines:
+        log.info("%s", line)
+    if all(d is None for d in sp.devices):
+        dt = resolve_dtype(dtype, torch.device("cpu"))
+        kv_type = resolve_kv_type(kv, dt)
+    ordinals = {v.card.index: v.ordinal for v in visible}
+    if opts.remote:
+        model: DecoderLM | SplitModel = build_remote_main(
+            gf, cfg, sp, dt, ordinals, opts, max_context, kv_type, profile
+        )
+    else:
+        model = build_model(gf, cfg, sp, dt, ordinals, opts, max_context, kv_type, profile)
+    chat = ChatFormatter.from_metadata(gf.metadata)
+    if chat.is_fallback:
+        log.warning("%s has no chat template: using the ChatML fallback template", Path(path).name)
+    log.info(
+        "loaded %s: %s, %d layers, %s on %s (%s)",
+        Path(path).name,
+        cfg.arch,
+        cfg.n_layer,
+        f"{cfg.n_expert} experts (top-{cfg.n_expert_used})" if cfg.is_moe else "dense",
+        ", ".join(sp.labels),
+        str(dt).removeprefix("torch."),
+    )
+    return LoadedModel(Path(path), gf, cfg, model, tok, chat)  # type: ignore[arg-type]
+
+
+def prefill_chunk(model: object, arg: str = "auto", default: int = 512) -> int:
+    """The prompt chunk `Runner` reads per forward for `--prefill auto`: on a pipelined split, several pieces per
+    chunk so that the stages overlap (2 x stages pieces of `pipe_chunk`); otherwise `default`."""
+    if arg != "auto":
+        return int(arg)
+    if isinstance(model, SplitModel) and model.pipeline and len(model.stages) > 1:
+        return model.pipe_chunk * 2 * len(model.stages)
+    return default
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The main process of a split over several PCs (engine/link)
+
+
+def check_remote_options(opts: SplitOptions, n_layer: int) -> None:
+    """Refuse at start what cannot work with `--remote-stage`, saying why."""
+    from engine.link.transport import parse_endpoint
+
+    parse_endpoint(opts.remote or "", "--remote-stage")
+    split = opts.layer_split
+    if not isinstance(split, tuple) or len(split) != 1:
+        raise PlacementError(
+            "--remote-stage needs --layer-split K (one number: this PC runs layers 0 to K-1 and the head, the worker "
+            f"K onward; more PCs chain through the workers' --stage-end and --stage-next), not {split or 'none'}"
+        )
+    if not 1 <= split[0] < n_layer:
+        raise PlacementError(
+            f"--layer-split {split[0]} with --remote-stage must lie between 1 and {n_layer - 1}"
+        )
+    if opts.gpus is not None and (opts.gpus == "all" or len(opts.gpus) > 1):
+        raise PlacementError(
+            "--remote-stage runs this PC's layers on one card: use --gpu N (several cards here and a remote stage "
+            "together are not supported yet)"
+        )
+    if opts.split_device:
+        raise PlacementError(
+            "--split-device places in-process stages; with --remote-stage the worker runs K onward"
+        )
+    if opts.skip_if_fits:
+        raise PlacementError(
+            "--split-skip-if-fits decides an in-process split; it does not apply to --remote-stage"
+        )
+
+
+def build_remote_main(
+    gf: GGUFFile,
+    cfg: ModelConfig,
+    sp: StagePlan,
+    dtype: torch.dtype,
+    ordinals: dict[int, int],
+    opts: SplitOptions,
+    context: int,
+    kv_type: str,
+    profile: np.ndarray | None,
+) -> SplitModel:
+    """Layers [0, K) and the head here, [K, end) behind the link: connected and checked before it returns."""
+    from engine.link.client import StageClient, StageError
+    from engine.link.keys import client_keys
+    from engine.link.remote import HeadStage, RemoteStage, data_digest, header_digest, stage_info
+    from engine.link.transport import parse_endpoint
+
+    assert isinstance(opts.layer_split, tuple) and opts.remote
+    k = opts.layer_split[0]
+    d = sp.devices[0]
+    dev = torch.device("cpu") if d is None else torch.device("cuda", ordinals.get(d, d))
+    label = "CPU" if d is None else f"CUDA{d}"
+    main_plan = StagePlan((range(0, k),), (d,))
+    policy = _policies(main_plan, geometry_from_gguf(gf, cfg, kv_type), context, opts, profile)[0]
+    main = DecoderLM(
+        cfg, gf, device=dev, dtype=dtype, layers=range(0, k), embed=True, head=True, experts=policy
+    )
+    header = header_digest(gf)
+    expect = stage_info(gf, cfg, k, cfg.n_layer, context, opts.pipe_chunk, kv_type, header=header, data=False)
+    endpoint = parse_endpoint(opts.remote, "--remote-stage")
+    digests: dict[tuple[int, int], str] = {}
+
+    def verify(chain: list) -> None:  # type: ignore[type-arg]
+        at = k
+        for c in chain:
+            if c.begin != at:
+                raise StageError(
+                    f"the chain behind {endpoint} runs layers {c.layers_text} where layer {at} was due"
+                )
+            key = (c.begin, c.end)
+            if key not in digests:
+                digests[key] = data_digest(gf, c.begin, c.end)
+            if c.data != digests[key]:
+                raise StageError(
+                    f"model mismatch: layers {c.layers_text} at {c.address or endpoint} have weights fingerprint "
+                    f"{c.data[:16]}, this PC's file {digests[key][:16]}: copy the same .gguf to both PCs",
+                    "mismatch",
+                )
+            at = c.end
+        if at != cfg.n_layer:
+            raise StageError(
+                f"the chain behind {endpoint} ends at layer {at - 1}; the model has {cfg.n_layer} layers: the last "
+                "worker must run to the end (leave out its --stage-end)",
+                "mismatch",
+            )
+
+    client = StageClient(
+        endpoint,
+        client_keys(opts.stage_key, opts.remote_key),
+        opts.pipe_chunk * cfg.n_embd * 4,
+        label=f"the worker at {endpoint}",
+        stall_s=opts.remote_stall_s,
+    )
+    sink = (lambda line: log.info("%s", line)) if opts.remote_timing else None
+    remote = RemoteStage(client, expect, verify)
+    stages = [LocalStage(main, label, head=False), remote, HeadStage(main, label)]
+    model = SplitModel(
+        cfg, stages, handoff=opts.handoff, pipeline=True, pipe_chunk=opts.pipe_chunk, timing_sink=sink
+    )
+    remote.connect()
+    return model

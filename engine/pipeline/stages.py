@@ -1,0 +1,455 @@
+"""Pipeline stages and the in-process layer split (seed 002).
+
+A `SplitModel` chains stages, one per device, each a `DecoderLM` over its contiguous layer range (the first with
+the token table, the last with the head); the hidden state crosses from one device to the next once per forward
+through a `Handoff`. It offers what `Runner` drives - `forward(tokens, cache, start)`, `new_cache`, `device`,
+`dtype` - so the generation loop does not know how many stages there are.
+
+A prompt chunk of more than `pipe_chunk` tokens is read as a pipeline when the stages sit on different devices
+(or when asked): it is cut into pieces, one thread per stage, and stage s reads piece c while stage s+1 reads
+piece c-1. Every piece runs the same math at the same positions as a forward of that piece alone, so the logits
+equal those of an unsplit model fed the same pieces.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from engine.layers.kv_cache import KVCache
+from engine.models.config import ModelConfig
+from engine.models.decoder import DecoderLM
+from engine.pipeline.handoff import Handoff, HandoffMode
+
+log = logging.getLogger("strata.engine")
+
+_POLL_S = 0.05  # how often a waiting stage thread looks whether another one failed
+
+
+class Stage(Protocol):
+    """One stage of the chain: layers `layers` on `device`. The first takes token ids [T], the others a hidden
+    state [T, D] (float32) on their device; the last returns logits [T, V], the others a hidden state."""
+
+    layers: range
+    device: torch.device
+    label: str
+
+    def run(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor: ...
+
+
+class LocalStage:
+    """A `DecoderLM` over one layer range in this process. On CUDA a one-token step (decode) replays a CUDA graph
+    of the stage when its model can be captured (the model's own `graphs.usable` says so)."""
+
+    def __init__(
+        self, model: DecoderLM, label: str, cuda_graphs: bool = True, head: bool | None = None
+    ) -> None:
+        self.model = model
+        self.layers = model.layer_range
+        self.device = model.device
+        self.label = label
+        # The head runs here unless a later stage runs it (after a remote chain, a `HeadStage` does).
+        self.with_head = model.has_head if head is None else head and model.has_head
+        own = getattr(model, "graphs", None)
+        usable = own is not None and bool(getattr(own, "usable", False)) and hasattr(model, "layer_at")
+        self.graphs = StageGraphs(self) if cuda_graphs and usable and model.device.type == "cuda" else None
+
+    @property
+    def first(self) -> bool:
+        return self.model.has_embed
+
+    @property
+    def last(self) -> bool:
+        return self.with_head
+
+    def run(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        if self.graphs is not None and x.shape[0] == 1:
+            return self.graphs.step(x, cache, start)
+        m = self.model
+        h = m.embed(x.to(self.device)) if m.has_embed else x  # [T, D]
+        for i in self.layers:
+            h = m.layer(i, h, cache, start)
+        return m.head(h) if self.with_head else h  # [T, V] or [T, D]
+
+    def body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int) -> torch.Tensor:
+        """The stage at device positions `pos` and a static span: the capturable form of `run`."""
+        m = self.model
+        h = m.embed(x) if m.has_embed else x  # [T, D]
+        for i in self.layers:
+            h = m.layer_at(i, h, cache, pos, span)
+        return m.head(h) if self.with_head else h
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inp: torch.Tensor  # [1] token id (first stage) or [1, D] hidden state
+    pos: torch.Tensor  # [1] long
+    out: torch.Tensor  # [1, V] logits or [1, D] hidden state
+
+
+class StageGraphs:
+    """One stage's decode step captured in CUDA graphs, one per (KV cache, span bucket), as the whole model's step
+    is (engine/pipeline/cuda_graphs.py): a stage starts from a hidden state and may end without the head."""
+
+    def __init__(self, stage: LocalStage) -> None:
+        self.stage = stage
+        self.graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
+        self.pool: tuple[int, int] | None = None
+
+    def step(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        from engine.pipeline.cuda_graphs import MAX_GRAPHS, SPAN_BUCKET
+
+        span = min(cache.max_ctx, -(-(start + 1) // SPAN_BUCKET) * SPAN_BUCKET)
+        key = (id(cache), span)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._capture(x, cache, start, span)
+            self.graphs[key] = g
+            while len(self.graphs) > MAX_GRAPHS:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+            g.inp.copy_(x.view(g.inp.shape), non_blocking=True)
+            g.pos.fill_(start)
+        g.graph.replay()
+        return g.out.clone()  # the next replay overwrites the graph's output
+
+    def _capture(self, x: torch.Tensor, cache: KVCache, start: int, span: int) -> _Graph:
+        st = self.stage
+        m, dev = st.model, st.device
+        inp = x.to(dev).clone()
+        pos = torch.full((1,), start, dtype=torch.long, device=dev)
+        # Warm-up runs repeat this step's own KV write; the usage counters they bump are put back.
+        saved = m.expert_counts.clone() if m.expert_counts is not None else None
+        cache_ = getattr(m, "expert_cache", None)
+        saved_hits = cache_.snapshot_counters() if cache_ is not None else None
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                st.body(inp, cache, pos, span)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = st.body(inp, cache, pos, span)
+        self.pool = graph.pool()
+        if saved is not None and m.expert_counts is not None:
+            m.expert_counts.copy_(saved)
+        if saved_hits is not None and cache_ is not None:
+            cache_.restore_counters(saved_hits)
+        return _Graph(graph, inp, pos, out)
+
+
+@dataclass
+class StageTiming:
+    """Host-side time of each stage in the last forward (ms); with CUDA it includes the wait for the hand-off."""
+
+    ms: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+class SplitModel:
+    """Stages in order; the hand-off between stage s and s+1 is `handoffs[s]`."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        stages: Sequence[Stage],
+        handoff: HandoffMode = "auto",
+        pipeline: bool | None = None,
+        pipe_chunk: int = 512,
+        timing_sink: Callable[[str], None] | None = None,
+    ) -> None:
+        if not stages:
+            raise ValueError("a split needs at least one stage")
+        covered = [i for s in stages for i in s.layers]
+        if covered != list(range(cfg.n_layer)):
+            raise ValueError(
+                f"the stages cover layers {[(s.layers.start, s.layers.stop - 1) for s in stages]}, "
+                f"not 0-{cfg.n_layer - 1} once each in order"
+            )
+        self.cfg = cfg
+        self.stages = list(stages)
+        self.handoffs = [Handoff(a.device, b.device, handoff) for a, b in itertools.pairwise(stages)]
+        distinct = len({(s.device.type, s.device.index) for s in stages}) > 1
+        # Pieces overlap only where the stages have devices of their own; on one device they would take turns.
+        self.pipeline = distinct if pipeline is None else pipeline
+        self.pipe_chunk = max(1, pipe_chunk)
+        self.layer_range = range(cfg.n_layer)
+        self.timing = StageTiming([0.0] * len(self.stages))
+        self.timing_sink = timing_sink
+        self.history: list[int] = []  # token ids at positions 0.. (to rebuild a remote stage that restarted)
+        self.replay_chunk = 512
+
+    # ---- what Runner and the server read ----
+
+    @property
+    def device(self) -> torch.device:
+        """Where the logits are (the last stage's device): the sampler and the step's sync look here."""
+        return self.stages[-1].device
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return [s.device for s in self.stages]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._models()[0].dtype if self._models() else torch.float32
+
+    def _models(self) -> list[DecoderLM]:
+        return [s.model for s in self.stages if isinstance(s, LocalStage)]
+
+    def health(self) -> list[tuple[str, str]]:
+        """(stage, status) for the stages in other processes: "ok", or "down: <why>" (the server's /health)."""
+        return [(s.label, getattr(s, "status", "ok")) for s in self.stages if hasattr(s, "ensure")]
+
+    def close(self) -> None:
+        for s in self.stages:
+            close = getattr(s, "close", None)
+            if close is not None:
+                close()
+
+    @property
+    def expert_counts(self) -> torch.Tensor | None:
+        """[n_layer, n_expert] selections since load, summed over the stages (each counts its own layers)."""
+        parts = [m.expert_counts.cpu() for m in self._models() if m.expert_counts is not None]
+        if not parts:
+            return None
+        return torch.stack(parts).sum(0)
+
+    def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
+        """One KV cache object whose layers live on their stages' devices."""
+        c = self.cfg
+        cache = KVCache(
+            range(0), max_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, kv_type, self.stages[0].device
+        )
+        for m in self._models():
+            cache.layers.update(m.new_cache(max_ctx, kv_type).layers)
+        return cache
+
+    # ---- the forward ----
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """tokens [T] -> logits [T, V] on the last stage's device; the cache then holds start+T positions."""
+        t = int(tokens.shape[0])
+        del self.history[start:]
+        if self._reconnect() and start > 0:
+            self._replay(cache, start)
+        if self.pipeline and len(self.stages) > 1 and t > self.pipe_chunk:
+            logits = self._pipelined(tokens, cache, start)
+        else:
+            logits = self._serial(tokens, cache, start)
+        cache.length = start + t
+        self.history.extend(int(v) for v in tokens.tolist())
+        self.timing.tokens = t
+        if self.timing_sink is not None:
+            self.timing_sink(self._timing_line(t, start))
+        return logits
+
+    # ---- stages in other processes (engine/link) ----
+
+    def _reconnect(self) -> bool:
+        """Stages that keep their own state elsewhere (`ensure()`): connected, and True when one of them started a
+        new session and so holds no positions."""
+        lost = False
+        for st in self.stages:
+            ensure = getattr(st, "ensure", None)
+            if ensure is not None:
+                lost = bool(ensure()) or lost
+        return lost
+
+    def _replay(self, cache: KVCache, start: int) -> None:
+        """A remote stage came back empty: read positions 0..start-1 again (the local stages write the same KV)."""
+        if len(self.history) < start:
+            raise RuntimeError(
+                f"a remote stage lost positions 0-{start - 1} and this process cannot read them again: retry the request"
+            )
+        log.info("remote stage reconnected: reading %d positions again", start)
+        tokens = torch.tensor(self.history[:start])
+        for o in range(0, start, self.replay_chunk):
+            self._serial(tokens[o : o + self.replay_chunk], cache, o)
+
+    def stage_report(self) -> list[dict[str, object]]:
+        """Each stage's own time in the last forward (a prompt chunk or a step), for the timing lines and the
+        server's event stream: local stages `{"layers", "where", "ms"}`, each worker behind a link
+        `{"layers", "where", "compute_ms", "wait_ms", "transfer_ms"}`."""
+        out: list[dict[str, object]] = []
+        for st, ms in zip(self.stages, self.timing.ms, strict=True):
+            if hasattr(st, "last_timing"):
+                out.extend(_hops(st))
+            elif len(st.layers):
+                out.append({"layers": f"{st.layers.start}-{st.layers.stop - 1}", "where": st.label, "ms": ms})
+        return out
+
+    def _timing_line(self, tokens: int, start: int) -> str:
+        parts = []
+        for r in self.stage_report():
+            if "ms" in r:
+                parts.append(f"layers {r['layers']} on {r['where']} {r['ms']:.1f} ms")
+            else:
+                parts.append(
+                    f"layers {r['layers']} at {r['where']}: compute {r['compute_ms']:.1f} ms, waiting "
+                    f"{r['wait_ms']:.1f} ms, transfer {r['transfer_ms']:.1f} ms"
+                )
+        kind = "step" if tokens == 1 else "prompt chunk"
+        return f"remote timing: {kind} of {tokens} token(s) at {start}: " + "; ".join(parts)
+
+    def _serial(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        x = tokens
+        for s, stage in enumerate(self.stages):
+            t0 = time.perf_counter()
+            x = stage.run(x, cache, start)
+            if s < len(self.handoffs):
+                x = self.handoffs[s].send(x)
+            self.timing.ms[s] = (time.perf_counter() - t0) * 1e3
+        return x
+
+    def _pipelined(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        n = len(self.stages)
+        pieces = [
+            (start + o, tokens[o : o + self.pipe_chunk])
+            for o in range(0, int(tokens.shape[0]), self.pipe_chunk)
+        ]
+        # links[s] carries (piece index, hidden state) from stage s to stage s+1
+        links: list[queue.Queue[tuple[int, torch.Tensor]]] = [queue.Queue(maxsize=2) for _ in range(n - 1)]
+        outs: list[torch.Tensor | None] = [None] * len(pieces)
+        errors: list[BaseException] = []
+        failed = threading.Event()
+        inference = torch.is_inference_mode_enabled()
+
+        def put(q: queue.Queue[tuple[int, torch.Tensor]], item: tuple[int, torch.Tensor]) -> bool:
+            while not failed.is_set():
+                try:
+                    q.put(item, timeout=_POLL_S)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def get(
+            q: queue.Queue[tuple[int, torch.Tensor]], timeout: float = _POLL_S
+        ) -> tuple[int, torch.Tensor] | None:
+            while True:
+                try:
+                    return q.get(timeout=timeout)
+                except queue.Empty:
+                    if failed.is_set() or timeout < _POLL_S:
+                        return None
+
+        def run(s: int) -> None:
+            stage, busy = self.stages[s], 0.0
+            t_start = time.perf_counter()
+            try:
+                with torch.inference_mode(inference):  # a mode of the calling thread only
+                    pipe = getattr(stage, "pipe", None)
+                    if pipe is not None and s > 0:
+                        order = iter(range(len(pieces)))
+
+                        def take(timeout: float) -> tuple[int, torch.Tensor] | None:
+                            item = get(links[s - 1], timeout)
+                            return None if item is None else (pieces[item[0]][0], item[1])
+
+                        def give(y: torch.Tensor) -> bool:
+                            c = next(order)
+                            if s < n - 1:
+                                return put(links[s], (c, self.handoffs[s].send(y)))
+                            outs[c] = y
+                            return True
+
+                        pipe(take, give, len(pieces), failed.is_set)
+                        busy = time.perf_counter() - t_start
+                        return
+                    for c, (pos, piece) in enumerate(pieces):
+                        if s == 0:
+                            x = piece
+                        else:
+                            item = get(links[s - 1])
+                            if item is None:
+                                return
+                            x = item[1]
+                        t0 = time.perf_counter()
+                        y = stage.run(x, cache, pos)
+                        if s < n - 1:
+                            y = self.handoffs[s].send(y)
+                            busy += time.perf_counter() - t0
+                            if not put(links[s], (c, y)):
+                                return
+                        else:
+                            outs[c] = y
+                            busy += time.perf_counter() - t0
+            except BaseException as e:
+                errors.append(e)
+                failed.set()
+            finally:
+                self.timing.ms[s] = busy * 1e3
+
+        threads = [
+            threading.Thread(target=run, args=(s,), name=f"strata-stage-{s}", daemon=True)
+            for s in range(1, n)
+        ]
+        for th in threads:
+            th.start()
+        run(0)
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+        assert all(o is not None for o in outs)
+        return torch.cat([o for o in outs if o is not None])  # [T, V]
+
+    def describe(self) -> list[str]:
+        """Per stage: `layers 0 to 21 on CPU: 5632 of 5632 routed experts in RAM (7.2 GiB)`. A stage with an
+        expert cache (CUDA) logs its own line when the cache is filled."""
+        return [line for s in self.stages if (line := _describe(s))]
+
+
+def _describe(stage: Stage) -> str | None:
+    if not isinstance(stage, LocalStage) or getattr(stage.model, "expert_cache", None) is not None:
+        return None
+    m = stage.model
+    a, b = stage.layers.start, stage.layers.stop - 1
+    where = "VRAM" if stage.device.type == "cuda" else "RAM"
+    text = f"layers {a} to {b} on {stage.label}"
+    experts = [lw.experts for lw in m.layers.values() if lw.experts is not None]
+    if experts:
+        n = len(experts) * m.cfg.n_expert
+        nbytes = sum(e.gate.nbytes + e.up.nbytes + e.down.nbytes for e in experts)
+        text += f": {n} of {n} routed experts in {where} ({nbytes / 1024**3:.1f} GiB)"
+    extra = [w for w, on in (("the token table", m.has_embed), ("the head", m.has_head)) if on]
+    if extra:
+        text += ("; " if experts else ": ") + " and ".join(extra)
+    return text
+
+
+def _hops(stage: object) -> list[dict[str, object]]:
+    """A remote stage's hops from its last reply: each worker's compute and waiting time, and the transfer time
+    (the round trip less what the stages behind the link spent)."""
+    out: list[dict[str, object]] = []
+    before = float(getattr(stage, "last_rtt_ms", 0.0))
+    for t in getattr(stage, "last_timing", []):
+
+        def num(key: str, t: dict[str, object] = t) -> float:
+            v = t.get(key, 0.0)
+            return float(v) if isinstance(v, int | float) else 0.0
+
+        out.append(
+            {
+                "layers": str(t.get("st")),
+                "where": str(t.get("at")),
+                "compute_ms": num("c"),
+                "wait_ms": num("w"),
+                "transfer_ms": max(before - num("x"), 0.0),
+            }
+        )
+        before = num("r")
+    return out

@@ -1,0 +1,109 @@
+"""Stage workers for the link tests: the real one (`strata-engine worker`, a subprocess) and a torch-free echo
+worker (the same `StageServer`, whose compute returns its input) that starts in a fraction of a second, for the
+tests that kill, freeze and restart a worker many times."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.link.protocol import StageInfo
+
+TOKEN = "link-test-token-0123456789"
+ROOT = Path(__file__).resolve().parents[3]
+ECHO_INFO = StageInfo(
+    arch="echo", n_layer=8, n_embd=16, n_head_kv=1, head_dim=16, n_vocab=32, n_expert=0, begin=4, end=8,
+    header="h" * 64, data="", kv="f32", max_ctx=4096, max_tokens=64,
+)  # fmt: skip
+
+
+@dataclass
+class WorkerProc:
+    proc: subprocess.Popen[str]
+    port: int
+    log: list[str] = field(default_factory=list)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def freeze(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        for s in (self.proc.stderr, self.proc.stdout):
+            if s is not None:
+                s.close()
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ, STRATA_STAGE_TOKEN=TOKEN, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(extra or {})
+    return env
+
+
+def _start(cmd: list[str], env: dict[str, str], pattern: str, timeout: float = 90.0) -> WorkerProc:
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+    )
+    w = WorkerProc(proc, 0)
+    found = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            w.log.append(line.rstrip())
+            m = re.search(pattern, line)
+            if m and not found.is_set():
+                w.port = int(m.group(1))
+                found.set()
+        found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    end = time.monotonic() + timeout
+    while not found.wait(0.05):
+        if time.monotonic() > end:
+            w.stop()
+            raise TimeoutError("the worker did not start:\n" + "\n".join(w.log[-20:]))
+    if not w.port:
+        w.stop()
+        raise RuntimeError("the worker exited:\n" + "\n".join(w.log[-20:]))
+    return w
+
+
+def start_worker(
+    model: Path, begin: int, end: int | None = None, nxt: int | None = None, port: int = 0,
+    extra: list[str] | None = None, env: dict[str, str] | None = None,
+) -> WorkerProc:  # fmt: skip
+    cmd = [sys.executable, "-m", "engine.cli", "worker", "-m", str(model), "--device", "cpu", "--dtype", "f32",
+           "--stage-worker", str(port), "--stage-begin", str(begin), "--stage-bind", "127.0.0.1", "--max-context", "256"]  # fmt: skip
+    if end is not None:
+        cmd += ["--stage-end", str(end)]
+    if nxt is not None:
+        cmd += ["--stage-next", f"127.0.0.1:{nxt}"]
+    return _start(cmd + (extra or []), _env(env), r"listening on 127\.0\.0\.1:(\d+)")
+
+
+def start_echo(port: int = 0, env: dict[str, str] | None = None, bind: str = "127.0.0.1") -> WorkerProc:
+    cmd = [sys.executable, "-m", "tests.engine.link.echo_worker", bind, str(port)]
+    return _start(cmd, _env(env), r"echo worker on \S+:(\d+)", timeout=30.0)
