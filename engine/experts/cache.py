@@ -51,9 +51,12 @@ class LayerExperts:
     slot_of: list[int]  # expert -> slot, -1 when only in host RAM
     expert_in: list[int]  # slot -> expert
     resident: torch.Tensor  # bool [E] on the device
-    hits: torch.Tensor  # int64 [1] on the device
-    misses: torch.Tensor
     side_stream: "torch.cuda.Stream | None" = None
+    # Hits and misses are derived from the model's selection counts (no extra kernels in a step): the counts
+    # since the last residency change split by the residency then, plus what earlier periods added up to.
+    counts_base: torch.Tensor | None = None
+    hits_before: int = 0
+    misses_before: int = 0
     swaps: int = 0
     bytes_moved: int = 0
 
@@ -148,6 +151,7 @@ class ExpertCache:
     ) -> None:
         self.device = device
         self.layers: dict[int, LayerExperts] = {}
+        self.counts: torch.Tensor | None = None
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         for li, ew in experts.items():
             n_e = ew.gate.shape[0]
@@ -182,8 +186,6 @@ class ExpertCache:
                 slot_of=slot_of,
                 expert_in=expert_in,
                 resident=torch.zeros(n_e, dtype=torch.bool, device=device),
-                hits=torch.zeros(1, dtype=torch.int64, device=device),
-                misses=torch.zeros(1, dtype=torch.int64, device=device),
                 side_stream=self.side,
             )
             self._write_tables(le)
@@ -209,27 +211,35 @@ class ExpertCache:
             p.table.copy_(torch.tensor(addrs, dtype=torch.int64))
         le.resident.copy_(torch.tensor([c >= 0 for c in le.slot_of]))
 
-    def snapshot_counters(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(le.hits.clone(), le.misses.clone()) for le in self.layers.values()]
+    def attach_counts(self, counts: torch.Tensor) -> None:
+        """The model's selection counts [n_layer, E]; hits and misses are read from them."""
+        self.counts = counts
+        for li, le in self.layers.items():
+            le.counts_base = counts[li].clone()
 
-    def restore_counters(self, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for le, (h, m) in zip(self.layers.values(), saved, strict=True):
-            le.hits.copy_(h)
-            le.misses.copy_(m)
-
-    def record(self, li: int, ids: torch.Tensor) -> None:
-        """Count hits and misses of a step's selections on the device (no sync)."""
+    def _split(self, li: int) -> tuple[int, int]:
+        """(hits, misses) of layer li since the start."""
         le = self.layers[li]
-        hit = le.resident[ids].sum()
-        le.hits += hit
-        le.misses += ids.numel() - hit
+        if self.counts is None or le.counts_base is None:
+            return le.hits_before, le.misses_before
+        delta = self.counts[li] - le.counts_base
+        hits = int((delta * le.resident).sum().item())
+        return le.hits_before + hits, le.misses_before + int(delta.sum().item()) - hits
+
+    def _fold(self, li: int) -> None:
+        """Close the current period of layer li before its residency changes."""
+        le = self.layers[li]
+        le.hits_before, le.misses_before = self._split(li)
+        if self.counts is not None:
+            le.counts_base = self.counts[li].clone()
 
     def stats(self) -> CacheStats:
         in_vram = sum(le.capacity for le in self.layers.values())
         total = sum(le.n_expert for le in self.layers.values())
         vram = sum(le.capacity * sum(p.expert_bytes for p in le.projections) for le in self.layers.values())
-        hits = sum(int(le.hits.item()) for le in self.layers.values())
-        misses = sum(int(le.misses.item()) for le in self.layers.values())
+        split = [self._split(li) for li in self.layers]
+        hits = sum(h for h, _ in split)
+        misses = sum(m for _, m in split)
         return CacheStats(
             experts_in_vram=in_vram,
             experts_total=total,
@@ -253,6 +263,7 @@ class ExpertCache:
             hot = max((e for e in range(le.n_expert) if le.slot_of[e] < 0), key=lambda e: float(heat[e]))
             if float(heat[hot]) <= float(heat[le.expert_in[cold_slot]]):
                 continue
+            self._fold(li)
             self._swap(le, cold_slot, hot)
             done += 1
             if done >= max_swaps:

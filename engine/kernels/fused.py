@@ -114,3 +114,64 @@ def norm_rope(
         NEOX=neox,
     )
     return y
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,  # [T, E] float32
+    w_ptr,  # [T, K] float32
+    ids_ptr,  # [T, K] int64
+    counts_ptr,  # [E] int64 (when COUNT)
+    E,
+    K: tl.constexpr,
+    KP2: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    NORM: tl.constexpr,
+    COUNT: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    m = offs < E
+    x = tl.load(logits_ptr + t * E + offs, mask=m, other=float("-inf"))
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = tl.where(m, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    kk = tl.arange(0, KP2)
+    sel_w = tl.zeros([KP2], dtype=tl.float32)
+    sel_i = tl.zeros([KP2], dtype=tl.int64)
+    for j in tl.static_range(K):  # top-k by repeated arg-max, in descending order as torch.topk returns them
+        best = tl.max(p, axis=0)
+        idx = tl.argmax(p, axis=0)
+        sel_w = tl.where(kk == j, best, sel_w)
+        sel_i = tl.where(kk == j, idx.to(tl.int64), sel_i)
+        p = tl.where(offs == idx, -1.0, p)
+        if COUNT:
+            tl.atomic_add(counts_ptr + idx, 1)
+    if NORM:
+        sel_w = sel_w / tl.sum(sel_w, axis=0)
+    tl.store(w_ptr + t * K + kk, sel_w, mask=kk < K)
+    tl.store(ids_ptr + t * K + kk, sel_i, mask=kk < K)
+
+
+def route(
+    logits: torch.Tensor, k: int, norm: bool, counts: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (float32) -> softmax, top-k weights [T, k] (renormalised when `norm`) and ids [T, k];
+    `counts` [E] (int64) gains one per selection. One kernel for what takes eight in torch."""
+    t, e = logits.shape
+    lc = logits.contiguous()
+    w = torch.empty(t, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
+    _route_kernel[(t,)](
+        lc,
+        w,
+        ids,
+        counts if counts is not None else ids,
+        e,
+        K=k,
+        KP2=triton.next_power_of_2(k),
+        BLOCK_E=triton.next_power_of_2(e),
+        NORM=norm,
+        COUNT=counts is not None,
+    )
+    return w, ids

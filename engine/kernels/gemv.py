@@ -6,6 +6,11 @@ one launch covers every selected expert of a layer with no host synchronisation,
 in a CUDA graph. The dequantization happens in registers; nothing is written back to memory but the outputs.
 """
 
+import functools
+import json
+import os
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -27,27 +32,37 @@ def _f16_at(p):
 
 
 @triton.jit
-def _row_dot(w_rows, x_row, K, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _row_dot(w_rows, x_row, K, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
     """sum_k W[n, k] * x[k] for the BLOCK_N rows starting at the uint8 pointers `w_rows` [BLOCK_N, 1, 1]."""
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     j = tl.arange(0, 8)[None, :, None]  # sub-block (or 32-element block) within a 256-element step
     l32 = tl.arange(0, 32)[None, None, :]
     m3 = nmask[:, None, None]
-    if QTYPE == 0:  # Q4_K: d, dmin (f16), 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
-        for sb in range(0, K // 256):
-            base = w_rows + sb * 144
-            d = tl.load((base).to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
-            dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
-            a = tl.load(base + 4 + j, mask=m3, other=0).to(tl.int32)
-            b = tl.load(base + 8 + j, mask=m3, other=0).to(tl.int32)
-            c = tl.load(base + 4 + tl.where(j >= 4, j - 4, j), mask=m3, other=0).to(tl.int32)
-            sc = tl.where(j < 4, a & 63, (b & 15) | ((c >> 6) << 4))
-            mn = tl.where(j < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
-            qb = tl.load(base + 16 + 32 * (j // 2) + l32, mask=m3, other=0).to(tl.int32)
-            q = tl.where(j % 2 == 1, qb >> 4, qb & 15)
+    if (
+        QTYPE == 0
+    ):  # Q4_K: d, dmin (f16), 12 bytes of 6-bit scales/mins, 128 bytes of nibbles; SB super-blocks a step
+        s4 = tl.arange(0, SB)[None, :, None, None]
+        j4 = tl.arange(0, 8)[None, None, :, None]
+        l4 = tl.arange(0, 32)[None, None, None, :]
+        m4 = nmask[:, None, None, None]
+        w4 = w_rows[:, :, :, None]
+        nsb = K // 256
+        for step in range(0, tl.cdiv(nsb, SB)):
+            sbi = step * SB + s4
+            bm = m4 & (sbi < nsb)
+            base = w4 + sbi * 144
+            d = tl.load((base).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+            dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+            a = tl.load(base + 4 + j4, mask=bm, other=0).to(tl.int32)
+            b = tl.load(base + 8 + j4, mask=bm, other=0).to(tl.int32)
+            c = tl.load(base + 4 + tl.where(j4 >= 4, j4 - 4, j4), mask=bm, other=0).to(tl.int32)
+            sc = tl.where(j4 < 4, a & 63, (b & 15) | ((c >> 6) << 4))
+            mn = tl.where(j4 < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
+            qb = tl.load(base + 16 + 32 * (j4 // 2) + l4, mask=bm, other=0).to(tl.int32)
+            q = tl.where(j4 % 2 == 1, qb >> 4, qb & 15)
             w = d * sc.to(tl.float32) * q.to(tl.float32) - dmin * mn.to(tl.float32)
-            x = tl.load(x_row + sb * 256 + j * 32 + l32).to(tl.float32)
-            acc += tl.sum(tl.sum(w * x, axis=2), axis=1)
+            x = tl.load(x_row + sbi * 256 + j4 * 32 + l4, mask=sbi < nsb, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.sum(tl.sum(w * x, axis=3), axis=2), axis=1)
     elif QTYPE == 4:  # Q5_K: as Q4_K plus 32 bytes of high bits before the nibbles
         for sb in range(0, K // 256):
             base = w_rows + sb * 176
@@ -108,15 +123,17 @@ def _row_dot(w_rows, x_row, K, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _gemv_kernel(w_ptr, row_bytes, x_ptr, y_ptr, N, K, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _gemv_kernel(
+    w_ptr, row_bytes, x_ptr, y_ptr, N, K, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr
+):
     """y[t, n] = W[n, :] . x[t, :] for a dense weight."""
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs < N
     w_rows = (w_ptr + offs.to(tl.int64) * row_bytes)[:, None, None]
-    acc = _row_dot(w_rows, x_ptr + t * K, K, nmask, QTYPE, BLOCK_N)
-    tl.store(y_ptr + t * N + offs, acc, mask=nmask)
+    acc = _row_dot(w_rows, x_ptr + t * K, K, nmask, QTYPE, BLOCK_N, SB)
+    tl.store(y_ptr + t * N + offs, acc.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
@@ -132,6 +149,7 @@ def _moe_gemv_kernel(
     TOPK,
     QTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SB: tl.constexpr,  # Q4_K super-blocks read per step (more loads in flight)
     X_PER_SLOT: tl.constexpr,
     FUSE_GLU: tl.constexpr,  # 0: plain, 1: silu(gate) * up, 2: gelu_tanh(gate) * up
 ):
@@ -145,21 +163,43 @@ def _moe_gemv_kernel(
     offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs < N
     w_base = tl.load(table_ptr + e).to(tl.pointer_type(tl.uint8))
-    acc = _row_dot((w_base + offs.to(tl.int64) * row_bytes)[:, None, None], x_row, K, nmask, QTYPE, BLOCK_N)
+    acc = _row_dot(
+        (w_base + offs.to(tl.int64) * row_bytes)[:, None, None], x_row, K, nmask, QTYPE, BLOCK_N, SB
+    )
     if FUSE_GLU != 0:
         u_base = tl.load(table2_ptr + e).to(tl.pointer_type(tl.uint8))
         up = _row_dot(
-            (u_base + offs.to(tl.int64) * row_bytes)[:, None, None], x_row, K, nmask, QTYPE, BLOCK_N
+            (u_base + offs.to(tl.int64) * row_bytes)[:, None, None], x_row, K, nmask, QTYPE, BLOCK_N, SB
         )
         if FUSE_GLU == 1:
             acc = acc / (1.0 + tl.exp(-acc)) * up
         else:
             inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
             acc = 0.5 * acc * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0)) * up
-    tl.store(y_ptr + s * N + offs, acc, mask=nmask)
+    tl.store(y_ptr + s * N + offs, acc.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
 _BLOCK_N = 16
+# Launch shapes per block type and size class ("small": up to 8192 rows, "large": more), measured by
+# bench/gemv_micro.py on the GPU and kept in gemv_tuned.json beside this file: [rows a program, Q4_K super-blocks
+# a step, warps]. STRATA_GEMV_TUNED names another file.
+_TUNED_FILE = Path(os.environ.get("STRATA_GEMV_TUNED") or Path(__file__).with_name("gemv_tuned.json"))
+
+
+@functools.cache
+def _tuned() -> dict[str, dict[str, list[int]]]:
+    try:
+        return json.loads(_TUNED_FILE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _config(qtype: QT, n: int, k: int) -> tuple[int, int, int]:
+    cls = "small" if n <= 8192 else "large"
+    bn, sb, warps = _tuned().get(qtype.name, {}).get(cls, [_BLOCK_N, 1, 4])
+    return bn, sb, warps
+
+
 _GLU = {"silu": 1, "gelu_tanh": 2}
 
 
@@ -176,17 +216,21 @@ def gemv(
     n: int,
     k: int,
     x: torch.Tensor,
-    block_n: int = _BLOCK_N,
-    num_warps: int = 4,
+    block_n: int | None = None,
+    num_warps: int | None = None,
     variant: int | None = None,
+    sb: int | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """raw uint8 [n, row_bytes] on CUDA, x [T, k] -> float32 [T, n]."""
+    """raw uint8 [n, row_bytes] on CUDA, x [T, k] -> [T, n] in out_dtype (accumulated in float32)."""
     x = x.contiguous()
     t = x.shape[0]
-    y = torch.empty(t, n, dtype=torch.float32, device=x.device)
+    y = torch.empty(t, n, dtype=out_dtype, device=x.device)
+    bn, step, warps = _config(qtype, n, k)
+    block_n, sb, num_warps = block_n or bn, sb or step, num_warps or warps
     grid = (triton.cdiv(n, block_n), t)
     qid = KERNEL_TYPES[qtype][0] if variant is None else variant
-    _gemv_kernel[grid](raw, raw.shape[-1], x, y, n, k, QTYPE=qid, BLOCK_N=block_n, num_warps=num_warps)
+    _gemv_kernel[grid](raw, raw.shape[-1], x, y, n, k, QTYPE=qid, BLOCK_N=block_n, SB=sb, num_warps=num_warps)
     return y
 
 
@@ -210,7 +254,8 @@ def moe_gemv(
     s = flat.numel()
     y = torch.empty(s, n, dtype=torch.float32, device=x.device)
     glu = _GLU[act] if up_table is not None and act is not None else 0
-    grid = (triton.cdiv(n, _BLOCK_N), s)
+    block_n, sb, warps = _config(qtype, n, k)
+    grid = (triton.cdiv(n, block_n), s)
     _moe_gemv_kernel[grid](
         table,
         up_table if up_table is not None else table,
@@ -222,8 +267,10 @@ def moe_gemv(
         k,
         topk,
         QTYPE=KERNEL_TYPES[qtype][0],
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=block_n,
+        SB=sb,
         X_PER_SLOT=int(x_per_slot),
         FUSE_GLU=glu,
+        num_warps=warps,
     )
     return y

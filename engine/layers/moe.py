@@ -54,6 +54,22 @@ def moe_forward(
     return _per_expert(x, w, ids, lambda e: ew.gate[e], lambda e: ew.up[e], lambda e: ew.down[e], act)
 
 
+def route_and_count(
+    x: torch.Tensor, router: QTensor, k: int, norm: bool, counts: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route`, and one count per selection into `counts` [E]: one fused kernel on CUDA."""
+    if x.is_cuda:
+        try:
+            from engine.kernels.fused import route as fused_route
+        except ImportError:
+            fused_route = None
+        if fused_route is not None:
+            return fused_route(router.linear(x.float()), k, norm, counts)
+    w, ids = route(x, router, k, norm)
+    _count(counts, ids)
+    return w, ids
+
+
 def _count(counts: torch.Tensor | None, ids: torch.Tensor) -> None:
     if counts is not None:  # index_add_ rather than bincount: no host sync, capturable
         flat = ids.flatten()
@@ -93,9 +109,7 @@ def moe_forward_cached(
     """The MoE block with the experts of an `ExpertCache` (CUDA). Decode-sized inputs run two fused kernels that
     read each selected expert wherever the cache's table says it is; prompt chunks run expert by expert."""
     le = cache.layers[layer]
-    w, ids = route(x, le.router, k, norm)  # [T, k]
-    _count(counts, ids)
-    cache.record(layer, ids)
+    w, ids = route_and_count(x, le.router, k, norm, counts)  # [T, k]
     t, d = x.shape
     g, u, dn = le.gate.host, le.up.host, le.down.host
     f = g.shape[1]

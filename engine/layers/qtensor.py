@@ -70,7 +70,8 @@ class QTensor:
             gemv = _gemv_for(self.qtype, n_in)
             if gemv is not None:  # decode: compute on the blocks, no dequantized copy
                 flat = x.reshape(-1, n_in)
-                return gemv(self.raw, self.qtype, n_out, n_in, flat).to(x.dtype).reshape(*x.shape[:-1], n_out)
+                y = gemv(self.raw, self.qtype, n_out, n_in, flat, out_dtype=x.dtype)
+                return y.reshape(*x.shape[:-1], n_out)
         if self.qtype in _FLOAT_VIEWS:
             return x @ self._deq(self.raw, (n_out,), x.dtype).T
         step = max(1, _TILE_ELEMS // n_in)

@@ -148,6 +148,8 @@ class DecoderLM:
             if cfg.is_moe
             else None
         )
+        if self.expert_cache is not None and self.expert_counts is not None:
+            self.expert_cache.attach_counts(self.expert_counts)
 
     def _load_layer(self, ld: _Loader, gf: GGUFFile, i: int) -> LayerWeights:
         c = self.cfg

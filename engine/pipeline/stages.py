@@ -18,7 +18,6 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -28,6 +27,7 @@ import torch
 from engine.layers.kv_cache import KVCache
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderLM
+from engine.pipeline.cuda_graphs import StepGraphs
 from engine.pipeline.handoff import Handoff, HandoffMode
 
 log = logging.getLogger("strata.engine")
@@ -61,7 +61,11 @@ class LocalStage:
         self.with_head = model.has_head if head is None else head and model.has_head
         own = getattr(model, "graphs", None)
         usable = own is not None and bool(getattr(own, "usable", False)) and hasattr(model, "layer_at")
-        self.graphs = StageGraphs(self) if cuda_graphs and usable and model.device.type == "cuda" else None
+        self.graphs = (
+            StepGraphs(self.body, model.device, model.expert_counts)
+            if cuda_graphs and usable and model.device.type == "cuda"
+            else None
+        )
 
     @property
     def first(self) -> bool:
@@ -87,67 +91,6 @@ class LocalStage:
         for i in self.layers:
             h = m.layer_at(i, h, cache, pos, span)
         return m.head(h) if self.with_head else h
-
-
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    inp: torch.Tensor  # [1] token id (first stage) or [1, D] hidden state
-    pos: torch.Tensor  # [1] long
-    out: torch.Tensor  # [1, V] logits or [1, D] hidden state
-
-
-class StageGraphs:
-    """One stage's decode step captured in CUDA graphs, one per (KV cache, span bucket), as the whole model's step
-    is (engine/pipeline/cuda_graphs.py): a stage starts from a hidden state and may end without the head."""
-
-    def __init__(self, stage: LocalStage) -> None:
-        self.stage = stage
-        self.graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
-        self.pool: tuple[int, int] | None = None
-
-    def step(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        from engine.pipeline.cuda_graphs import MAX_GRAPHS, SPAN_BUCKET
-
-        span = min(cache.max_ctx, -(-(start + 1) // SPAN_BUCKET) * SPAN_BUCKET)
-        key = (id(cache), span)
-        g = self.graphs.get(key)
-        if g is None:
-            g = self._capture(x, cache, start, span)
-            self.graphs[key] = g
-            while len(self.graphs) > MAX_GRAPHS:
-                self.graphs.popitem(last=False)
-        else:
-            self.graphs.move_to_end(key)
-            g.inp.copy_(x.view(g.inp.shape), non_blocking=True)
-            g.pos.fill_(start)
-        g.graph.replay()
-        return g.out.clone()  # the next replay overwrites the graph's output
-
-    def _capture(self, x: torch.Tensor, cache: KVCache, start: int, span: int) -> _Graph:
-        st = self.stage
-        m, dev = st.model, st.device
-        inp = x.to(dev).clone()
-        pos = torch.full((1,), start, dtype=torch.long, device=dev)
-        # Warm-up runs repeat this step's own KV write; the usage counters they bump are put back.
-        saved = m.expert_counts.clone() if m.expert_counts is not None else None
-        cache_ = getattr(m, "expert_cache", None)
-        saved_hits = cache_.snapshot_counters() if cache_ is not None else None
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                st.body(inp, cache, pos, span)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = st.body(inp, cache, pos, span)
-        self.pool = graph.pool()
-        if saved is not None and m.expert_counts is not None:
-            m.expert_counts.copy_(saved)
-        if saved_hits is not None and cache_ is not None:
-            cache_.restore_counters(saved_hits)
-        return _Graph(graph, inp, pos, out)
 
 
 @dataclass

@@ -136,3 +136,31 @@ def test_fused_norm_and_rope_match_the_torch_path(neox: bool) -> None:
         expect = rope.apply(qn, theta.cos() * rope.mscale, theta.sin() * rope.mscale)
         got = norm_rope(q, qw, 1e-6, pos, rope.inv_freq_effective.cuda(), rot, neox, rope.mscale)
         assert (got - expect).abs().max().item() < 1e-3
+
+
+def test_fused_router_matches_softmax_topk_and_counts() -> None:
+    from engine.kernels.fused import route
+
+    for e, k, norm in ((128, 8, True), (60, 4, False), (512, 10, True)):
+        logits = torch.randn(5, e, device="cuda") * 3
+        counts = torch.zeros(e, dtype=torch.int64, device="cuda")
+        w, ids = route(logits, k, norm, counts)
+        rw, rid = torch.topk(torch.softmax(logits, -1), k)
+        if norm:
+            rw = rw / rw.sum(-1, keepdim=True)
+        assert torch.equal(ids, rid)
+        assert (w - rw).abs().max().item() < 1e-6
+        assert torch.equal(counts, torch.bincount(rid.flatten(), minlength=e))
+
+
+@pytest.mark.parametrize("sb", [1, 2, 4, 8])
+@pytest.mark.parametrize("block_n", [4, 16])
+def test_q4k_launch_shapes_agree(sb: int, block_n: int) -> None:
+    from engine.kernels.gemv import gemv
+
+    n, k = 300, 1280  # 5 super-blocks a row: steps of 2, 4 and 8 end part-full
+    raw = torch.from_numpy(random_blocks(QT.Q4_K, n, k, seed=2)).cuda()
+    x = torch.randn(1, k, device="cuda")
+    ref = x @ dequantize(raw, QT.Q4_K).T
+    y = gemv(raw, QT.Q4_K, n, k, x, block_n=block_n, sb=sb)
+    assert (y - ref).abs().max().item() <= 1e-4 * ref.abs().max().item() + 1e-5

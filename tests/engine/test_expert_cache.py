@@ -1,0 +1,33 @@
+"""Expert cache bookkeeping that needs no GPU: capacity planning and hit/miss accounting from selection counts."""
+
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.experts.cache import ExpertCache, plan_capacity
+from engine.layers.moe import ExpertWeights
+from engine.layers.qtensor import QTensor
+
+
+def test_capacity_takes_the_hottest_pairs_within_the_budget() -> None:
+    profile = torch.tensor([[5, 0, 9, 1], [7, 8, 0, 0]])
+    cap = plan_capacity({0: 100, 1: 100}, 4, budget_bytes=350, profile=profile)
+    assert cap == {0: 1, 1: 2}  # 9 (layer 0), 8 and 7 (layer 1): three experts of 100 bytes fit in 350
+    assert plan_capacity({0: 100, 1: 100}, 4, budget_bytes=10_000, profile=None, max_pairs=3) == {0: 3, 1: 0}
+    assert plan_capacity({0: 100}, 4, budget_bytes=0, profile=profile) == {0: 0}
+
+
+def _experts(n_e: int = 4) -> ExpertWeights:
+    raw = torch.zeros(n_e, 2, 34, dtype=torch.uint8)  # Q8_0 rows of 32 elements
+    q = QTensor(raw, QT.Q8_0, (n_e, 2, 32))
+    return ExpertWeights(QTensor(torch.zeros(n_e, 32 * 4, dtype=torch.uint8), QT.F32, (n_e, 32)), q, q, q)
+
+
+def test_hits_and_misses_come_from_the_selection_counts() -> None:
+    cache = ExpertCache({0: _experts()}, torch.device("cpu"), {0: 2}, profile=torch.tensor([[1, 9, 8, 0]]))
+    assert cache.layers[0].slot_of == [-1, 0, 1, -1]  # experts 1 and 2 are the hottest
+    counts = torch.zeros(1, 4, dtype=torch.int64)
+    cache.attach_counts(counts)
+    counts[0] += torch.tensor([3, 5, 1, 2])
+    st = cache.stats()
+    assert (st.hits, st.misses) == (6, 5)
+    assert st.experts_in_vram == 2 and st.experts_total == 4
