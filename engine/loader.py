@@ -12,7 +12,7 @@ from engine.gguf import names
 from engine.gguf.reader import GGUFFile
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderLM
-from engine.models.registry import config_for
+from engine.models.registry import config_for, model_class
 from engine.tokenizer import ChatFormatter, Tokenizer
 
 log = logging.getLogger("strata.engine")
@@ -71,7 +71,8 @@ def load_model(
     embd = gf.tensors.get(names.TOKEN_EMBD)
     # The embedding's rows are the model's vocabulary (files may pad it beyond the tokenizer's).
     cfg = config_for(gf.architecture, gf.metadata, n_vocab=embd.shape[0] if embd else tok.vocab_size)
-    model = DecoderLM(cfg, gf, device=dev, dtype=dt, experts=experts, cuda_graphs=cuda_graphs)
+    cls = model_class(gf.architecture) or DecoderLM
+    model = cls(cfg, gf, device=dev, dtype=dt, experts=experts, cuda_graphs=cuda_graphs)
     chat = ChatFormatter.from_metadata(gf.metadata)
     if chat.is_fallback:
         log.warning("%s has no chat template: using the ChatML fallback template", Path(path).name)

@@ -15,6 +15,10 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma3": "gemma3",
+    "gpt-oss": "gpt_oss",
+    "qwen3next": "qwen3next",
+    "deepseek2": "deepseek2",
+    "glm4moe": "glm4moe",
 }
 
 
@@ -28,6 +32,11 @@ def module_for(arch: str) -> ModuleType:
             f"architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
         )
     return importlib.import_module(f"engine.models.{ARCHITECTURES[arch]}")
+
+
+def model_class(arch: str) -> type | None:
+    """The family's own model class (its module's `MODEL_CLASS`), or None where the shared DecoderLM runs it."""
+    return getattr(module_for(arch), "MODEL_CLASS", None)
 
 
 def config_for(arch: str, metadata: Mapping[str, Any], n_vocab: int) -> ModelConfig:

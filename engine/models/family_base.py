@@ -1,0 +1,402 @@
+"""What the families with layer code of their own share (gpt-oss, qwen3next, deepseek2, glm4moe).
+
+`FamilyLM` offers the surface `DecoderLM` offers, so the Runner, the server, the in-process split and the remote
+stage drive these models the same way: `embed`, `layer(i, h, cache, start)`, `head`, `forward(tokens, cache,
+start)`, `forward_at` (the CUDA-graph form of a step), `new_cache`, `device`, `dtype`, `cfg`, `layer_range`,
+`layers` (each with its `experts`, which the expert cache reads), `expert_counts`, `expert_cache`, `graphs`.
+A family supplies `_load_layer` and `layer_at`.
+
+The routed experts run behind routing functions of the families' own (router biases, sigmoid scores with selection
+biases, grouped top-k, scaled weights): `expert_mix` takes the routing result and computes the selected experts,
+expert by expert from their blocks on the CPU and for prompt chunks, or through the expert cache's device tables
+with the fused kernels for decode-sized inputs on CUDA (no host synchronisation: the step can be captured).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.experts.cache import ExpertCache
+from engine.experts.policy import ExpertPolicy, build_expert_cache
+from engine.gguf import names
+from engine.gguf.quants import SUPPORTED_TYPES
+from engine.gguf.reader import GGUFError, GGUFFile
+from engine.layers.attention import causal_mask
+from engine.layers.kv_cache import KVCache
+from engine.layers.moe import ExpertWeights, fused_moe_available
+from engine.layers.norm import rms_norm
+from engine.layers.qtensor import QTensor
+from engine.models.config import ModelConfig
+
+# (gate [N, F], up [N, F]) -> hidden [N, F]: the gated activation of an FFN or expert
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_FUSED_MAX_ROWS = 8  # decode-sized inputs take the fused expert kernels
+
+
+def silu_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
+
+
+class Weights:
+    """The tensors of one GGUF file, checked against the shapes the metadata implies, on `device`."""
+
+    def __init__(self, gf: GGUFFile, device: torch.device) -> None:
+        self.gf = gf
+        self.device = device
+
+    def has(self, name: str) -> bool:
+        return name in self.gf.tensors
+
+    def q(self, name: str, shape: tuple[int, ...] | None = None, host: bool = False) -> QTensor:
+        """A weight in block format (`host`: stays in host memory, for the expert cache to place)."""
+        info = self.gf.tensors.get(name)
+        if info is None:
+            raise GGUFError(
+                self.gf.path,
+                f"tensor {name} is missing",
+                "the file is not a complete model of its architecture",
+            )
+        if info.qtype not in SUPPORTED_TYPES:
+            supported = ", ".join(t.name for t in SUPPORTED_TYPES)
+            raise GGUFError(
+                f"{self.gf.path}: tensor {name} has block type {info.qtype.name}, supported: {supported}"
+            )
+        if shape is not None and _squeezed(info.shape) != _squeezed(shape):
+            raise GGUFError(
+                self.gf.path, f"tensor {name} has shape {info.shape}, expected {shape} from the metadata", ""
+            )
+        raw = self.gf.tensor_bytes(name)
+        if shape is not None and tuple(info.shape) != tuple(shape):  # e.g. [1, D] stored for a vector [D]
+            raw = raw.reshape(*shape[:-1], raw.shape[-1])
+        if self.device.type != "cpu" and not host:
+            raw = raw.to(self.device)
+        return QTensor(raw, info.qtype, shape if shape is not None else info.shape)
+
+    def f(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """A small tensor (norm, bias, per-head constant) as float32 on the device."""
+        return self.q(name, shape).dequant(torch.float32).to(self.device)
+
+    def opt_f(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:
+        return self.f(name, shape) if self.has(name) else None
+
+    def opt_q(self, name: str, shape: tuple[int, ...] | None = None) -> QTensor | None:
+        return self.q(name, shape) if self.has(name) else None
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(n for n in shape if n != 1)
+
+
+@dataclass
+class DenseFFN:
+    gate: QTensor  # [F, D]
+    up: QTensor  # [F, D]
+    down: QTensor  # [D, F]
+
+    def __call__(self, x: torch.Tensor, glu: Glu = silu_glu) -> torch.Tensor:
+        return self.down.linear(glu(self.gate.linear(x), self.up.linear(x)))
+
+    @classmethod
+    def load(cls, w: Weights, i: int, suffix: str, d: int, f: int) -> "DenseFFN":
+        """`suffix` "" for the dense FFN, "_shexp" for the shared expert."""
+        n = names.blk
+        return cls(
+            w.q(n(i, "ffn_gate" + suffix), (f, d)),
+            w.q(n(i, "ffn_up" + suffix), (f, d)),
+            w.q(n(i, "ffn_down" + suffix), (d, f)),
+        )
+
+
+@dataclass
+class ExpertBiases:
+    """Per-expert biases of the projections (gpt-oss), float32 on the compute device."""
+
+    gate: torch.Tensor  # [E, F]
+    up: torch.Tensor  # [E, F]
+    down: torch.Tensor  # [E, D]
+
+
+def load_experts(w: Weights, i: int, e: int, d: int, f: int, host: bool) -> ExpertWeights:
+    """Router and routed experts of layer i: separate gate/up tensors, or the fused `ffn_gate_up_exps` whose first
+    F rows of each expert are the gate and the next F the up projection (views, nothing is copied)."""
+    n = names.blk
+    router = w.q(n(i, "ffn_gate_inp"), (e, d))
+    if w.has(n(i, "ffn_gate_up_exps")):
+        gu = w.q(n(i, "ffn_gate_up_exps"), (e, 2 * f, d), host=host)
+        gate = QTensor(gu.raw[:, :f], gu.qtype, (e, f, d))
+        up = QTensor(gu.raw[:, f:], gu.qtype, (e, f, d))
+    else:
+        gate = w.q(n(i, "ffn_gate_exps"), (e, f, d), host=host)
+        up = w.q(n(i, "ffn_up_exps"), (e, f, d), host=host)
+    down = w.q(n(i, "ffn_down_exps"), (e, d, f), host=host)
+    return ExpertWeights(router=router, gate=gate, up=up, down=down)
+
+
+def load_expert_biases(w: Weights, i: int, e: int, d: int, f: int) -> ExpertBiases | None:
+    n = names.blk
+    if w.has(n(i, "ffn_gate_up_exps", "bias")):
+        gu = w.f(n(i, "ffn_gate_up_exps", "bias"), (e, 2 * f))
+        gate, up = gu[:, :f].contiguous(), gu[:, f:].contiguous()
+    elif w.has(n(i, "ffn_gate_exps", "bias")):
+        gate, up = w.f(n(i, "ffn_gate_exps", "bias"), (e, f)), w.f(n(i, "ffn_up_exps", "bias"), (e, f))
+    else:
+        return None
+    return ExpertBiases(gate, up, w.f(n(i, "ffn_down_exps", "bias"), (e, d)))
+
+
+def count_experts(counts: torch.Tensor | None, ids: torch.Tensor) -> None:
+    """Add a step's selections to the usage counts (index_add_: no host sync, capturable)."""
+    if counts is not None:
+        flat = ids.flatten()
+        counts.index_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
+
+
+def expert_mix(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ids: torch.Tensor,
+    ew: ExpertWeights,
+    glu: Glu = silu_glu,
+    biases: ExpertBiases | None = None,
+    cache: ExpertCache | None = None,
+    layer: int = 0,
+    fused_act: str | None = "silu",
+) -> torch.Tensor:
+    """x [T, D], routing weights w [T, k] and expert ids [T, k] -> sum_k w * expert(x) as float32 [T, D].
+    `fused_act` names the kernel's built-in activation when `glu` is one (None: the kernel only multiplies)."""
+    t, d = x.shape
+    k = ids.shape[1]
+    if cache is not None:
+        record = getattr(cache, "record", None)  # caches that count hits per step; newer ones derive them
+        if record is not None:
+            record(layer, ids)
+        le = cache.layers[layer]
+        g, u, dn = le.gate.host, le.up.host, le.down.host
+        f = g.shape[1]
+        if t <= _FUSED_MAX_ROWS and fused_moe_available(g.qtype, u.qtype, dn.qtype, d, f):
+            from engine.kernels.gemv import moe_gemv
+
+            flat = ids.reshape(-1)
+            if biases is None and fused_act is not None:
+                h = moe_gemv(
+                    le.gate.table,
+                    g.qtype,
+                    g.raw.shape[-1],
+                    ids,
+                    x,
+                    f,
+                    d,
+                    k,
+                    up_table=le.up.table,
+                    act=fused_act,
+                )
+            else:
+                hg = moe_gemv(le.gate.table, g.qtype, g.raw.shape[-1], ids, x, f, d, k)  # [T*k, F]
+                hu = moe_gemv(le.up.table, u.qtype, u.raw.shape[-1], ids, x, f, d, k)
+                if biases is not None:
+                    hg, hu = hg + biases.gate[flat], hu + biases.up[flat]
+                h = glu(hg, hu)
+            y = moe_gemv(
+                le.down.table, dn.qtype, dn.raw.shape[-1], ids, h, d, f, k, x_per_slot=True
+            )  # [T*k, D]
+            if biases is not None:
+                y = y + biases.down[flat]
+            return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
+        loaded: dict[int, ExpertWeights] = {}
+
+        def get(e: int) -> ExpertWeights:
+            if e not in loaded:
+                loaded[e] = le.expert(e, x.device)
+            return loaded[e]
+
+    else:
+
+        def get(e: int) -> ExpertWeights:
+            return ExpertWeights(ew.router, ew.gate[e], ew.up[e], ew.down[e])
+
+    out = torch.zeros(t, d, dtype=torch.float32, device=x.device)  # [T, D]
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        xe = x.index_select(0, tok)  # [n, D]
+        ex = get(e)
+        hg, hu = ex.gate.linear(xe), ex.up.linear(xe)  # [n, F]
+        if biases is not None:
+            hg, hu = hg + biases.gate[e].to(hg.dtype), hu + biases.up[e].to(hu.dtype)
+        y = ex.down.linear(glu(hg, hu).to(xe.dtype)).float()  # [n, D]
+        if biases is not None:
+            y = y + biases.down[e]
+        out.index_add_(0, tok, y * w[tok, slot].unsqueeze(-1))
+    return out
+
+
+class FamilyLM:
+    """Layers `layers` of a model of one family on `device`, computing in `dtype`; the residual stream stays
+    float32. Subclasses load their layers (`_load_layer`) and run them (`layer_at`)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        gf: GGUFFile,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        layers: range | None = None,
+        embed: bool = True,
+        head: bool = True,
+        experts: ExpertPolicy | None = None,
+        cuda_graphs: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.layer_range = layers if layers is not None else range(cfg.n_layer)
+        self.has_embed = embed
+        self.has_head = head
+        w = Weights(gf, self.device)
+        d = cfg.n_embd
+        self.token_embd = (
+            w.q(names.TOKEN_EMBD, (cfg.n_vocab, d)) if embed or (head and not w.has(names.OUTPUT)) else None
+        )
+        self.output_norm = w.f(names.OUTPUT_NORM, (d,)) if head else None
+        self.output: QTensor | None = None
+        if head:
+            self.output = w.q(names.OUTPUT, (cfg.n_vocab, d)) if w.has(names.OUTPUT) else self.token_embd
+        # On CUDA the routed experts stay in host memory here; the expert cache decides which go to VRAM.
+        self._experts_on_host = self.device.type == "cuda" and cfg.is_moe
+        self.layers = {i: self._load_layer(w, i) for i in self.layer_range}
+        self.expert_cache: ExpertCache | None = None
+        if self._experts_on_host and any(
+            getattr(lw, "experts", None) is not None for lw in self.layers.values()
+        ):
+            self.expert_cache = build_expert_cache(self, experts or ExpertPolicy())  # type: ignore[arg-type]
+        self.expert_counts = (
+            torch.zeros(cfg.n_layer, cfg.n_expert, dtype=torch.int64, device=self.device)
+            if cfg.is_moe
+            else None
+        )
+        attach = getattr(self.expert_cache, "attach_counts", None)
+        if attach is not None and self.expert_counts is not None:
+            attach(self.expert_counts)  # the cache's hit rates derive from the selection counts
+        self.graphs = self._decode_graphs() if cuda_graphs and self.device.type == "cuda" else None
+        if self.graphs is not None and hasattr(self.graphs, "counts"):
+            self.graphs.counts = self.expert_counts  # put back after the warm-up runs of a capture
+
+    # ---- for the families ----
+
+    def _load_layer(self, w: Weights, i: int) -> object:
+        raise NotImplementedError
+
+    def layer_at(
+        self,
+        i: int,
+        h: torch.Tensor,
+        cache: KVCache,
+        pos: torch.Tensor,
+        span: int,
+        masks: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One layer for the tokens at device positions `pos` [T], attending to cache positions below `span`."""
+        raise NotImplementedError
+
+    def _decode_graphs(self) -> Any:
+        """The decode step's CUDA graphs (engine/pipeline/cuda_graphs.py)."""
+        from engine.pipeline.cuda_graphs import DecodeGraphs
+
+        return DecodeGraphs(self)  # type: ignore[arg-type]
+
+    def _windows(self) -> set[int]:
+        """The attention windows the layers use (0: the whole context), one mask each per step."""
+        return {0}
+
+    def _counts(self, i: int) -> torch.Tensor | None:
+        """Layer i's usage counts (None for draft blocks past the main layers)."""
+        c = self.expert_counts
+        return c[i] if c is not None and i < self.cfg.n_layer else None
+
+    def norm(
+        self, x: torch.Tensor, weight: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        return rms_norm(x, weight, self.cfg.rms_eps, out_dtype)
+
+    # ---- the stage surface ----
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [T] -> hidden [T, D] float32"""
+        assert self.token_embd is not None
+        h = self.token_embd.rows(tokens, torch.float32)
+        return h * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """hidden [T, D] -> logits [T, V] float32"""
+        assert self.output is not None and self.output_norm is not None
+        x = self.norm(h.float(), self.output_norm, self.dtype)
+        return self.output.linear(x).float()
+
+    def layer(self, i: int, h: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """hidden [T, D] at positions start..start+T -> hidden [T, D]"""
+        pos = torch.arange(start, start + h.shape[0], device=h.device)
+        return self.layer_at(i, h, cache, pos, start + h.shape[0])
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """A whole-model step: tokens [T] -> logits [T, V]; the cache then holds start+T positions."""
+        logits = self._step(tokens, cache, start)
+        cache.length = start + tokens.shape[0]
+        return logits
+
+    def _step(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        t = tokens.shape[0]
+        if t == 1 and self.graphs is not None and self.graphs.usable:
+            return self.graphs.step(tokens, cache, start)
+        pos = torch.arange(start, start + t, device=self.device)
+        return self.forward_at(tokens.to(self.device), cache, pos, start + t)
+
+    def forward_at(self, tokens: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int) -> torch.Tensor:
+        """tokens [T] at device positions `pos` -> logits [T, V]; capturable in a CUDA graph."""
+        h = self.embed(tokens)
+        masks = {w: causal_mask(pos, span, w) for w in self._windows()}
+        for i in self.layer_range:
+            h = self.layer_at(i, h, cache, pos, span, masks)
+        return self.head(h)
+
+    def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
+        c = self.cfg
+        return KVCache(
+            self.layer_range, max_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, kv_type, self.device
+        )
+
+
+def grouped_route(
+    x: torch.Tensor,
+    router: QTensor,
+    k: int,
+    sigmoid: bool,
+    score_bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm: bool = False,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek / GLM routing: x [T, D] -> weights [T, k] float32, ids [T, k].
+
+    Scores are sigmoid (V3, GLM) or softmax (V2) of the router logits; `score_bias` shifts the scores for the
+    choice only; with groups, only the experts of the `topk_group` best groups may be chosen (a group's score:
+    the sum of its two best scores with sigmoid, its best with softmax); the weights are the chosen experts'
+    unbiased scores, optionally renormalised, times `scale`. Float32 throughout: close scores must not flip."""
+    logits = router.linear(x.float()).float()  # [T, E]
+    scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+    choice = scores + score_bias if score_bias is not None else scores
+    n_e = scores.shape[-1]
+    if n_group > 1 and topk_group < n_group:
+        grouped = choice.view(-1, n_group, n_e // n_group)  # [T, G, E/G]
+        best = grouped.topk(2, dim=-1).values.sum(-1) if sigmoid else grouped.amax(-1)  # [T, G]
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(
+            1, best.topk(topk_group, dim=-1).indices, True
+        )
+        choice = choice.masked_fill(~keep.repeat_interleave(n_e // n_group, dim=1), float("-inf"))
+    ids = choice.topk(k, dim=-1).indices  # [T, k]
+    w = scores.gather(1, ids)
+    if norm:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scale, ids

@@ -1,0 +1,230 @@
+"""`glm4moe`: GLM-4.5 / GLM-4.5-Air / GLM-4.6 and relatives.
+
+Attention with QKV biases, optional per-head QK norms and partial NEOX RoPE (half the head); the FFN is dense in
+the first `leading_dense_block_count` layers, then DeepSeek-V3-style routed experts (sigmoid scores, selection
+bias `exp_probs_b`, renormalised and scaled weights) plus shared experts. llama.cpp's converter stores the FFN norm
+as `post_attention_norm`.
+
+The file's `block_count` includes `nextn_predict_layers` multi-token-prediction blocks after the main layers:
+block N (N = block_count - nextn) is a full decoder layer plus `nextn.eh_proj`, `nextn.enorm`, `nextn.hnorm`,
+`nextn.shared_head_norm` (and optionally its own `nextn.embed_tokens` / `nextn.shared_head_head`). The model runs
+layers 0..N-1; the stage holding the head also loads the draft block (`with_draft`) and offers `nextn_step`:
+
+    h' = eh_proj([enorm(embed(next_token)), hnorm(hidden)])  ->  decoder block N  ->  shared_head_norm  ->  head
+
+where `hidden` is the main model's final hidden state after the output norm (what the head multiplies, see
+`head_hidden`) at the same position, as vLLM and SGLang feed it; the step's own pre-norm hidden state can feed a
+further draft step. The draft block keeps its KV under layer index N of the same cache.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from gguf import Keys
+
+from engine.gguf import names
+from engine.layers.attention import attention, causal_mask
+from engine.layers.kv_cache import KVCache
+from engine.layers.moe import ExpertWeights
+from engine.layers.qtensor import QTensor
+from engine.layers.rope import Rope
+from engine.models.config import Meta, ModelConfig, common_fields, rope_from_meta
+from engine.models.deepseek2 import (
+    GATING_SIGMOID,
+    RoutedConfig,
+    RoutedFFN,
+    load_routed_ffn,
+    routed_ffn,
+    routed_fields,
+)
+from engine.models.family_base import FamilyLM, Weights
+
+ARCH = "glm4moe"
+
+
+@dataclass(frozen=True)
+class Glm4MoeConfig(RoutedConfig):
+    nextn_layers: int = 0  # draft blocks after the main layers (block_count = n_layer + nextn_layers)
+
+
+def config_from_metadata(meta: Mapping[str, Any], n_vocab: int) -> ModelConfig:
+    m = Meta(meta, ARCH)
+    base = common_fields(m, n_vocab)
+    nextn = m.int(Keys.LLM.NEXTN_PREDICT_LAYERS, 0)
+    base["n_layer"] -= nextn
+    return Glm4MoeConfig(
+        arch=ARCH,
+        rope=rope_from_meta(m, base["head_dim_k"], neox=True),
+        nextn_layers=nextn,
+        **base,
+        **routed_fields(m, ARCH, GATING_SIGMOID),
+    )
+
+
+@dataclass
+class GlmLayer:
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    q: QTensor
+    k: QTensor
+    v: QTensor
+    o: QTensor
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    ffn: RoutedFFN
+
+    @property
+    def experts(self) -> ExpertWeights | None:
+        return self.ffn.experts
+
+
+@dataclass
+class NextNWeights:
+    block: GlmLayer
+    eh_proj: QTensor  # [D, 2D]
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    head_norm: torch.Tensor
+    embed: QTensor | None  # its own token table, else the model's
+    head: QTensor | None  # its own output matrix, else the model's
+
+
+class Glm4MoeLM(FamilyLM):
+    cfg: Glm4MoeConfig
+    layers: dict[int, GlmLayer]  # type: ignore[assignment]
+
+    def __init__(self, cfg: ModelConfig, gf: Any, *args: Any, with_draft: bool = True, **kwargs: Any) -> None:
+        assert isinstance(cfg, Glm4MoeConfig)
+        self.rope = Rope(cfg.rope)
+        super().__init__(cfg, gf, *args, **kwargs)
+        # The draft block sits with the head (the last stage); its experts stay here, out of the expert cache.
+        self.nextn: dict[int, NextNWeights] = {}
+        if with_draft and self.has_head:
+            w = Weights(gf, self.device)
+            for j in range(cfg.n_layer, cfg.n_layer + cfg.nextn_layers):
+                if w.has(names.blk(j, "nextn.eh_proj")):
+                    self.nextn[j] = self._load_nextn(w, j)
+
+    def _load_layer(self, w: Weights, i: int) -> GlmLayer:
+        c = self.cfg
+        n, d, hd = names.blk, c.n_embd, c.head_dim_k
+        qd, kd, vd = c.n_head * hd, c.n_head_kv * hd, c.n_head_kv * c.head_dim_v
+        return GlmLayer(
+            attn_norm=w.f(n(i, "attn_norm"), (d,)),
+            ffn_norm=w.f(n(i, "post_attention_norm"), (d,)),
+            q=w.q(n(i, "attn_q"), (qd, d)),
+            k=w.q(n(i, "attn_k"), (kd, d)),
+            v=w.q(n(i, "attn_v"), (vd, d)),
+            o=w.q(n(i, "attn_output"), (d, c.n_head * c.head_dim_v)),
+            q_bias=w.opt_f(n(i, "attn_q", "bias"), (qd,)),
+            k_bias=w.opt_f(n(i, "attn_k", "bias"), (kd,)),
+            v_bias=w.opt_f(n(i, "attn_v", "bias"), (vd,)),
+            q_norm=w.opt_f(n(i, "attn_q_norm"), (hd,)),
+            k_norm=w.opt_f(n(i, "attn_k_norm"), (hd,)),
+            ffn=load_routed_ffn(self, w, i),
+        )
+
+    def _load_nextn(self, w: Weights, j: int) -> NextNWeights:
+        n, d = names.blk, self.cfg.n_embd
+        host, self._experts_on_host = self._experts_on_host, False  # the draft's experts go to the device
+        try:
+            block = self._load_layer(w, j)
+        finally:
+            self._experts_on_host = host
+        v = self.cfg.n_vocab
+        return NextNWeights(
+            block=block,
+            eh_proj=w.q(n(j, "nextn.eh_proj"), (d, 2 * d)),
+            enorm=w.f(n(j, "nextn.enorm"), (d,)),
+            hnorm=w.f(n(j, "nextn.hnorm"), (d,)),
+            head_norm=w.f(n(j, "nextn.shared_head_norm"), (d,)),
+            embed=w.opt_q(n(j, "nextn.embed_tokens"), (v, d)),
+            head=w.opt_q(n(j, "nextn.shared_head_head"), (v, d)),
+        )
+
+    def _block(
+        self,
+        i: int,
+        lw: GlmLayer,
+        h: torch.Tensor,
+        cache: KVCache,
+        pos: torch.Tensor,
+        span: int,
+        masks: dict[int, torch.Tensor] | None,
+        use_cache: bool = True,
+    ) -> torch.Tensor:
+        c = self.cfg
+        t = h.shape[0]
+        h = h.float()
+        x = self.norm(h, lw.attn_norm, self.dtype)
+        q, k, v = lw.q.linear(x), lw.k.linear(x), lw.v.linear(x)
+        if lw.q_bias is not None:
+            q = q + lw.q_bias.to(q.dtype)
+        if lw.k_bias is not None:
+            k = k + lw.k_bias.to(k.dtype)
+        if lw.v_bias is not None:
+            v = v + lw.v_bias.to(v.dtype)
+        q = self.rope.apply_at(q.view(t, c.n_head, c.head_dim_k), pos, lw.q_norm, c.rms_eps)
+        k = self.rope.apply_at(k.view(t, c.n_head_kv, c.head_dim_k), pos, lw.k_norm, c.rms_eps)
+        keys, values = cache.store(i, pos, k, v.view(t, c.n_head_kv, c.head_dim_v), span)
+        mask = masks[0] if masks is not None and 0 in masks else causal_mask(pos, span, 0)
+        a = attention(q, keys, values, mask, c.attn_scale).reshape(t, c.n_head * c.head_dim_v)
+        h = h + lw.o.linear(a).float()
+        x = self.norm(h, lw.ffn_norm, self.dtype)
+        # The draft block's experts are on the device, not in the expert cache.
+        return h + routed_ffn(self, i, lw.ffn, x, self.expert_cache if use_cache else None)
+
+    def layer_at(
+        self,
+        i: int,
+        h: torch.Tensor,
+        cache: KVCache,
+        pos: torch.Tensor,
+        span: int,
+        masks: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        return self._block(i, self.layers[i], h, cache, pos, span, masks)
+
+    # ---- the draft (multi-token prediction) block ----
+
+    @property
+    def has_draft(self) -> bool:
+        return bool(self.nextn)
+
+    def head_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The main model's final hidden state as the draft reads it: after the output norm, float32 [T, D]."""
+        assert self.output_norm is not None
+        return self.norm(h.float(), self.output_norm)
+
+    def nextn_step(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, cache: KVCache, start: int, depth: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft block `depth`: tokens [T] (the tokens that follow positions start..start+T-1), hidden [T, D] at
+        those positions -> (logits [T, V] for the token after each, the block's hidden state [T, D])."""
+        j = self.cfg.n_layer + depth
+        nw = self.nextn[j]
+        t = tokens.shape[0]
+        pos = torch.arange(start, start + t, device=self.device)
+        table = nw.embed if nw.embed is not None else self.token_embd
+        assert table is not None
+        e = self.norm(table.rows(tokens.to(self.device), torch.float32), nw.enorm)
+        x = torch.cat((e, self.norm(hidden.float(), nw.hnorm)), dim=-1).to(self.dtype)  # [T, 2D]
+        h = nw.eh_proj.linear(x).float()
+        h = self._block(j, nw.block, h, cache, pos, start + t, None, use_cache=False)
+        out = nw.head if nw.head is not None else self.output
+        assert out is not None
+        logits = out.linear(self.norm(h, nw.head_norm, self.dtype)).float()
+        return logits, h
+
+    def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
+        c = self.cfg
+        layers = [*self.layer_range, *self.nextn]
+        return KVCache(layers, max_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, kv_type, self.device)  # type: ignore[arg-type]
+
+
+MODEL_CLASS = Glm4MoeLM
