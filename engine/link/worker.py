@@ -84,7 +84,7 @@ def _build(args: argparse.Namespace) -> object:
     from engine.link.transport import parse_endpoint
     from engine.loader import resolve_dtype
     from engine.models.decoder import DecoderLM
-    from engine.models.registry import config_for
+    from engine.models.registry import config_for, model_class
     from engine.pipeline.split import (
         SplitOptions,
         StagePlan,
@@ -143,7 +143,7 @@ def _build(args: argparse.Namespace) -> object:
     kv = resolve_kv_type(args.kv, dtype)
     policy = _policies(StagePlan((range(begin, end),), (d,)), geometry_from_gguf(gf, cfg, kv), args.max_context,
                        SplitOptions(), None)[0]  # fmt: skip
-    model = DecoderLM(
+    model = (model_class(gf.architecture) or DecoderLM)(
         cfg, gf, device=dev, dtype=dtype, layers=range(begin, end), embed=False, head=False, experts=policy
     )
     info = stage_info(gf, cfg, begin, end, args.max_context, max_tokens, kv)

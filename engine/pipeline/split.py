@@ -436,12 +436,12 @@ def build_model(
 
     policies = _policies(sp, geometry_from_gguf(gf, cfg, kv_type), context, opts, profile)
     if not sp.split:
-        return DecoderLM(cfg, gf, device=torch_device(sp.devices[0]), dtype=dtype, experts=policies[0])
+        return _model_cls(gf)(cfg, gf, device=torch_device(sp.devices[0]), dtype=dtype, experts=policies[0])
     n = len(sp.ranges)
     stages = []
     for j, (r, d, label) in enumerate(zip(sp.ranges, sp.devices, sp.labels, strict=True)):
         dev = torch_device(d)
-        m = DecoderLM(
+        m = _model_cls(gf)(
             cfg, gf, device=dev, dtype=dtype, layers=r, embed=j == 0, head=j == n - 1, experts=policies[j]
         )
         stages.append(LocalStage(m, label))
@@ -572,7 +572,7 @@ def build_remote_main(
     label = "CPU" if d is None else f"CUDA{d}"
     main_plan = StagePlan((range(0, k),), (d,))
     policy = _policies(main_plan, geometry_from_gguf(gf, cfg, kv_type), context, opts, profile)[0]
-    main = DecoderLM(
+    main = _model_cls(gf)(
         cfg, gf, device=dev, dtype=dtype, layers=range(0, k), embed=True, head=True, experts=policy
     )
     header = header_digest(gf)
@@ -619,3 +619,10 @@ def build_remote_main(
     )
     remote.connect()
     return model
+
+
+def _model_cls(gf: GGUFFile) -> type:
+    """The family's own model class where it has one (engine.models.registry), else the shared decoder."""
+    from engine.models.registry import model_class
+
+    return model_class(gf.architecture) or DecoderLM
