@@ -4,7 +4,7 @@
 #   ./test.sh tests/engine  pytest arguments are passed on
 set -euo pipefail
 cd "$(dirname "$0")"
-STRATA_EXTRAS=test ./start.sh --setup-only
+STRATA_EXTRAS=test,build ./start.sh --setup-only
 PY=.venv/bin/python
 echo "[polystrata] ruff"
 "$PY" -m ruff check .

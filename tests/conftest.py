@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,20 @@ def _netns_reason() -> str | None:
     return None
 
 
-_CHECKS = {"gpu": _cuda_reason, "real_model": _real_model_reason, "netns": _netns_reason}
+def _bundle_reason() -> str | None:
+    if importlib.util.find_spec("PyInstaller") is None:
+        return "PyInstaller is not installed (pip install -e .[build])"
+    if not sys.platform.startswith("linux"):
+        return "the bundle test builds and installs the Linux bundle"
+    return None
+
+
+_CHECKS = {
+    "gpu": _cuda_reason,
+    "real_model": _real_model_reason,
+    "netns": _netns_reason,
+    "bundle": _bundle_reason,
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,0 +1,113 @@
+"""Reading the engine's GET /stats into what the windows show: one `StageView` per stage, the experts held in VRAM,
+the last request's timings. Tolerant: a field the engine does not report reads as unknown, never as an error."""
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StageView:
+    index: int
+    host: str
+    """Empty for this PC."""
+    device: str
+    begin: int | None
+    end: int | None
+    """Half-open layer range [begin, end)."""
+    experts_in_vram: int | None
+    experts_total: int | None
+    hits: int | None
+    misses: int | None
+    step_ms: float | None
+
+    @property
+    def hit_rate(self) -> float | None:
+        if self.hits is None or self.misses is None or self.hits + self.misses == 0:
+            return None
+        return self.hits / (self.hits + self.misses)
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _ms(v: Any) -> float | None:
+    """A step time given as a number or as a summary ({"recent", "mean", "last", ...})."""
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, dict):
+        for key in ("recent", "mean", "last"):
+            if isinstance(v.get(key), int | float):
+                return float(v[key])
+    return None
+
+
+def stage_views(stats: dict[str, Any]) -> list[StageView]:
+    stages = [s for s in stats.get("stages") or [] if isinstance(s, dict)]
+    experts = stats.get("experts") if isinstance(stats.get("experts"), dict) else {}
+    out = []
+    for i, s in enumerate(stages):
+        layers = s.get("layers")
+        begin = end = None
+        if isinstance(layers, list) and len(layers) == 2 and all(_int(x) is not None for x in layers):
+            begin, end = int(layers[0]), int(layers[1])
+        held, total = _int(s.get("experts_in_vram")), _int(s.get("experts_total"))
+        if total is None and len(stages) == 1 and experts:  # one stage holds the model's whole count
+            held, total = _int(experts.get("in_vram")), _int(experts.get("routed"))
+        cache = s.get("expert_cache") if isinstance(s.get("expert_cache"), dict) else s
+        index = _int(s.get("index", s.get("stage")))
+        out.append(
+            StageView(
+                index=i if index is None else index,
+                host=str(s.get("host") or ""),
+                device=str(s.get("device") or "?"),
+                begin=begin,
+                end=end,
+                experts_in_vram=held,
+                experts_total=total,
+                hits=_int(cache.get("hits")),
+                misses=_int(cache.get("misses")),
+                step_ms=_ms(s.get("step_ms")),
+            )
+        )
+    return out
+
+
+def experts_held(stats: dict[str, Any]) -> tuple[int, int] | None:
+    """(routed experts in VRAM, routed experts in all) for the whole model; None for a dense model or unknown."""
+    experts = stats.get("experts")
+    if isinstance(experts, dict) and _int(experts.get("routed")):
+        return int(experts.get("in_vram") or 0), int(experts["routed"])
+    views = stage_views(stats)
+    if views and all(v.experts_total is not None for v in views):
+        total = sum(v.experts_total or 0 for v in views)
+        if total:
+            return sum(v.experts_in_vram or 0 for v in views), total
+    return None
+
+
+def last_timings(stats: dict[str, Any]) -> dict[str, Any] | None:
+    for key in ("last_request", "last", "last_timings"):
+        last = stats.get(key)
+        if isinstance(last, dict):
+            inner = last.get("timings")
+            return inner if isinstance(inner, dict) else last
+    return None
+
+
+def runs_on(stats: dict[str, Any]) -> str:
+    parts = [str(stats[k]) for k in ("device", "arch", "dtype") if stats.get(k)]
+    if stats.get("kv_type"):
+        parts.append(f"KV {stats['kv_type']}")
+    if stats.get("max_context"):
+        parts.append(f"context {stats['max_context']}")
+    if stats.get("n_layer"):
+        parts.append(f"{stats['n_layer']} layers")
+    return ", ".join(parts) or "–"
+
+
+def queue_text(stats: dict[str, Any]) -> str:
+    q = stats.get("queue")
+    if isinstance(q, dict):
+        return ", ".join(f"{k} {v}" for k, v in q.items() if isinstance(v, int | float) and k != "max") or "–"
+    return f"{q} waiting" if q is not None else "–"

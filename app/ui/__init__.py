@@ -1,0 +1,1 @@
+"""Widgets: thin views over the controllers in app/controllers."""

@@ -1,0 +1,208 @@
+"""The main window's Worker PCs tab: this PC's cards, "add this PC as worker", and the worker PCs (paired ones with
+their health, agents found on the LAN, pairing by address + code + fingerprint, include / exclude)."""
+
+import html
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QFontDatabase
+from PySide6.QtWidgets import (
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QPlainTextEdit,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.clients.node_client import AgentInfo
+from app.controllers.nodes import NodesController
+
+NO_AGENTS = "No agents found yet."
+HOW_AGENTS = (
+    "A worker PC shows up here when its node agent (strata-node) runs on it and is found on the LAN, or is added "
+    "by address, then paired once by confirming its key fingerprint and a one-time code."
+)
+
+
+def agent_text(a: AgentInfo) -> str:
+    state = ("paired" + ("" if a.included else ", excluded")) if a.paired else "found on the LAN, not paired"
+    text = f"{a.name} ({a.address}) · {state}"
+    if a.fingerprint:
+        text += f" · key {a.fingerprint}"
+    if a.gpus:
+        text += " · " + "; ".join(a.gpus)
+    if a.problem:
+        text += f" · {a.problem}"
+    elif not a.reachable:
+        text += " · unreachable"
+    return text
+
+
+class WorkersPage(QWidget):
+    def __init__(self, nodes: NodesController, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.nodes = nodes
+        here = QGroupBox(f"This PC ({nodes.host_name})")
+        here_layout = QVBoxLayout(here)
+        self.cards = QLabel(nodes.cards_message)
+        self.cards.setWordWrap(True)
+        self.cards.setTextFormat(Qt.TextFormat.RichText)
+        self.cards.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        here_layout.addWidget(self.cards)
+        row = QHBoxLayout()
+        self.add_button = QPushButton("Add this PC as worker")
+        self.add_button.clicked.connect(self._on_add)
+        self.stop_button = QPushButton("Stop the agent")
+        self.stop_button.clicked.connect(nodes.stop_this_pc)
+        row.addWidget(self.add_button)
+        row.addWidget(self.stop_button)
+        row.addStretch(1)
+        here_layout.addLayout(row)
+        self.agent_status = QLabel("Checking what the node agent in this build can do…")
+        self.agent_status.setWordWrap(True)
+        self.agent_status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        here_layout.addWidget(self.agent_status)
+        self.agent_log = QPlainTextEdit()
+        self.agent_log.setReadOnly(True)
+        self.agent_log.setMaximumBlockCount(500)
+        self.agent_log.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
+        self.agent_log.setMaximumHeight(110)
+        self.agent_log.hide()
+        here_layout.addWidget(self.agent_log)
+
+        others = QGroupBox("Worker PCs")
+        others_layout = QVBoxLayout(others)
+        self.agent_list = QListWidget()
+        self.agent_list.currentRowChanged.connect(lambda _r: self._update_buttons())
+        self.empty = QLabel(f"<b>{NO_AGENTS}</b><br>{HOW_AGENTS}")
+        self.empty.setWordWrap(True)
+        self.empty.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        self.refresh_button = QPushButton("Look again")
+        self.refresh_button.clicked.connect(nodes.refresh)
+        self.include_button = QPushButton("Include")
+        self.exclude_button = QPushButton("Exclude")
+        self.include_button.clicked.connect(lambda: self._include(True))
+        self.exclude_button.clicked.connect(lambda: self._include(False))
+        self.address = QLineEdit()
+        self.address.setPlaceholderText("address, e.g. 192.168.1.20 or 192.168.1.20:7460")
+        self.code = QLineEdit()
+        self.code.setPlaceholderText("pairing code")
+        self.fingerprint = QLineEdit()
+        self.fingerprint.setPlaceholderText("key fingerprint")
+        self.pair_button = QPushButton("Pair")
+        self.pair_button.clicked.connect(self._on_pair)
+        pair_row = QHBoxLayout()
+        pair_row.addWidget(QLabel("Add a PC:"))
+        pair_row.addWidget(self.address, 2)
+        pair_row.addWidget(self.code, 1)
+        pair_row.addWidget(self.fingerprint, 1)
+        pair_row.addWidget(self.pair_button)
+        self.problem = QLabel()
+        self.problem.setWordWrap(True)
+        self.problem.setStyleSheet("color: #b00020;")
+        others_layout.addWidget(self.empty)
+        others_layout.addWidget(self.agent_list, 1)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.refresh_button)
+        buttons.addWidget(self.include_button)
+        buttons.addWidget(self.exclude_button)
+        buttons.addStretch(1)
+        others_layout.addLayout(buttons)
+        others_layout.addLayout(pair_row)
+        others_layout.addWidget(self.problem)
+
+        layout = QVBoxLayout(self)
+        layout.addWidget(here)
+        layout.addWidget(others)
+        layout.addStretch(1)
+        nodes.changed.connect(self.refresh)
+        nodes.agentOutput.connect(self._on_output)
+        self.refresh()
+
+    def _on_add(self) -> None:
+        self.nodes.add_this_pc()
+
+    def _on_output(self, line: str) -> None:
+        self.agent_log.show()
+        self.agent_log.appendPlainText(line)
+
+    def _on_pair(self) -> None:
+        problem = self.nodes.pair(self.address.text(), self.code.text(), self.fingerprint.text())
+        self.problem.setText(problem[:1].upper() + problem[1:] + "." if problem else "Pairing…")
+
+    def _selected(self) -> AgentInfo | None:
+        row = self.agent_list.currentRow()
+        return self.nodes.agents[row] if 0 <= row < len(self.nodes.agents) else None
+
+    def _include(self, included: bool) -> None:
+        agent = self._selected()
+        if agent is not None and agent.paired:
+            self.nodes.set_included(agent, included)
+
+    def _update_buttons(self) -> None:
+        agent = self._selected()
+        paired = agent is not None and agent.paired
+        self.include_button.setEnabled(paired and not agent.included)  # type: ignore[union-attr]
+        self.exclude_button.setEnabled(paired and agent.included)  # type: ignore[union-attr]
+
+    def refresh(self) -> None:
+        n = self.nodes
+        if n.cards:
+            rows = []
+            for c in n.cards:
+                mark = "✔" if c.usable else "✖"
+                color = "#2a7a3a" if c.usable else "#a33"
+                rows.append(f"<span style='color:{color}'>{mark}</span> {html.escape(c.text)}")
+            text = "<br>".join(rows)
+            if n.cards_message:
+                text += f"<br><i>{html.escape(n.cards_message)}</i>"
+            self.cards.setText(text)
+        else:
+            self.cards.setText(html.escape(n.cards_message))
+        supported = n.serve_supported
+        running = n.local_state in ("starting", "running")
+        self.add_button.setEnabled(bool(supported) and not running)
+        self.stop_button.setVisible(running)
+        info = n.local_info
+        if supported is None:
+            self.agent_status.setText("Checking what the node agent in this build can do…")
+        elif not supported:
+            self.agent_status.setText(f"Not available: {n.serve_detail}.")
+        elif running and info.get("fingerprint"):
+            host = info.get("host")
+            where = "every address of this PC" if host in ("0.0.0.0", "::") else host
+            self.agent_status.setText(
+                f"The node agent runs here: port {info.get('port')} on {where}. On the main PC, add this PC with "
+                f"pairing code <b>{html.escape(str(info.get('pairing_code') or '–'))}</b> and key fingerprint "
+                f"<b>{html.escape(str(info.get('fingerprint')))}</b>."
+            )
+        elif running:
+            self.agent_status.setText("The node agent is starting…")
+        elif n.local_state == "failed":
+            self.agent_status.setText("The node agent ended with an error: see its output below.")
+        else:
+            self.agent_status.setText("Starts the node agent here so that a main PC can pair with this PC.")
+        current = self.agent_list.currentRow()
+        self.agent_list.clear()
+        for a in n.agents:
+            item = QListWidgetItem(agent_text(a))
+            if a.problem or not a.reachable:
+                item.setForeground(Qt.GlobalColor.darkRed)
+            self.agent_list.addItem(item)
+        if 0 <= current < self.agent_list.count():
+            self.agent_list.setCurrentRow(current)
+        self.agent_list.setVisible(bool(n.agents))
+        self.empty.setVisible(not n.agents)
+        if n.refreshing and not n.agents:
+            self.empty.setText(f"<b>Looking for worker PCs…</b><br>{HOW_AGENTS}")
+        else:
+            self.empty.setText(f"<b>{NO_AGENTS}</b><br>{HOW_AGENTS}")
+        if n.problem:
+            self.problem.setText(n.problem[:1].upper() + n.problem[1:])
+        elif self.problem.text() == "Pairing…" and not n.refreshing:
+            self.problem.clear()
+        self._update_buttons()

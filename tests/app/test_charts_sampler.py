@@ -1,0 +1,168 @@
+"""ChartsController (series, rates, the clock-drop flag) and GpuSampler (through a fake NVML module)."""
+
+from pytestqt.qtbot import QtBot
+
+from app.controllers.charts import ChartsController, ClockFlag
+from app.controllers.gpu_sampler import GpuSample, GpuSampler, reason_names
+from tests.app.fake_nvml import GIB, FakeCard, FakeNvml, steady, two_cards
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def sample(t: float, index: int, sm: int, pstate: int, reasons: int = 0, util: int = 90) -> GpuSample:
+    return GpuSample(t, index, f"card {index}", sm, 7001, 1905, 7001, pstate, reasons, util, 6 * GIB, 8 * GIB)
+
+
+def test_events_become_series_and_rates() -> None:
+    clock = Clock()
+    c = ChartsController(clock=clock)
+    for i in range(20):  # 10 steps per second on two stages for 2 s
+        clock.t = 1000.0 + i * 0.1
+        c.on_event({"type": "step", "stage": 0, "ms": 10.0 + i})
+        c.on_event({"type": "step", "stage": 1, "ms": 20.0})
+    c.on_event({"type": "prompt_chunk", "stage": 0, "tokens": 512, "ms": 100.0})
+    c.on_event({"type": "request", "prompt_per_second": 900.0, "predicted_per_second": 31.0})
+    assert [ms for _, ms in c.steps[0]][:3] == [10.0, 11.0, 12.0]
+    assert len(c.steps[1]) == 20
+    assert list(c.requests) == [(clock.t, 900.0, 31.0)]
+    assert c.busy() and not c.busy(clock.t + 1.0)
+    clock.t = 1001.95
+    assert c.decode_rate(window_s=1.0) == 10.0  # the last stage's steps at 1001.0 .. 1001.9
+    assert c.prompt_rate(window_s=2.0) == 256.0
+    c.clear()
+    assert not c.steps and not c.requests and c.decode_rate() == 0.0
+
+
+def test_stage_gpus_come_from_stats() -> None:
+    c = ChartsController()
+    c.on_stats({"stages": [{"device": "cuda:0"}, {"device": "cuda:2"}, {"device": "cpu"}]})
+    assert c.stage_gpus == {0, 2}
+
+
+def run_decode(
+    c: ChartsController, clock: Clock, states: dict[int, list[tuple[int, int, int]]], seconds: float
+):
+    """Decode at 20 steps/s while the cards are sampled every 100 ms with the given repeating states."""
+    flags: list[list] = []
+    c.flagsChanged.connect(flags.append)
+    n = 0
+    while clock.t < 1000.0 + seconds:
+        clock.t += 0.05
+        c.on_event({"type": "step", "stage": 0, "ms": 12.0})
+        if n % 2 == 0:
+            c.on_gpu_samples(
+                [sample(clock.t, i, *seq[(n // 2) % len(seq)]) for i, seq in sorted(states.items())]
+            )
+        n += 1
+    return flags
+
+
+def test_card_that_drops_its_clocks_between_steps_is_flagged() -> None:
+    clock = Clock()
+    c = ChartsController(clock=clock)
+    c.on_stats({"stages": [{"device": "cuda:0"}, {"device": "cuda:1"}]})
+    steady_card = [(1905, 2, 0)]
+    windows_card = [(1500, 2, 0), (1500, 2, 0), (210, 5, 0x1)]  # P5 at 210 MHz every third sample
+    flags = run_decode(c, clock, {0: steady_card, 1: windows_card}, 3.0)
+    assert set(c.flags) == {"local:1"}
+    flag: ClockFlag = c.flags["local:1"]
+    assert flag.worst == "P5, SM 210 MHz, memory 7001 MHz"
+    assert 0.3 < flag.dropped / flag.busy < 0.37
+    assert "drops its clocks between steps" in flag.text and "nvidia-smi -lgc" in flag.text
+    assert flags and flags[-1][0].key == "local:1"
+
+
+def test_idle_cards_and_cards_without_a_stage_are_not_flagged() -> None:
+    clock = Clock()
+    c = ChartsController(clock=clock)
+    c.on_stats({"stages": [{"device": "cuda:0"}]})
+    dropping = [(210, 8, 0x1)]
+    run_decode(c, clock, {0: [(1905, 2, 0)], 1: dropping}, 2.0)  # card 1 serves no stage
+    assert c.flags == {}
+    idle = ChartsController(clock=clock)
+    for _ in range(50):  # no steps at all: an idle card in P8 is normal
+        clock.t += 0.1
+        idle.on_gpu_samples([sample(clock.t, 0, 210, 8, 0x1, util=0)])
+    assert idle.flags == {}
+
+
+def test_flag_clears_once_the_clocks_are_locked() -> None:
+    clock = Clock()
+    c = ChartsController(clock=clock)
+    c.on_stats({"stages": [{"device": "cuda:0"}]})
+    run_decode(c, clock, {0: [(1500, 2, 0), (210, 5, 0x1)]}, 2.0)
+    assert "local:0" in c.flags
+    run_decode(c, clock, {0: [(1500, 2, 0)]}, 40.0)  # 30 s of steady samples push the drops out of the window
+    assert c.flags == {}
+
+
+def test_reason_names() -> None:
+    assert reason_names(0) == []
+    assert reason_names(0x1 | 0x4 | 0x40) == ["idle", "power cap", "thermal (hardware)"]
+
+
+def test_sampler_reads_every_card(qtbot: QtBot) -> None:
+    nvml = two_cards()
+    sampler = GpuSampler(interval_s=0.02, nvml=nvml)
+    got: list[list[GpuSample]] = []
+    sampler.sampled.connect(got.append)
+    sampler.start()
+    try:
+        qtbot.waitUntil(lambda: len(got) >= 6, timeout=3000)
+    finally:
+        sampler.stop()
+    first = got[0][0]
+    assert (first.index, first.name, first.sm_mhz, first.mem_mhz, first.pstate) == (
+        0,
+        "NVIDIA GeForce RTX 3090",
+        1905,
+        9501,
+        0,
+    )
+    assert (first.max_sm_mhz, first.vram_used, first.vram_total, first.util) == (2100, 19 * GIB, 24 * GIB, 95)
+    pstates = [round_[1].pstate for round_ in got[:6]]
+    assert 5 in pstates and 2 in pstates  # the 3070 alternates as scripted
+    assert all(r[1].reasons == 0x1 for r in got[:6] if r[1].pstate == 5)
+    assert nvml.shutdowns == 1
+
+
+def test_sampler_without_driver_says_why(qtbot: QtBot) -> None:
+    sampler = GpuSampler(nvml=FakeNvml(init_error=RuntimeError("NVML Shared Library Not Found")))
+    with qtbot.waitSignal(sampler.unavailable, timeout=3000) as got:
+        sampler.start()
+    assert (
+        got.args[0] == "no NVIDIA driver answers here (NVML Shared Library Not Found): no GPU clocks to show"
+    )
+    assert sampler.reason == got.args[0]
+    sampler.stop()
+
+
+def test_sampler_with_no_cards(qtbot: QtBot) -> None:
+    sampler = GpuSampler(nvml=FakeNvml([]))
+    with qtbot.waitSignal(sampler.unavailable, timeout=3000) as got:
+        sampler.start()
+    assert "reports no GPU" in got.args[0]
+    sampler.stop()
+
+
+def test_sampler_survives_a_card_that_stops_answering(qtbot: QtBot) -> None:
+    def broken(n: int) -> tuple[int, int, int, int, int, int]:
+        if n > 2:
+            raise RuntimeError("GPU is lost")
+        return (1500, 7001, 2, 0, 50, GIB)
+
+    sampler = GpuSampler(interval_s=0.01, nvml=FakeNvml([FakeCard("X", 1900, 7001, 8 * GIB, broken)]))
+    got: list = []
+    sampler.sampled.connect(got.append)
+    with qtbot.waitSignal(sampler.unavailable, timeout=3000) as reason:
+        sampler.start()
+    qtbot.waitUntil(lambda: len(got) >= 1, timeout=1000)
+    assert "GPU is lost" in reason.args[0] and "check nvidia-smi" in reason.args[0]
+    sampler.stop()
+    assert steady(1, 2, 3)(0) == (1, 2, 0, 0, 95, 3)

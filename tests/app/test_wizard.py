@@ -1,0 +1,210 @@
+"""The first-run wizard (controller and pages) on top of the installer: fake NVML cards, the real catalog, and a
+local imitation of the Hugging Face hub for the download."""
+
+import hashlib
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from PySide6.QtWidgets import QWizard
+from pytestqt.qtbot import QtBot
+
+from app.controllers.wizard import WizardController
+from app.ui.wizard import SetupWizard
+from installer.catalog import load_catalog
+from installer.config import read_config
+from installer.download import Downloader, DownloadOptions
+from installer.gpus import ProbeResult
+from tests.app.test_nodes import SEED_PC
+from tests.installer.hubserver import Hub
+
+KIB = 1024
+REPO = "test/tiny-moe-GGUF"
+FILE = "tiny-moe-Q4_K_M.gguf"
+DATA = random.Random(7).randbytes(600 * KIB)
+
+
+def write_catalog(tmp_path: Path, sha256: str | None) -> Path:
+    doc = {
+        "version": 1,
+        "models": [
+            {
+                "family": "tiny-moe",
+                "display_name": "Tiny MoE",
+                "architecture": "qwen3moe",
+                "layers": 24,
+                "experts": 16,
+                "experts_used": 2,
+                "context": 8192,
+                "geometry": {
+                    "hidden_size": 256,
+                    "expert_ffn": 128,
+                    "kv_heads": 2,
+                    "head_dim": 64,
+                    "vocab": 1000,
+                    "params_total": 4_000_000,
+                    "tied_embeddings": False,
+                },
+                "variants": [
+                    {
+                        "id": "tiny-moe-q4_k_m",
+                        "quant": "Q4_K_M",
+                        "hf_repo": REPO,
+                        "files": [{"path": FILE, "size_bytes": len(DATA), "sha256": sha256}],
+                        "size_bytes": len(DATA),
+                        "size_exact": True,
+                    }
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "catalog.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+FAST = DownloadOptions(
+    parts=2,
+    min_part_bytes=128 * KIB,
+    chunk_bytes=16 * KIB,
+    stall_timeout_s=0.3,
+    connect_timeout_s=2.0,
+    max_retries=2,
+    backoff_base_s=0.02,
+    backoff_max_s=0.1,
+    free_margin_bytes=0,
+    save_every_bytes=32 * KIB,
+    save_interval_s=0.05,
+    event_interval_s=0.01,
+    verify_retries=0,
+)
+
+
+@pytest.fixture
+def hub() -> Iterator[Hub]:
+    server = Hub()
+    yield server
+    server.close()
+
+
+def make_ctl(tmp_path: Path, hub: Hub, probe: ProbeResult = SEED_PC, sha: bool = True) -> WizardController:
+    catalog = load_catalog(write_catalog(tmp_path, hashlib.sha256(DATA).hexdigest() if sha else None))
+    return WizardController(
+        probe_fn=lambda: probe,
+        catalog=catalog,
+        make_downloader=lambda dest: Downloader(dest, endpoint=hub.url, options=FAST),
+        models_dir=lambda: tmp_path / "models",
+        config_dir=tmp_path / "config",
+    )
+
+
+def test_controller_gpus_model_fit(qtbot: QtBot, tmp_path: Path, hub: Hub) -> None:
+    ctl = make_ctl(tmp_path, hub)
+    with qtbot.waitSignal(ctl.probed, timeout=3000):
+        ctl.probe()
+    assert [c.usable for c in ctl.cards] == [True, False, True, False]
+    assert ctl.choices[0].recommended and ctl.choices[0].indices == (0, 2)  # newest generation first
+    assert ctl.gpus == ctl.choices[0].gpus and ctl.gpu_message == ""
+    assert ctl.choose_model("no-such-model") is not None
+    assert ctl.choose_model("tiny-moe-q4_k_m") is None
+    assert ctl.context == 8192
+    fit = ctl.fit()
+    assert fit is not None and [c.gpu.index for c in fit.cards] == [
+        0,
+        2,
+    ]  # speeds unknown: the order as given
+    assert fit.cards[0].begin == 0 and fit.cards[-1].end == 24 and fit.cards[-1].last
+    lines = ctl.fit_lines()
+    assert lines[-1].startswith("fits fully") and any("room for experts" in ln for ln in lines)
+    ctl.choose_gpus(None)
+    assert ctl.fit() is None and ctl.fit_lines()[0].startswith("CPU mode: the whole model (0.6 MB")
+
+
+def test_no_driver_offers_the_cpu(qtbot: QtBot, tmp_path: Path, hub: Hub) -> None:
+    ctl = make_ctl(
+        tmp_path,
+        hub,
+        ProbeResult(
+            kind="no_nvml", message="No NVIDIA driver found. PolyStrata can still run on the CPU (slow)."
+        ),
+    )
+    wizard = SetupWizard(ctl)
+    qtbot.addWidget(wizard)
+    wizard.show()
+    qtbot.waitUntil(lambda: not ctl.probing, timeout=3000)
+    page = wizard.gpu_page
+    assert "No NVIDIA driver found" in page.message.text()
+    assert [b.text() for b in page.group.buttons()] == ["1) CPU mode (no GPU; slow)"]
+    assert page.group.button(0).isChecked() and ctl.gpus == ()
+
+
+def test_wizard_end_to_end_with_download(qtbot: QtBot, tmp_path: Path, hub: Hub) -> None:
+    hub.add(REPO, FILE, DATA, drops=[100 * KIB])  # the first connection is cut: the download resumes
+    ctl = make_ctl(tmp_path, hub)
+    wizard = SetupWizard(ctl)
+    qtbot.addWidget(wizard)
+    wizard.show()
+    qtbot.waitUntil(lambda: wizard.gpu_page.isComplete(), timeout=3000)
+    assert "✖" in wizard.gpu_page.listing.text() and "GTX 1080 Ti" in wizard.gpu_page.listing.text()
+    assert wizard.gpu_page.group.buttons()[0].text().endswith("(recommended)")
+    wizard.next()
+    assert wizard.currentPage() is wizard.model_page and ctl.model is not None
+    assert "fits fully" in wizard.model_page.fit.text()
+    wizard.next()  # writes the config, starts the download
+    assert ctl.config_path is not None and ctl.config_path.name == "strata-tiny-moe-q4_k_m.json"
+    qtbot.waitUntil(lambda: wizard.download_page.isComplete(), timeout=10000)
+    got = tmp_path / "models" / "test--tiny-moe-GGUF" / FILE
+    assert got.read_bytes() == DATA
+    assert wizard.download_page.bar.value() == 1000 and str(got) in wizard.download_page.status.text()
+    cfg = read_config(ctl.config_path)
+    assert (cfg.model, cfg.gpu, cfg.layer_split, cfg.max_context) == (str(got), (0, 2), "auto", 8192)
+    wizard.next()
+    picture = wizard.split_page.picture
+    assert picture.layers == 24 and picture.segments[0].begin == 0 and picture.segments[-1].end == 24
+    assert picture.segments[-1].head and picture.segments[0].title.startswith("GPU ")
+    assert "experts in VRAM" in picture.segments[0].detail
+    wizard.next()
+    assert str(ctl.config_path) in wizard.done_page.summary.text()
+    with qtbot.waitSignal(wizard.setupDone, timeout=2000) as done:
+        wizard.button(QWizard.WizardButton.FinishButton).click()
+    assert done.args == [str(ctl.config_path), True]
+
+
+def test_download_failure_is_shown_with_retry(qtbot: QtBot, tmp_path: Path, hub: Hub) -> None:
+    hub.add(REPO, FILE, DATA, corrupt_offset=5000, corrupt_times=1000)  # never the right bytes
+    ctl = make_ctl(tmp_path, hub)
+    wizard = SetupWizard(ctl)
+    qtbot.addWidget(wizard)
+    wizard.show()
+    qtbot.waitUntil(lambda: wizard.gpu_page.isComplete(), timeout=3000)
+    wizard.next()
+    wizard.next()
+    qtbot.waitUntil(lambda: bool(wizard.download_page.error.text()), timeout=10000)
+    assert "sha256" in wizard.download_page.error.text()
+    assert not wizard.download_page.retry.isHidden() and not wizard.download_page.isComplete()
+    assert not (tmp_path / "models" / "test--tiny-moe-GGUF" / FILE).exists()  # nothing half-done at the name
+    hub.files[f"{REPO}/{FILE}"].corrupt_times = 0
+    wizard.download_page.retry.click()
+    qtbot.waitUntil(lambda: wizard.download_page.isComplete(), timeout=10000)
+
+
+def test_local_file_needs_no_download(qtbot: QtBot, tmp_path: Path, hub: Hub) -> None:
+    model = tmp_path / "mine.gguf"
+    model.write_bytes(b"GGUF....")
+    ctl = make_ctl(tmp_path, hub)
+    wizard = SetupWizard(ctl)
+    qtbot.addWidget(wizard)
+    wizard.show()
+    qtbot.waitUntil(lambda: wizard.gpu_page.isComplete(), timeout=3000)
+    wizard.next()
+    wizard.model_page.other.setText(str(model))
+    wizard.model_page.other.returnPressed.emit()
+    assert ctl.model_name == "mine.gguf"
+    wizard.next()
+    assert wizard.download_page.isComplete() and "Nothing to download" in wizard.download_page.what.text()
+    assert read_config(ctl.config_path).model == str(model)
+    wizard.next()
+    assert wizard.split_page.picture.segments == []
+    assert "when it loads" in wizard.split_page.lines.text()

@@ -1,0 +1,309 @@
+"""What a paired main may not do to a worker PC: the cases tried, each through the real control channel.
+
+| case | request | expected |
+|---|---|---|
+| path traversal, absolute paths, folders | upload/delete/start with names like `../x`, `/etc/passwd`, `a/b`, `C:\\x` | refused by the name rule |
+| hidden and bookkeeping names | `.bashrc`, `x.part`, `x.json` | refused |
+| symlinks | NAME, NAME.part or NAME.part.json a link (to a file outside or inside) | refused, target untouched |
+| hard links | NAME.part hard-linked to a file outside | refused, file untouched |
+| oversize upload | size above free disk minus the reserve | refused before a byte is written |
+| chunk past the declared size / out of order | upload_chunk | refused |
+| wrong hash | upload_end after other bytes | refused, partial deleted |
+| flags off the whitelist | `--model`, `--config`, `--debug`, `--stage-next`, shell text | refused |
+| whitelisted flags with bad values | `--kv q4`, `--max-context -1`, `--prefill 0`, `--device /dev/sda` | refused |
+| model outside the folder / missing | `../../etc/passwd`, absent name, a link in the folder | refused |
+| bind / port | a foreign address, a port outside the worker range | refused |
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from engine.node.agent import Agent
+from engine.node.client import NodeError
+from engine.node.keys import KeyPair
+from tests.engine.node.conftest import Paired, pair_with
+
+SHA0 = "0" * 64
+
+BAD_NAMES = [
+    "../x.gguf",
+    "../../etc/passwd",
+    "/etc/passwd",
+    "a/b.gguf",
+    "a\\b.gguf",
+    "C:\\x.gguf",
+    "..",
+    ".",
+    "",
+    ".bashrc",
+    "x.gguf.part",
+    "x.json",
+    "x\x00y",
+    "a" * 200,
+    "-rf",
+    "..gguf",
+    "NUL.gguf",
+    "com1",
+]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=[repr(n)[:24] for n in BAD_NAMES])
+def test_bad_names_are_refused_everywhere(paired: Paired, name: str, tmp_path: Path) -> None:
+    c = paired.client
+    before = sorted(p.name for p in paired.agent.store.root.iterdir())
+    for cmd, args in (
+        ("upload_begin", {"name": name, "size": 10, "sha256": SHA0}),
+        ("upload_chunk", {"name": name, "offset": 0, "data": b"x"}),
+        ("upload_end", {"name": name}),
+        ("delete_file", {"name": name}),
+        ("start_worker", {"model": name, "begin": 1}),
+    ):
+        with pytest.raises(NodeError) as err:
+            c.call(cmd, args)
+        assert err.value.code in ("bad_request", "refused"), (cmd, name)
+    assert sorted(p.name for p in paired.agent.store.root.iterdir()) == before
+
+
+def _outside(tmp_path: Path) -> Path:
+    f = tmp_path / "outside.txt"
+    f.write_bytes(b"precious")
+    return f
+
+
+@pytest.mark.parametrize("which", ["final", "part", "meta"])
+def test_symlinks_in_the_folder_are_refused(paired: Paired, tmp_path: Path, which: str) -> None:
+    target = _outside(tmp_path)
+    root = paired.agent.store.root
+    link = root / {"final": "m.gguf", "part": "m.gguf.part", "meta": "m.gguf.part.json"}[which]
+    os.symlink(target, link)
+    with pytest.raises(NodeError, match="link") as err:
+        paired.client.call("upload_begin", {"name": "m.gguf", "size": 8, "sha256": SHA0})
+    assert err.value.code == "refused"
+    assert target.read_bytes() == b"precious"
+    if which == "final":
+        with pytest.raises(NodeError, match="link"):
+            paired.client.start_worker(model="m.gguf", begin=1)
+
+
+def test_hard_link_to_an_outside_file_is_refused(paired: Paired, tmp_path: Path) -> None:
+    target = _outside(tmp_path)
+    os.link(target, paired.agent.store.root / "m.gguf.part")
+    with pytest.raises(NodeError, match="hard link"):
+        paired.client.call("upload_begin", {"name": "m.gguf", "size": 8, "sha256": SHA0})
+    assert target.read_bytes() == b"precious"
+
+
+def test_symlinked_model_folder_is_refused(tmp_path: Path, make_agent: Callable[..., Agent]) -> None:
+    from engine.node.store import ModelStore, StoreError
+
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "linked")
+    with pytest.raises(StoreError, match="real folder"):
+        ModelStore(tmp_path / "linked")
+
+
+def test_oversize_upload_is_refused_before_writing(make_agent: Callable[..., Agent]) -> None:
+    agent = make_agent(reserve_bytes=1 << 30)
+    p = pair_with(agent)
+    free = agent.store.free_bytes()
+    with pytest.raises(NodeError, match="free") as err:
+        p.client.call("upload_begin", {"name": "big.gguf", "size": free, "sha256": SHA0})
+    assert err.value.code == "refused"
+    assert not any(agent.store.root.iterdir())
+    p.client.close()
+
+
+def test_chunks_must_fit_and_come_in_order_and_hash_must_match(paired: Paired) -> None:
+    c, root = paired.client, paired.agent.store.root
+    data = os.urandom(1000)
+    good = hashlib.sha256(data).hexdigest()
+    assert c.call("upload_begin", {"name": "m.gguf", "size": 1000, "sha256": good})["offset"] == 0
+    with pytest.raises(NodeError, match="expected byte 0"):
+        c.call("upload_chunk", {"name": "m.gguf", "offset": 10, "data": data[10:20]})
+    with pytest.raises(NodeError, match="past its declared size"):
+        c.call("upload_chunk", {"name": "m.gguf", "offset": 0, "data": data + b"x"})
+    c.call("upload_chunk", {"name": "m.gguf", "offset": 0, "data": data[:500]})
+    with pytest.raises(NodeError, match="send the rest"):
+        c.call("upload_end", {"name": "m.gguf"})
+    c.call("upload_chunk", {"name": "m.gguf", "offset": 500, "data": bytes(500)})  # wrong bytes
+    with pytest.raises(NodeError, match="SHA-256") as err:
+        c.call("upload_end", {"name": "m.gguf"})
+    assert err.value.code == "refused"
+    assert not (root / "m.gguf").exists() and not (root / "m.gguf.part").exists()
+    # Done right, the file lands under its name with the hash the agent computed.
+    c.call("upload_begin", {"name": "m.gguf", "size": 1000, "sha256": good})
+    c.call("upload_chunk", {"name": "m.gguf", "offset": 0, "data": data})
+    assert c.call("upload_end", {"name": "m.gguf"})["sha256"] == good
+    assert (root / "m.gguf").read_bytes() == data
+    assert c.call("upload_begin", {"name": "m.gguf", "size": 1000, "sha256": good}) == {
+        "offset": 1000,
+        "complete": True,
+    }
+    files = {f["name"]: f for f in c.files()["files"]}
+    assert files["m.gguf"]["complete"] and files["m.gguf"]["size"] == 1000
+
+
+# -- worker flags ----------------------------------------------------------------------------------------------
+
+REFUSED_FLAGS = [
+    (["--model", "/etc/passwd"], "not allowed"),
+    (["--config", "x.json"], "not allowed"),
+    (["--debug"], "not allowed"),
+    (["--stage-next", "10.0.0.9:7000"], "not allowed"),
+    (["--stage-bind", "0.0.0.0"], "not allowed"),
+    (["; rm -rf /"], "not allowed"),
+    (["--kv", "q4"], "refused"),
+    (["--kv"], "needs a value"),
+    (["--max-context", "-1"], "refused"),
+    (["--max-context=1e9"], "refused"),
+    (["--threads", "2"], "not allowed"),
+    (["--prefill", "0"], "refused"),
+    (["--max-context", "99999999999"], "refused"),
+    (["--device", "/dev/sda"], "refused"),
+    (["--device", "cuda:99"], "refused"),
+    (["--dtype", "$(id)"], "refused"),
+]
+
+
+def _worker_agent(make_agent: Callable[..., Agent], tmp_path: Path) -> Paired:
+    """An agent whose 'engine' prints its command line, the key file's content and its key environment."""
+    script = (
+        "import json, os, sys\n"
+        "argv = sys.argv[1:]\n"
+        "key = open(argv[argv.index('--stage-key') + 1]).read() if '--stage-key' in argv else ''\n"
+        "env = {k: os.environ.get(k) for k in ('STRATA_STAGE_SECRET_KEY', 'STRATA_STAGE_TOKEN', 'STRATA_REMOTE_TIMING')}\n"
+        "print(json.dumps({'argv': argv, 'key': key, 'env': env}), flush=True)\n"
+    )
+    agent = make_agent(engine_command=[sys.executable, "-c", script])
+    (agent.store.root / "m.gguf").write_bytes(b"GGUF")
+    return pair_with(agent)
+
+
+@pytest.mark.parametrize("flags,match", REFUSED_FLAGS, ids=[" ".join(f)[:30] for f, _ in REFUSED_FLAGS])
+def test_non_whitelisted_flags_are_refused(
+    make_agent: Callable[..., Agent], tmp_path: Path, flags: list[str], match: str
+) -> None:
+    p = _worker_agent(make_agent, tmp_path)
+    with pytest.raises(NodeError, match=match) as err:
+        p.client.start_worker(model="m.gguf", begin=1, flags=flags)
+    assert err.value.code == "refused"
+    assert p.client.workers() == []
+    p.client.close()
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ({"model": "absent.gguf", "begin": 1}, "not on this PC"),
+        ({"model": "m.gguf", "begin": 1, "bind": "203.0.113.9"}, "not an address of this PC"),
+        ({"model": "m.gguf", "begin": 1, "bind": "localhost; id"}, "not an IP address"),
+        ({"model": "m.gguf", "begin": 1, "port": 1}, "outside the agent's worker ports"),
+        ({"model": "m.gguf", "begin": 4, "end": 4}, "must be after begin"),
+        ({"model": "m.gguf", "begin": 1, "end": 3, "next": "10.0.0.2:7470"}, "both next"),
+        ({"model": "m.gguf", "begin": 1, "sm": [100, 200]}, "lock_clocks is false"),
+    ],
+)
+def test_bad_worker_requests_are_refused(
+    make_agent: Callable[..., Agent], tmp_path: Path, args: dict, match: str
+) -> None:
+    p = _worker_agent(make_agent, tmp_path)
+    with pytest.raises(NodeError, match=match):
+        p.client.start_worker(**args)
+    p.client.close()
+
+
+def test_worker_gets_whitelisted_argv_and_a_fresh_key_file(
+    make_agent: Callable[..., Agent], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+    import time
+
+    import zmq.auth
+
+    monkeypatch.setenv("STRATA_STAGE_TOKEN", "the agent's own token must not leak")
+    p = _worker_agent(make_agent, tmp_path)
+    nxt = KeyPair.generate().public  # stands for the next stage's worker key
+    w = p.client.start_worker(
+        model="m.gguf",
+        begin=2,
+        end=4,
+        next="127.0.0.1:7999",
+        next_key=nxt,
+        timing=True,
+        flags=["--kv", "int8", "--max-context=4096"],
+    )
+    res = p.client.logs(w["id"], 0, wait_ms=10_000)
+    out = json.loads(res["lines"][0])
+    argv, env = out["argv"], out["env"]
+    key_file = Path(argv[argv.index("--stage-key") + 1])
+    assert argv[:2] == ["worker", "--model"] and Path(argv[2]) == p.agent.store.root / "m.gguf"
+    assert key_file.parent == p.agent.dir / "worker-keys"
+    joined = " ".join(argv)
+    assert (
+        f"--stage-worker {w['port']} --stage-begin 2 --stage-bind 127.0.0.1 --stage-key {key_file}" in joined
+    )
+    assert f"--stage-allow={p.keys.public} --stage-end 4" in joined  # the paired main's key by default
+    assert f"--stage-next 127.0.0.1:7999 --stage-next-key={nxt}" in joined
+    assert argv[-4:] == ["--kv", "int8", "--max-context", "4096"]
+    assert f'public-key = "{w["public_key"]}"' in out["key"]
+    secret = out["key"].split('secret-key = "')[1][:40]
+    assert secret not in joined and zmq.curve_public(secret.encode()).decode() == w["public_key"]
+    assert env == {"STRATA_STAGE_SECRET_KEY": None, "STRATA_STAGE_TOKEN": None, "STRATA_REMOTE_TIMING": "1"}
+    deadline = time.monotonic() + 10
+    while key_file.exists() and time.monotonic() < deadline:  # deleted when the worker ends
+        time.sleep(0.05)
+    assert not key_file.exists() and p.client.workers()[0]["state"] == "exited"
+    w2 = p.client.start_worker(model="m.gguf", begin=2)
+    assert w2["public_key"] != w["public_key"]  # a fresh key per worker
+    p.client.close()
+
+
+def test_every_whitelisted_flag_is_a_worker_option() -> None:
+    from engine.cli import build_parser
+    from engine.node.workers import FLAG_WHITELIST
+
+    sample = {"--kv": "int8", "--dtype": "f32", "--max-context": "64", "--prefill": "128", "--device": "cpu"}
+    assert set(sample) == set(FLAG_WHITELIST)
+    argv = ["worker", "--stage-worker", "1", "--stage-begin", "1"]
+    for flag, value in sample.items():
+        argv += [flag, FLAG_WHITELIST[flag](value)]
+    args = build_parser().parse_args(argv)
+    assert (args.kv, args.dtype, args.max_context, args.prefill, args.device) == (
+        "int8",
+        "f32",
+        64,
+        "128",
+        "cpu",
+    )
+
+
+def test_keys_that_begin_with_a_dash_reach_the_worker_intact(
+    make_agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """Z85 keys may begin with "-": the agent writes --flag=KEY, and the worker's own parser reads them back."""
+    import json
+
+    from engine.cli import build_parser
+
+    dashed = next(k for k in iter(KeyPair.generate, None) if k.public.startswith("-"))
+    p = _worker_agent(make_agent, tmp_path)
+    w = p.client.start_worker(
+        model="m.gguf",
+        begin=2,
+        end=3,
+        next="127.0.0.1:7999",
+        next_key=dashed.public,
+        allow_keys=[dashed.public],
+    )
+    argv = json.loads(p.client.logs(w["id"], 0, wait_ms=10_000)["lines"][0])["argv"]
+    args = build_parser().parse_args(argv)
+    assert args.stage_next_key == dashed.public and args.stage_allow == [dashed.public]
+    assert (args.stage_begin, args.stage_end, args.stage_worker) == (2, 3, w["port"])
+    p.client.close()
