@@ -48,6 +48,31 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("verify windows (docs/speculative.md)")
+    g.add_argument(
+        "--spec",
+        type=int,
+        default=0,
+        metavar="N",
+        help="draft up to N tokens per step and verify them in one forward (default 0: off); greedy output is unchanged",
+    )
+    g.add_argument(
+        "--suffix-draft",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="1: draft by copying earlier context, prompt and answer (default); 0: only the model's draft layer",
+    )
+    g.add_argument(
+        "--pipeline-windows",
+        type=int,
+        default=0,
+        metavar="N",
+        help="2: on a layer split, the first stages read the next (guessed) window while the last verifies (default 0)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -64,11 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--chat", "-c", help="a user message, formatted with the model's chat template")
     g.add_argument("--system", help="system prompt for --chat")
     _sampling_args(g)
+    _spec_args(g)
     add_split_args(g)
 
     sv = sub.add_parser("serve", help="serve the OpenAI-compatible API, /metrics, /stats and /events")
     _model_arg(sv)
     add_serve_args(sv)
+    _spec_args(sv)
+    add_split_args(sv)
 
     lg = sub.add_parser("logits", help="write the logits of a token-id list to a .npy file")
     _model_arg(lg)
@@ -121,6 +149,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.layers.kv_cache import resolve_kv_type
     from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner, TextEvent, TokenEvent
     from engine.pipeline.sampling import SamplingParams
+    from engine.pipeline.spec import SpecConfig
     from engine.pipeline.split import prefill_chunk
 
     sampling = SamplingParams(
@@ -133,6 +162,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty,
         seed=args.seed,
     )
+    spec = SpecConfig(n=args.spec, suffix=bool(args.suffix_draft), pipeline_windows=args.pipeline_windows)
     lm = _load(args)
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -148,6 +178,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.max_context,
         resolve_kv_type(args.kv, lm.model.dtype),
         prefill_chunk(lm.model, args.prefill) if args.prefill == "auto" else _prefill(args.prefill),
+        spec=spec,
     )
     req = GenerationRequest(ids, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop)
     if args.prompt is not None:
@@ -159,9 +190,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         elif isinstance(ev, DoneEvent):
             t = ev.timings
             sys.stdout.write("\n")
+            drafts = f", drafts kept {t.drafts_accepted} of {t.drafts_proposed}" if spec.n else ""
             print(
                 f"[{t.prompt_tokens} prompt tokens at {t.prompt_per_second:.1f} tok/s, "
-                f"{t.generated_tokens} generated at {t.generated_per_second:.1f} tok/s, finish: {ev.finish_reason}]",
+                f"{t.generated_tokens} generated at {t.generated_per_second:.1f} tok/s{drafts}, "
+                f"finish: {ev.finish_reason}]",
                 file=sys.stderr,
             )
     return 0

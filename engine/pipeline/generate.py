@@ -1,7 +1,7 @@
 """The one generation stream: a generator of typed events that the server, the CLI and the worker all consume."""
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -9,6 +9,15 @@ import torch
 from engine.layers.kv_cache import KVCache
 from engine.pipeline.prompt_cache import PromptCache, common_prefix
 from engine.pipeline.sampling import Sampler, SamplingParams
+from engine.pipeline.spec import (
+    DraftSource,
+    SpecConfig,
+    WindowDecoder,
+    draft_sources,
+    pipeline_for,
+    rollback,
+    window_graphs_for,
+)
 from engine.tokenizer import Tokenizer
 
 
@@ -36,8 +45,9 @@ class PromptChunkEvent:
 
 @dataclass(frozen=True)
 class StepEvent:
-    index: int
+    index: int  # the decode's forward (verify window) number
     ms: float
+    tokens: int = 1  # tokens the step produced (kept drafts and the next token)
 
 
 @dataclass
@@ -47,6 +57,11 @@ class Timings:
     prompt_ms: float = 0.0
     generated_tokens: int = 0
     generated_ms: float = 0.0
+    drafts_proposed: int = 0  # drafted tokens the model verified (--spec)
+    drafts_accepted: int = 0  # of those, kept
+    decode_windows: int = 0  # forwards of the decode (one per verify window)
+    guessed_windows: int = 0  # windows the front stages read ahead (--pipeline-windows 2)
+    guessed_kept: int = 0  # of those, the ones the verification kept
 
     @property
     def prompt_per_second(self) -> float:
@@ -56,6 +71,10 @@ class Timings:
     @property
     def generated_per_second(self) -> float:
         return self.generated_tokens / (self.generated_ms / 1e3) if self.generated_ms > 0 else 0.0
+
+    @property
+    def draft_acceptance(self) -> float:
+        return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
 
 
 @dataclass(frozen=True)
@@ -110,7 +129,8 @@ class _StopMatcher:
 
 class Runner:
     """Runs one sequence at a time through a model with its KV cache, reusing the cached prefix of the last one
-    and, with a `PromptCache`, of several recent ones."""
+    and, with a `PromptCache`, of several recent ones. With `spec` (`--spec N`) it decodes in verify windows of
+    drafted tokens (engine/pipeline/spec.py); greedy tokens are the same either way."""
 
     def __init__(
         self,
@@ -120,13 +140,23 @@ class Runner:
         kv_type: str,
         prefill_chunk: int = 512,
         prompt_cache: PromptCache | None = None,
+        spec: SpecConfig | None = None,
+        drafts: Callable[[Sampler], DraftSource | None] | None = None,
     ) -> None:
         self.model = model
+        self.spec = spec or SpecConfig()
+        # A request's draft source; by default the ones `spec` names (earlier context, the model's draft layer).
+        self.drafts = drafts or (lambda sampler: draft_sources(model, self.spec, sampler))
         self.prompt_cache = prompt_cache
         self.tok = tokenizer
         self.max_ctx = max_ctx
         self.prefill_chunk = max(1, prefill_chunk)
         self.cache: KVCache = model.new_cache(max_ctx, kv_type)  # type: ignore[attr-defined]
+        if self.spec.n > 0 and hasattr(self.cache, "step_states"):
+            # Recurrent state (delta-net layers) kept after each row of a window: a rejection goes back exactly.
+            self.cache.step_states = self.spec.n + 1
+        self.pipe = pipeline_for(model, self.spec, cache=self.cache)
+        self.window_graphs = window_graphs_for(model, self.spec) if self.pipe is None else None
         self.cached_tokens: list[int] = []
 
     def reset(self) -> None:
@@ -196,32 +226,57 @@ class Runner:
         eog = set() if req.ignore_eos else set(self.tok.eog_ids)
         finish = "length"
         stopped_by_string = False
+        source = self.drafts(sampler) if self.spec.n > 0 else None
+        windows = WindowDecoder(
+            self.model, self.cache, self.spec, sampler, source, self.pipe, self.window_graphs
+        )
+        windows.start(self.cached_tokens)
         t1 = time.perf_counter()
-        step_logits = logits[-1]
-        for step in range(max_new):
-            s0 = time.perf_counter()
-            token = sampler.sample(step_logits, history)
-            if token in eog:
-                finish = "stop"
-                break
-            out.append(token)
-            history.append(token)
-            text, hit = stops.feed(decoder.push(token))
-            yield TokenEvent(token, text)
-            if hit:
-                finish, stopped_by_string = "stop", True
-                break
-            if step + 1 < max_new:
+        pending = [sampler.sample(logits[-1], history)]  # decided tokens not yet emitted
+        try:
+            step = 0
+            while True:
+                token = pending.pop(0)
+                if token in eog:
+                    finish = "stop"
+                    break
+                out.append(token)
+                history.append(token)
+                text, hit = stops.feed(decoder.push(token))
+                yield TokenEvent(token, text)
+                if hit:
+                    finish, stopped_by_string = "stop", True
+                    break
+                if len(out) >= max_new:
+                    break
+                if pending:  # kept drafts are emitted one by one before the next window
+                    continue
+                s0 = time.perf_counter()
                 p = len(self.cached_tokens)
-                step_logits = self.model.forward(torch.tensor([token]), self.cache, p)[-1]  # type: ignore[attr-defined]
+                left = max_new - len(out)  # tokens still allowed after this one
+                k = min(self.spec.n, left, self.max_ctx - p - 1)
+                w = windows.window(token, p, history, k, room=left - k - 1)
                 self._sync()
-                self.cached_tokens.append(token)
-            yield StepEvent(step, (time.perf_counter() - s0) * 1e3)
+                self.cached_tokens.extend([token, *w.accepted])
+                pending = [*w.accepted, w.next_token]
+                yield StepEvent(step, (time.perf_counter() - s0) * 1e3, len(pending))
+                step += 1
+        finally:
+            windows.close()
+        # The KV holds positions the request did not emit when it stopped inside a window's kept drafts.
+        valid = min(len(self.cached_tokens), len(prompt) + len(out))
+        if valid < len(self.cached_tokens):
+            rollback(self.model, self.cache, valid)
+            del self.cached_tokens[valid:]
         if not stopped_by_string:
             tail, hit = stops.feed(decoder.flush())
             tail += "" if hit else stops.flush()
             if tail:
                 yield TextEvent(tail)
+        st = windows.stats
         timings.generated_tokens = len(out)
         timings.generated_ms = (time.perf_counter() - t1) * 1e3
+        timings.drafts_proposed, timings.drafts_accepted = st.proposed, st.accepted
+        timings.decode_windows = st.windows
+        timings.guessed_windows, timings.guessed_kept = st.guesses, st.guesses_kept
         yield DoneEvent(finish, timings, out)

@@ -71,10 +71,17 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, history: list[int]) -> int:
         """logits [V] (any device) -> token id."""
+        if self.p.greedy:
+            return int(torch.argmax(self._penalize(logits.float().cpu(), history)))
+        return self.draw(self.probs(logits, history))
+
+    def probs(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+        """The distribution `sample` draws from: logits [V] (any device) -> probabilities [V] (float32, CPU).
+        Greedy gives the one-hot of the argmax. Speculative sampling compares drafts against it."""
         logits = self._penalize(logits.float().cpu(), history)
         p = self.p
         if p.greedy:
-            return int(torch.argmax(logits))
+            return torch.zeros_like(logits).scatter_(0, torch.argmax(logits).view(1), 1.0)
         if p.top_k > 0 and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -87,5 +94,12 @@ class Sampler:
         if p.min_p > 0:
             probs = torch.softmax(logits, dim=-1)
             logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-        probs = torch.softmax(logits / p.temperature, dim=-1)
+        return torch.softmax(logits / p.temperature, dim=-1)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """A token from probabilities [V] (CPU; need not sum to 1), with this sampler's generator."""
         return int(torch.multinomial(probs, 1, generator=self.gen))
+
+    def uniform(self) -> float:
+        """A draw from U[0, 1) with this sampler's generator (the accept test of speculative sampling)."""
+        return float(torch.rand(1, generator=self.gen))

@@ -8,6 +8,10 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.pipeline.split import SplitOptions
 
 PROG = "strata-engine serve"
 API_KEY_ENV = "STRATA_API_KEY"
@@ -69,7 +73,8 @@ def _defaults() -> argparse.Namespace:
 
 
 def apply_config(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill what the command line left at its default from the config file (its keys, then its "args")."""
+    """Fill what the command line left at its default from the config file (its keys, then its "args"); the
+    cards, the layer split and the worker PCs become the split flags (`config_args`)."""
     from installer.config import ConfigError, read_config
 
     path = Path(args.config)
@@ -77,19 +82,12 @@ def apply_config(args: argparse.Namespace) -> argparse.Namespace:
         cfg = read_config(path)
     except ConfigError as e:
         raise ServeError(str(e)) from None
-    if cfg.workers:
-        raise ServeError(
-            f'{path.name} lists worker PCs, but this engine runs every layer in this process: remove "workers"'
-        )
-    if len(cfg.gpu) > 1:
-        raise ServeError(
-            f"{path.name} asks for cards {list(cfg.gpu)} together, but this engine runs on one card: "
-            f'set "gpu": [{cfg.gpu[0]}]'
-        )
     from engine.cli import build_parser
+    from engine.pipeline.split_args import config_args
 
     defaults = _defaults()
-    from_file, unknown = build_parser().parse_known_args(["serve", *cfg.args])
+    # The split keys ("gpu", "layer_split", "gpu_order", "workers", ...) as flags, before "args" (which win).
+    from_file, unknown = build_parser().parse_known_args(["serve", *config_args(cfg), *cfg.args])
     if unknown:
         log.warning("%s: args %s are not options of %s and are ignored", path.name, " ".join(unknown), PROG)
     out = argparse.Namespace(**vars(args))
@@ -97,8 +95,6 @@ def apply_config(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, key, None) == getattr(defaults, key, None):
             setattr(out, key, value)
     keyed = {"model": cfg.model, "max_context": cfg.max_context, "kv": cfg.kv}
-    if cfg.gpu:
-        keyed["device"] = f"cuda:{cfg.gpu[0]}"
     for key, value in keyed.items():
         if value is not None and getattr(args, key) == getattr(defaults, key):
             setattr(out, key, value)
@@ -107,12 +103,32 @@ def apply_config(args: argparse.Namespace) -> argparse.Namespace:
     return out
 
 
-def _prefill(arg: str) -> int:
+def _prefill(arg: str) -> int | None:
+    """--prefill as a chunk size; None for auto (chosen once the model is loaded: several pieces per chunk on a
+    pipelined split, see engine.pipeline.split.prefill_chunk)."""
     if arg == "auto":
-        return 512
+        return None
     if not arg.isdigit() or int(arg) < 1:
         raise ServeError(f"--prefill must be auto or a number of tokens >= 1, not {arg!r}")
     return int(arg)
+
+
+def _split_options(args: argparse.Namespace) -> "SplitOptions":
+    """The split flags, checked as far as they can be without the model (the rest when it loads, on /health)."""
+    from engine.pipeline.split_args import options_from_args
+
+    try:
+        split = options_from_args(args)
+    except ValueError as e:  # PlacementError is one
+        raise ServeError(str(e)) from None
+    if split.remote:
+        from engine.link.keys import LinkKeyError, client_keys
+
+        try:  # no key for the link: say so now rather than on /health
+            client_keys(split.stage_key, split.remote_key)
+        except LinkKeyError as e:
+            raise ServeError(str(e)) from None
+    return split
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -166,9 +182,16 @@ def _serve(args: argparse.Namespace) -> int:
         raise ServeError(f"--threads must be 0 (automatic) or more, not {args.threads}")
     if args.max_body_mib <= 0:
         raise ServeError(f"--max-body-mib must be more than 0, not {args.max_body_mib}")
+    from engine.pipeline.spec import SpecConfig, SpecError
+
+    try:
+        SpecConfig(n=args.spec, suffix=bool(args.suffix_draft), pipeline_windows=args.pipeline_windows)
+    except SpecError as e:
+        raise ServeError(str(e)) from None
     model = Path(args.model) if args.model else None
     if model is not None and not model.is_file():
         raise ServeError(f'model file {model} does not exist: check --model (or the config\'s "model")')
+    split = _split_options(args)
 
     import uvicorn
 
@@ -188,6 +211,10 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=api_key,
         max_body_bytes=int(args.max_body_mib * (1 << 20)),
         threads=args.threads,
+        spec=args.spec,
+        suffix_draft=bool(args.suffix_draft),
+        pipeline_windows=args.pipeline_windows,
+        split=split,
     )
     sock = bind(args.host, args.port)
     service = EngineService(opts)

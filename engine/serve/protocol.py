@@ -382,6 +382,9 @@ def timings_dict(t: "Timings", queued_ms: float = 0.0) -> dict[str, Any]:
         else 0.0,
         "predicted_per_second": round(t.generated_per_second, 3),
         "queued_ms": round(queued_ms, 3),
+        # verify windows (--spec), under llama-server's names: drafted tokens verified, and kept
+        "draft_n": t.drafts_proposed,
+        "draft_n_accepted": t.drafts_accepted,
     }
 
 

@@ -29,14 +29,16 @@ from engine.serve.protocol import (
     timings_dict,
     usage_dict,
 )
+from engine.serve.stages import StageSlot, StageTimes, stage_layout
 from engine.telemetry.events import EventHub
 from engine.telemetry.prometheus import CONTENT_TYPE, Family, render, summary
-from engine.telemetry.stats import Telemetry
+from engine.telemetry.stats import RunningStat, StageStats, Telemetry
 from installer.version import __version__
 
 if TYPE_CHECKING:
     from engine.loader import LoadedModel
     from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+    from engine.pipeline.split import SplitOptions
 
 log = logging.getLogger("strata.serve")
 
@@ -62,13 +64,17 @@ class ServeOptions:
     dtype: str = "auto"
     kv: str = "auto"
     max_context: int = 4096
-    prefill: int = 512
+    prefill: int | None = None  # prompt chunk in tokens; None: --prefill auto (split.prefill_chunk)
     prompt_cache_mib: int = 2048
     max_queue: int = 64
     aliases: tuple[str, ...] = ()
     api_key: str | None = None
     max_body_bytes: int = 16 << 20
     threads: int = 0  # torch intra-op threads; 0: torch's default
+    spec: int = 0  # --spec N: drafted tokens per verify window (engine/pipeline/spec.py)
+    suffix_draft: bool = True  # --suffix-draft: drafts copied from earlier context
+    pipeline_windows: int = 0  # --pipeline-windows 2 (a layer split only)
+    split: "SplitOptions | None" = None  # the layer-split flags; None: the whole model on `device`
 
 
 @dataclass
@@ -149,7 +155,13 @@ class EngineService:
         self.model_name = model_id(opts.model.name) if opts.model else self._default_name()
         self.model_created = now()
         self.hub = EventHub()
-        self.telemetry = Telemetry(listener=self.hub.publish, wants_events=self.hub.wants)
+        self.telemetry = Telemetry(listener=self._publish, wants_events=self.hub.wants)
+        self.stage_slots: list[StageSlot] = []
+        self.stage_times: StageTimes | None = None  # a layer split: each stage's times from stage_report()
+        # What the worker thread adds to the step or prompt-chunk event it is recording (Telemetry builds the
+        # event; only that thread records steps and chunks).
+        self._event_extra: dict[str, Any] | None = None
+        self._stage_errors: tuple[type[BaseException], ...] = ()  # a remote stage's failures (StageError)
         self._waiting: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._stopping = False
@@ -172,17 +184,20 @@ class EngineService:
 
     def _load(self) -> None:
         t0 = time.perf_counter()
+        loaded: LoadedModel | None = None
         try:
             import torch
 
             from engine.layers.kv_cache import resolve_kv_type
-            from engine.loader import load_model
             from engine.pipeline.generate import Runner
             from engine.pipeline.prompt_cache import PromptCache
+            from engine.pipeline.spec import SpecConfig
+            from engine.pipeline.split import SplitOptions, load_split_model, prefill_chunk
 
-            if self.opts.threads:
-                torch.set_num_threads(self.opts.threads)
-            path = self.opts.model
+            o = self.opts
+            if o.threads:
+                torch.set_num_threads(o.threads)
+            path = o.model
             if path is None:
                 from installer.default_model import default_model_path
 
@@ -191,22 +206,43 @@ class EngineService:
                 raise FileNotFoundError(
                     f'model file {path} does not exist: check --model or the config\'s "model"'
                 )
-            lm = load_model(path, self.opts.device, self.opts.dtype)
-            kv = resolve_kv_type(self.opts.kv, lm.model.dtype)
-            if self.opts.max_context > lm.config.n_ctx_train:
+            split = o.split or SplitOptions(device=o.device)
+            if split.remote:
+                from engine.link.client import StageError
+
+                self._stage_errors = (StageError,)
+            # The plan is checked before any weight is read; a remote stage is connected and checked before this
+            # returns (a worker that is not up makes the load fail, with its address, on /health).
+            lm = loaded = load_split_model(path, split, o.max_context, o.kv, o.dtype)
+            kv = resolve_kv_type(o.kv, lm.model.dtype)
+            if o.max_context > lm.config.n_ctx_train:
                 log.warning(
                     "--max-context %d is beyond the %d positions %s was trained for: answers past that may degrade",
-                    self.opts.max_context,
+                    o.max_context,
                     lm.config.n_ctx_train,
                     path.name,
                 )
-            cache = PromptCache(self.opts.prompt_cache_mib << 20) if self.opts.prompt_cache_mib > 0 else None
-            runner = Runner(lm.model, lm.tokenizer, self.opts.max_context, kv, self.opts.prefill, cache)
+            cache = PromptCache(o.prompt_cache_mib << 20) if o.prompt_cache_mib > 0 else None
+            if split.remote and cache is not None:
+                # A worker's KV cannot be restored from this process's host memory.
+                log.info("prompt cache off: the remote stage keeps its own KV")
+                cache = None
+            chunk = prefill_chunk(lm.model, "auto") if o.prefill is None else o.prefill
+            spec = SpecConfig(n=o.spec, suffix=o.suffix_draft, pipeline_windows=o.pipeline_windows)
+            runner = Runner(lm.model, lm.tokenizer, o.max_context, kv, chunk, cache, spec=spec)
+            slots = stage_layout(lm.model, lm.config.n_layer)
         except Exception as e:  # the server stays up and says why on /health
             self.error = " ".join(str(e).split()) or type(e).__name__
             self.status = "error"
             log.error("the model could not be loaded: %s", self.error)
+            close = getattr(loaded.model, "close", None) if loaded is not None else None
+            if close is not None:  # a remote link that was opened
+                close()
             return
+        self.stage_slots = slots
+        if hasattr(lm.model, "stage_report"):
+            self.stage_times = StageTimes(slots)
+        self.telemetry.stages = [StageStats(RunningStat(), RunningStat()) for _ in slots]
         self.lm, self.runner, self.kv_type = lm, runner, kv
         self.model_name = model_id(lm.path.name)
         self.model_created = int(lm.path.stat().st_mtime)
@@ -405,6 +441,14 @@ class EngineService:
         self.telemetry.request_done(job.endpoint, "cancelled")
 
     def _work(self) -> None:
+        try:
+            self._serve_queue()
+        finally:  # the links to remote stages are used by this thread only: closed here too
+            close = getattr(self.lm.model, "close", None) if self.lm is not None else None
+            if close is not None:
+                close()
+
+    def _serve_queue(self) -> None:
         while True:
             with self._cv:
                 while not self._waiting and not self._stopping:
@@ -453,9 +497,9 @@ class EngineService:
                         else:
                             parts.append(ev.text)
                 elif isinstance(ev, StepEvent):
-                    tel.step(0, ev.ms, ev.index)
+                    self._record("step", ev.ms, ev.index, {"tokens": ev.tokens})
                 elif isinstance(ev, PromptChunkEvent):
-                    tel.prompt_chunk(0, ev.tokens, ev.ms, ev.start)
+                    self._record("prompt_chunk", ev.ms, ev.start, {}, ev.tokens)
                 elif isinstance(ev, TextEvent):
                     if ev.text:
                         if job.stream:
@@ -467,6 +511,20 @@ class EngineService:
         except GenerationError as e:
             tel.request_done(job.endpoint, "error")
             job.push("error", APIError(400, str(e), code="invalid_request"))
+            return
+        except self._stage_errors as e:  # a worker stopped, froze or was cut off: the next request reconnects
+            log.error("request %s failed: %s", job.id, e)
+            self.runner.reset()
+            tel.request_done(job.endpoint, "error")
+            job.push(
+                "error",
+                APIError(
+                    502,
+                    f"a remote stage failed: {e}; the server keeps running and reconnects on the next request "
+                    "(GET /health shows each stage)",
+                    code="stage_unavailable",
+                ),
+            )
             return
         except Exception as e:
             log.exception("generation of request %s failed", job.id)
@@ -485,6 +543,35 @@ class EngineService:
             return
         tel.request_done(job.endpoint, "ok", timings_dict(done.timings, queued_ms))
         job.push("done", Result("".join(parts), done, queued_ms))
+
+    def _record(self, kind: str, ms: float, at: int, extra: dict[str, Any], tokens: int = 0) -> None:
+        """One decode step (`at`: its index) or prompt chunk (`at`: its first position) into the telemetry: the
+        whole forward as stage 0 for one stage, each stage's own time from `stage_report()` for a split."""
+        tel = self.telemetry
+        if self.stage_times is None or self.lm is None:
+            parts = [(0, ms, extra)]
+        else:
+            report = self.lm.model.stage_report()  # type: ignore[union-attr]
+            parts = [
+                (i, own, {**details, **extra}) for i, own, details in self.stage_times.record(kind, report)
+            ]
+        for i, own, details in parts:
+            self._event_extra = details
+            try:
+                if kind == "step":
+                    tel.step(i, own, at)
+                else:
+                    tel.prompt_chunk(i, tokens, own, at)
+            finally:
+                self._event_extra = None
+
+    def _publish(self, event: dict[str, Any]) -> None:
+        """Telemetry's listener: its step and prompt-chunk events get the stage's details (layers, device, a
+        worker's address and its compute, waiting and transfer times) and the step's token count."""
+        extra = self._event_extra
+        if extra and event.get("type") in ("step", "prompt_chunk"):
+            event.update(extra)
+        self.hub.publish(event)
 
     def _snapshot_experts(self) -> None:
         counts = self.lm.model.expert_counts if self.lm is not None else None
@@ -628,13 +715,33 @@ class EngineService:
 
     # ---- state ----------------------------------------------------------------------------------------------
 
+    def links(self) -> list[tuple[str, str]]:
+        """(address, status) of each link to a remote stage: "ok", or "down: <why>" since a request failed on it
+        (the next request reconnects); empty without remote stages."""
+        health = getattr(self.lm.model, "health", None) if self.lm is not None else None
+        return [(str(a), str(st)) for a, st in health()] if health is not None else []
+
+    def state(self) -> tuple[str, str | None]:
+        """(status, error): loading, ready, error, or degraded while a remote stage is down (requests then fail
+        with a 502 naming it; each new request tries to reconnect, and a success makes it ready again)."""
+        down = [(a, st) for a, st in self.links() if st != "ok"]
+        if self.status == "ready" and down:
+            why = "; ".join(f"the remote stage at {a} is {st}" for a, st in down)
+            return "degraded", f"{why}: requests fail until it is back (each request tries to reconnect)"
+        return self.status, self.error
+
     def health(self) -> dict[str, Any]:
-        return {
-            "status": self.status,
+        status, error = self.state()
+        out: dict[str, Any] = {
+            "status": status,
             "model": self.model_name,
-            "error": self.error,
+            "error": error,
             "queue": {"waiting": self.waiting, "active": 1 if self.active is not None else 0},
         }
+        links = self.links()
+        if links:
+            out["remote_stages"] = [{"address": a, "status": st} for a, st in links]
+        return out
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_card()]}
@@ -645,7 +752,7 @@ class EngineService:
             "object": "model",
             "created": self.model_created,
             "owned_by": "polystrata",
-            "status": self.status,
+            "status": self.state()[0],
         }
         if self.lm is not None:
             c = self.lm.config
@@ -665,9 +772,10 @@ class EngineService:
         snap = self.telemetry.snapshot()
         counts = snap.pop("expert_counts")
         active = self.active
+        status, error = self.state()
         out: dict[str, Any] = {
-            "status": self.status,
-            "error": self.error,
+            "status": status,
+            "error": error,
             "model": self.model_name,
             "version": __version__,
             "uptime_s": snap["uptime_s"],
@@ -706,8 +814,13 @@ class EngineService:
             max_context=self.opts.max_context,
             n_layer=c.n_layer,
         )
-        for st in snap["stages"]:
-            st.update(device=device, layers=[0, c.n_layer])
+        links = dict(self.links())
+        for st, slot in zip(snap["stages"], self.stage_slots, strict=False):
+            st.update(device=slot.device, layers=[slot.begin, slot.end])
+            if slot.remote and self.stage_times is not None:
+                # step_ms and prompt_chunk_ms are the worker's own compute; its waiting and transfer come apart.
+                st.update(host=slot.host, status=links.get(slot.link, "ok"))
+                st.update(self.stage_times.link_stats(slot.index))
         out["stages"] = snap["stages"]
         pc = self.runner.prompt_cache if self.runner is not None else None
         if pc is not None:
@@ -763,6 +876,14 @@ class EngineService:
                 snap["uptime_s"]
             ),
         ]
+        links = self.links()
+        if links:
+            up = Family(
+                "strata_remote_stage_up", "gauge", "1 while the link to a remote stage works, by address."
+            )
+            for address, st in links:
+                up.add(1 if st == "ok" else 0, {"address": address})
+            fams.append(up)
         req = Family("strata_requests_total", "counter", "Requests finished, by endpoint and outcome.")
         for r in snap["requests"]:
             req.add(r["count"], {"endpoint": r["endpoint"], "outcome": r["outcome"]})

@@ -67,16 +67,21 @@ class ServerProc:
 
 
 def start_server(
-    model: Path | None, *args: str, key: str | None = KEY, wait_ready: bool = True
+    model: Path | None,
+    *args: str,
+    key: str | None = KEY,
+    wait_ready: bool = True,
+    env: dict[str, str] | None = None,
 ) -> ServerProc:
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", *args]
     if model is not None:
         cmd += ["--model", str(model)]
     if key:
         cmd += ["--api-key", key]
-    env = dict(os.environ)
-    env.pop("STRATA_API_KEY", None)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    full = dict(os.environ)
+    full.pop("STRATA_API_KEY", None)
+    full.update(env or {})
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full)
     assert proc.stderr is not None
     log: list[str] = []
     url = None

@@ -55,7 +55,9 @@ def test_metrics_follow_a_request(server: ServerProc) -> None:
         delta("strata_prompt_seconds_total"), t["prompt_ms"] / 1e3, rel_tol=1e-3, abs_tol=1e-6
     )
     assert math.isclose(delta("strata_tokens_predicted_seconds_total"), t["predicted_ms"] / 1e3, rel_tol=1e-3)
-    assert delta("strata_step_seconds_count", (("stage", "0"),)) == 5
+    # A step is one decode forward: each generated token but the last is fed back (the first comes from the
+    # prompt's logits), so 5 tokens take 4 steps.
+    assert delta("strata_step_seconds_count", (("stage", "0"),)) == 4
     assert delta("strata_prompt_chunk_seconds_count", (("stage", "0"),)) >= 1
     assert _one(after["strata_queue_waiting"]) == 0 and _one(after["strata_requests_active"]) == 0
     assert _one(after["strata_model_ready"]) == 1
@@ -139,7 +141,9 @@ def test_event_stream(server: ServerProc) -> None:
     chunks = [e for e in events if e["type"] == "prompt_chunk"]
     req = events[-1]
     assert req["type"] == "request"
-    assert len(steps) == 6 and [e["index"] for e in steps] == list(range(6))
+    # One step per decode forward: 6 tokens, the first from the prompt's logits, then 5 forwards of one token.
+    assert len(steps) == 5 and [e["index"] for e in steps] == list(range(5))
+    assert all(e["tokens"] == 1 for e in steps)
     assert all(e["stage"] == 0 and e["ms"] > 0 and e["t"] > 0 for e in steps + chunks)
     assert sum(e["tokens"] for e in chunks) == r["timings"]["prompt_n"]
     assert req["predicted_n"] == 6 and req["prompt_n"] == r["timings"]["prompt_n"] and req["outcome"] == "ok"

@@ -1,0 +1,79 @@
+"""`strata-engine generate --spec N` prints the same greedy text as without drafts and says how many drafts were
+kept; `serve --spec N` answers with those tokens and reports the drafts in its timings; bad values of the window
+options are refused with a message, by generate and by serve before it starts."""
+
+import io
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from engine.cli import build_parser, main
+from engine.loader import load_model
+from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.sampling import GREEDY
+from engine.serve.cli import cmd_serve
+from tests.engine.serve.harness import start_server
+
+
+def _generate(model: Path, *extra: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    argv = [
+        "generate",
+        "--model",
+        str(model),
+        "--device",
+        "cpu",
+        "--prompt",
+        "the cat sat on the mat, the cat",
+    ]
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main([*argv, "-n", "12", *extra])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_generate_with_spec(tiny_models: dict[str, Path]) -> None:
+    rc0, plain, err0 = _generate(tiny_models["qwen2"])
+    rc4, drafted, err4 = _generate(tiny_models["qwen2"], "--spec", "4")
+    assert rc0 == rc4 == 0
+    assert drafted == plain
+    assert "drafts kept" in err4 and "drafts kept" not in err0
+
+
+def test_generate_refuses_bad_window_options(tiny_models: dict[str, Path]) -> None:
+    rc, _, err = _generate(tiny_models["qwen2"], "--spec", "4", "--pipeline-windows", "1")
+    assert rc == 1 and "--pipeline-windows 1: use 0 (off) or 2" in err
+    rc, _, err = _generate(tiny_models["qwen2"], "--spec", "-1")
+    assert rc == 1 and "--spec -1" in err
+
+
+def test_serve_refuses_bad_spec(capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["serve", "--spec", "99"])
+    assert cmd_serve(args) == 2
+    assert "--spec 99: give the drafted tokens per window, 0 (off) to 32" in capsys.readouterr().err
+    args = build_parser().parse_args(
+        ["serve", "--spec", "4", "--suffix-draft", "0", "--pipeline-windows", "2"]
+    )
+    assert (args.spec, args.suffix_draft, args.pipeline_windows) == (4, 0, 2)
+
+
+def test_serve_with_spec(tiny_models: dict[str, Path]) -> None:
+    """A server started with --spec 4 answers greedy completions with the tokens of decoding without drafts, and
+    reports the drafts in its timings."""
+    prompt = "one two three four, one two three four, one two three"
+    lm = load_model(tiny_models["qwen2"], "cpu", "f32")
+    ids = lm.tokenizer.encode(prompt, add_special=True, parse_special=True)
+    req = GenerationRequest(ids, max_tokens=16, sampling=GREEDY, ignore_eos=True)
+    plain = [e for e in Runner(lm.model, lm.tokenizer, 256, "f32").generate(req) if isinstance(e, DoneEvent)]
+    srv = start_server(tiny_models["qwen2"], "--device", "cpu", "--threads", "1", "--spec", "4")
+    try:
+        body = {"model": "qwen2", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        r = srv.post("/v1/completions", body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+    finally:
+        srv.stop()
+    assert out["choices"][0]["text"] == lm.tokenizer.decode(plain[0].tokens)
+    t = out["timings"]
+    assert 0 <= t["draft_n_accepted"] <= t["draft_n"]
+    assert t["predicted_n"] == 16
