@@ -8,11 +8,10 @@ import logging
 import warnings
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from engine.gguf.reader import GGUFFile
+from engine.gguf.reader import GGUFFile, block_index
 from engine.layers.kv_cache import KVCache
 from engine.link import protocol as P
 from engine.link.client import StageClient, StageError
@@ -32,14 +31,22 @@ _TORCH = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
 def header_digest(gf: GGUFFile) -> str:
-    """sha256 of the file's header bytes (metadata and tensor table, every part): the same file on both PCs."""
+    """sha256 of what every file holding part of one model shares: its metadata (minus the `split.*` keys of
+    multi-part files) and the name, block type and shape of its tensors outside the blocks. The whole file and a
+    shard the node agent ships (its own tensor table, only some blocks) give the same value; the blocks' own
+    weights are compared by `data_digest` over each stage's range."""
     h = hashlib.sha256()
-    starts: dict[int, int] = {}
-    for info in gf.tensors.values():
-        starts[info.file_index] = min(starts.get(info.file_index, info.offset), info.offset)
-    for i, path in enumerate(gf.paths):
-        with Path(path).open("rb") as fh:
-            h.update(fh.read(starts.get(i, 1 << 20)))
+    for key in sorted(gf.metadata):
+        if key.startswith("split."):
+            continue
+        value = gf.metadata[key]
+        h.update(key.encode() + b"\0")
+        h.update(value.tobytes() if hasattr(value, "tobytes") else repr(value).encode())
+        h.update(b"\n")
+    for name in sorted(gf.tensors):
+        if block_index(name) is None:
+            t = gf.tensors[name]
+            h.update(f"{name}\0{int(t.qtype)}\0{','.join(map(str, t.shape))}\n".encode())
     return h.hexdigest()
 
 

@@ -272,21 +272,3 @@ def check_shard(path: Path, begin: int, end: int) -> None:
         missing = [i for i in range(begin, end) if i not in blocks]
         if missing:
             raise GGUFError(path, f"the shard has no tensors for layers {missing}", "ship the layers again")
-
-
-def stage_header_digest(gf: GGUFFile, begin: int, end: int) -> str:
-    """SHA-256 of what every file holding layers [begin, end) of one model shares: its metadata records (minus
-    `split.*`) in file order, then name, block type and shape of the shared tensors and of blocks [begin, end), by
-    name. The full model and any shard of it that covers the range give the same digest (a raw header digest cannot:
-    a shard's tensor table is its own)."""
-    _, records = metadata_records(gf.paths[0])
-    h = hashlib.sha256()
-    for key, raw in records:
-        if not key.startswith(_SPLIT_PREFIX):
-            h.update(raw)
-    for name in sorted(gf.tensors):
-        n = block_index(name)
-        if n is None or begin <= n < end:
-            t = gf.tensors[name]
-            h.update(f"{name}\0{int(t.qtype)}\0{','.join(map(str, t.shape))}\n".encode())
-    return h.hexdigest()

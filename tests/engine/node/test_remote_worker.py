@@ -95,11 +95,6 @@ def test_worker_started_by_an_agent_serves_the_remote_stage(
     p.client.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/link's handshake compares a raw header digest; a shard's tensor table is its own. "
-    "Passes once engine/link uses engine.node.shard.stage_header_digest.",
-)
 def test_worker_on_a_shipped_shard_serves_the_remote_stage(
     model: Path, reference: str, make_agent: Callable[..., Agent]
 ) -> None:

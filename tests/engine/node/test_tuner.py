@@ -86,8 +86,7 @@ def test_tuner_on_two_emulated_pcs(
 
     # The main PC's own key (its data folder's), as `strata-node` commands use it.
     p1 = pair_with(make_agent("pc1", model_dirs=(models,)), keys=main_keys())
-    # Both PCs hold the whole file (put there by their owners). A shipped shard is refused by engine/link's
-    # handshake until it compares engine.node.shard.stage_header_digest (see test_remote_worker.py).
+    # Both PCs hold the whole file (put there by their owners); test_remote_worker.py covers a shipped shard.
     p2 = pair_with(make_agent("pc2", model_dirs=(models,)), keys=p1.keys)
     shipped: list[str] = []
     tuner = Tuner(
