@@ -71,6 +71,8 @@ class SplitOptions:
     stage_key: str | None = None  # --stage-key: this side's key file
     remote_timing: bool = False  # STRATA_REMOTE_TIMING=1
     remote_stall_s: float = 3.0
+    expert_slots: int | None = None  # --expert-cache N: routed experts in VRAM on each card
+    vram_budget_mib: int | None = None  # --vram-budget-mib: each card behaves as one of this size
 
 
 @dataclass(frozen=True)
@@ -409,7 +411,11 @@ def _policies(
             keep += geometry.head_bytes
         out.append(
             ExpertPolicy(
-                reserve_mib=opts.reserve_mib if j == 0 else later, kv_bytes=kv[j] + keep, profile=prof
+                slots=opts.expert_slots,
+                vram_budget_mib=opts.vram_budget_mib,
+                reserve_mib=opts.reserve_mib if j == 0 else later,
+                kv_bytes=kv[j] + keep,
+                profile=prof,
             )
         )
     return out

@@ -55,6 +55,19 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --layer-split auto: run on the first card alone when it holds everything",
     )
+    e = p.add_argument_group("experts in VRAM (CUDA)")
+    e.add_argument(
+        "--expert-cache",
+        type=int,
+        metavar="N",
+        help="keep N routed experts in VRAM on each card (the most used first); default: as many as fit",
+    )
+    e.add_argument(
+        "--vram-budget-mib",
+        type=int,
+        metavar="MIB",
+        help="use at most this much of each card, as if it were that small (a shared card, or tests)",
+    )
     r = p.add_argument_group("several PCs (remote stage)")
     r.add_argument(
         "--remote-stage",
@@ -79,8 +92,14 @@ def options_from_args(args: argparse.Namespace) -> SplitOptions:
     later = getattr(args, "vram_reserve_later_mib", None)
     if later is not None and later < 0:
         raise PlacementError(f"--vram-reserve-later-mib must be 0 or more, not {later}")
+    for flag, value in (("--expert-cache", getattr(args, "expert_cache", None)),
+                        ("--vram-budget-mib", getattr(args, "vram_budget_mib", None))):  # fmt: skip
+        if value is not None and value < 0:
+            raise PlacementError(f"{flag} must be 0 or more, not {value}")
     gpus = getattr(args, "gpus", None)
     return SplitOptions(
+        expert_slots=getattr(args, "expert_cache", None),
+        vram_budget_mib=getattr(args, "vram_budget_mib", None),
         device=getattr(args, "device", "auto"),
         gpu=getattr(args, "gpu", None),
         gpus=parse_gpus(gpus) if gpus else None,

@@ -577,6 +577,16 @@ class EngineService:
         counts = self.lm.model.expert_counts if self.lm is not None else None
         if counts is not None:
             self.telemetry.set_expert_counts(counts.tolist())
+        if self.lm is None:
+            return
+        # Each card's expert cache (CUDA): experts in VRAM, hits and misses since load, per stage.
+        stages = getattr(self.lm.model, "stages", None)
+        models = [getattr(st, "model", None) for st in stages] if stages is not None else [self.lm.model]
+        for j, m in enumerate(models):
+            cache = getattr(m, "expert_cache", None)
+            if cache is not None:
+                st = cache.stats()
+                self.telemetry.set_expert_cache(j, st.hits, st.misses, st.experts_in_vram, st.experts_total)
 
     # ---- answers --------------------------------------------------------------------------------------------
 
@@ -843,8 +853,8 @@ class EngineService:
                 "n_expert": c.n_expert,
                 "n_expert_used": c.n_expert_used,
                 "routed": routed,
-                # No expert cache yet: every routed expert sits with its layer's weights.
-                "in_vram": routed if lm.model.device.type == "cuda" else 0,
+                # With an expert cache (CUDA) its cards say how many are in VRAM; on the CPU none are.
+                "in_vram": sum(st["expert_cache"]["in_vram"] or 0 for st in snap["stages"]),
                 "selections_total": sum(per_layer),
                 "selections_per_layer": per_layer,
                 "cache": [st["expert_cache"] for st in snap["stages"]],

@@ -66,6 +66,8 @@ class StageStats:
     prompt_chunk_tokens: int = 0
     expert_hits: int = 0
     expert_misses: int = 0
+    experts_in_vram: int | None = None  # None: no expert cache on this stage (CPU, dense)
+    experts_total: int | None = None
 
 
 class Telemetry:
@@ -122,10 +124,14 @@ class Telemetry:
                 ev["start"] = start
             self._emit(ev)
 
-    def expert_cache(self, stage: int, hits: int, misses: int) -> None:
+    def set_expert_cache(self, stage: int, hits: int, misses: int, in_vram: int, total: int) -> None:
+        """A stage's expert cache as its card reports it (totals since load)."""
         with self._lock:
-            self.stages[stage].expert_hits += hits
-            self.stages[stage].expert_misses += misses
+            while len(self.stages) <= stage:
+                self.stages.append(StageStats(RunningStat(), RunningStat()))
+            st = self.stages[stage]
+            st.expert_hits, st.expert_misses = hits, misses
+            st.experts_in_vram, st.experts_total = in_vram, total
 
     def set_expert_counts(self, counts: list[list[int]] | None) -> None:
         with self._lock:
@@ -158,6 +164,8 @@ class Telemetry:
                     "prompt_chunk_ms": s.prompt_chunk_ms.to_dict(),
                     "prompt_chunk_tokens": s.prompt_chunk_tokens,
                     "expert_cache": {
+                        "in_vram": s.experts_in_vram,
+                        "total": s.experts_total,
                         "hits": s.expert_hits,
                         "misses": s.expert_misses,
                         "hit_rate": (

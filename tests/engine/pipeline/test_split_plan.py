@@ -164,3 +164,14 @@ def test_generate_cli_runs_a_cpu_split_and_refuses_a_bad_one(
     assert "layer split: layers 0-1 (CPU), 2-3 (CPU), one hand-off per window" in caplog.text
     assert main([*common, "--layer-split", "3"]) == 1
     assert "--layer-split 3 leaves the last card 1 layer" in capsys.readouterr().err
+
+
+def test_expert_cache_flags_reach_the_split_options() -> None:
+    from engine.pipeline.split_args import add_split_args, options_from_args
+
+    p = argparse.ArgumentParser()
+    add_split_args(p)
+    opts = options_from_args(p.parse_args(["--expert-cache", "1536", "--vram-budget-mib", "16384"]))
+    assert (opts.expert_slots, opts.vram_budget_mib) == (1536, 16384)
+    with pytest.raises(ValueError, match="--expert-cache must be 0 or more"):
+        options_from_args(p.parse_args(["--expert-cache", "-1"]))
