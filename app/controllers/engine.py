@@ -28,18 +28,26 @@ class EngineState(StrEnum):
     STARTING = "starting"
     LOADING = "loading"
     READY = "ready"
+    DEGRADED = "degraded"  # serving, but a stage on another PC is unreachable (/health names it)
     ERROR = "error"
     STOPPING = "stopping"
     CRASHED = "crashed"
 
 
-RUNNING_STATES = (EngineState.STARTING, EngineState.LOADING, EngineState.READY, EngineState.ERROR)
+RUNNING_STATES = (
+    EngineState.STARTING,
+    EngineState.LOADING,
+    EngineState.READY,
+    EngineState.DEGRADED,
+    EngineState.ERROR,
+)
 
 STATE_TEXT = {
     EngineState.STOPPED: "Stopped",
     EngineState.STARTING: "Starting",
     EngineState.LOADING: "Loading the model",
     EngineState.READY: "Ready",
+    EngineState.DEGRADED: "Degraded: a worker PC is unreachable",
     EngineState.ERROR: "Error",
     EngineState.STOPPING: "Stopping",
     EngineState.CRASHED: "Crashed",
@@ -297,6 +305,9 @@ class EngineController(QObject):
             self._set_state(EngineState.READY)
         elif status == "loading":
             self._set_state(EngineState.LOADING)
+        elif status == "degraded":
+            self.message = str(data.get("error") or "a stage on another PC does not answer")
+            self._set_state(EngineState.DEGRADED)
         elif status == "error":
             self.message = str(data.get("error") or "the engine reports an error without a message")
             self._set_state(EngineState.ERROR)

@@ -378,6 +378,7 @@ class ChatWindow(QMainWindow):
                 EngineState.LOADING: "The engine is loading the model…",
                 EngineState.STOPPING: "The engine is stopping.",
                 EngineState.ERROR: f"The engine reports an error: {self.engine.message}",
+                EngineState.DEGRADED: f"A worker PC does not answer: {self.engine.message}",
                 EngineState.CRASHED: f"The engine stopped: {self.engine.message}",
             }
             self.banner.setText(html.escape(texts.get(state, "The engine is not running: start it to chat.")))

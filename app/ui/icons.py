@@ -8,6 +8,7 @@ STATE_COLORS = {
     "starting": "#e0a030",
     "loading": "#e0a030",
     "ready": "#2fa84f",
+    "degraded": "#e07a30",
     "error": "#d64545",
     "crashed": "#d64545",
     "stopping": "#8a8f98",

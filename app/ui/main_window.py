@@ -122,7 +122,7 @@ class MainWindow(QMainWindow):
         self.start_button.setEnabled(not e.running and state != EngineState.STOPPING)
         self.stop_button.setEnabled(e.running)
         self.restart_button.setEnabled(e.running or state == EngineState.CRASHED)
-        if state in (EngineState.ERROR, EngineState.CRASHED) and e.message:
+        if state in (EngineState.ERROR, EngineState.CRASHED, EngineState.DEGRADED) and e.message:
             self.show_message(e.message)
         elif state in (EngineState.STARTING, EngineState.LOADING, EngineState.READY):
             self.message.hide()

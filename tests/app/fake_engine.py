@@ -3,7 +3,7 @@
 In a thread: `FakeEngine()` serves /health, /stats, /v1/models, /v1/chat/completions (SSE), /events (SSE).
 As a process: `python fake_engine.py serve --port N [...]` imitates `strata-engine serve` for the QProcess tests:
 it logs to stdout, reports "loading" for FAKE_LOAD_S seconds, and with FAKE_CRASH_AFTER_S it dies with exit code 3
-after printing an error, as a crashing engine would; with FAKE_HEALTH_ERROR its /health reports that error.
+after printing an error, as a crashing engine would; with FAKE_HEALTH_ERROR its /health reports that error (as status FAKE_HEALTH_STATUS: error, or degraded).
 """
 
 import json
@@ -156,7 +156,7 @@ class FakeEngine:
                 engine.paths.append(self.path)
                 if self.path == "/health":
                     status = engine.next_health()
-                    error = engine.error_message if status == "error" else None
+                    error = engine.error_message if status in ("error", "degraded") else None
                     self._json(200, {"status": status, "model": engine.model, "error": error})
                 elif not self._authorized():
                     return
@@ -228,7 +228,7 @@ def main(argv: list[str]) -> int:
     engine = FakeEngine(
         port=args.port,
         ready_after_s=None if os.environ.get("FAKE_HEALTH_ERROR") else load_s,
-        health=["loading", "error"],
+        health=["loading", os.environ.get("FAKE_HEALTH_STATUS", "error")],
         error_message=os.environ.get("FAKE_HEALTH_ERROR", ""),
         model=args.model or "default.gguf",
         chunk_delay_s=0.02,

@@ -107,6 +107,20 @@ def test_missing_executable_is_a_crash_with_a_reason(qtbot: QtBot, make_engine, 
     assert engine.state == EngineState.STOPPED
 
 
+def test_a_degraded_engine_says_which_stage(
+    qtbot: QtBot, make_engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_HEALTH_ERROR", "stage 2 at 192.168.1.20:7000 does not answer")
+    monkeypatch.setenv("FAKE_HEALTH_STATUS", "degraded")
+    engine = make_engine()
+    engine.start()
+    qtbot.waitUntil(lambda: engine.state == EngineState.DEGRADED, timeout=10000)
+    assert engine.message == "stage 2 at 192.168.1.20:7000 does not answer"
+    assert engine.running
+    with qtbot.waitSignal(engine.stateChanged, check_params_cb=lambda s: s == "stopped", timeout=8000):
+        engine.stop()
+
+
 def test_health_error_is_shown(qtbot: QtBot, make_engine, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_HEALTH_ERROR", "CUDA out of memory on GPU 1")
     engine = make_engine()

@@ -256,7 +256,13 @@ def test_add_this_pc_starts_the_agent(qtbot: QtBot, make_app: Make, monkeypatch:
     page = app.window.workers_page
     qtbot.waitUntil(page.add_button.isEnabled, timeout=10000)
     page.add_button.click()
-    qtbot.waitUntil(lambda: "482-913" in page.agent_status.text(), timeout=10000)
+
+    # The agent's events arrive one by one: wait for the whole picture, then check each part of it.
+    def shown() -> bool:
+        text = page.agent_status.text()
+        return "482-913" in text and "port 7460" in text and not page.stop_button.isHidden()
+
+    qtbot.waitUntil(shown, timeout=10000)
     assert "key fingerprint <b>3F2A-91C0-7B1E-55D0</b>" in page.agent_status.text()
     assert "port 7460 on every address of this PC" in page.agent_status.text()
     assert not page.stop_button.isHidden() and not page.add_button.isEnabled()
