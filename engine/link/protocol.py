@@ -171,7 +171,9 @@ def decode(frames: Sequence[bytes | memoryview], limits: Limits) -> Message:
     if v != VERSION:
         raise FrameError(f"protocol version {str(v)[:20]} (this side speaks {VERSION})")
     kind = h.get("k")
-    if kind not in KINDS:
+    if (
+        not isinstance(kind, str) or kind not in KINDS
+    ):  # an unhashable value must not reach the membership test
         raise FrameError(f"unknown message kind {str(kind)[:20]!r}")
     for key in ("s", "e", "q", "p"):
         if key in h:
@@ -187,7 +189,8 @@ def decode(frames: Sequence[bytes | memoryview], limits: Limits) -> Message:
         if not isinstance(nonce, bytes) or len(nonce) != 16:
             raise FrameError("hello needs a 16-byte nonce")
     if kind == "error":
-        if not isinstance(h.get("msg"), str) or h.get("code") not in ERROR_CODES:
+        code = h.get("code")
+        if not isinstance(h.get("msg"), str) or not isinstance(code, str) or code not in ERROR_CODES:
             raise FrameError("an error needs a message and a known code")
     if not has_payload:
         return Message(kind, h)
@@ -197,7 +200,7 @@ def decode(frames: Sequence[bytes | memoryview], limits: Limits) -> Message:
     if kind == "fwd" and "p" not in h:
         raise FrameError("a fwd message needs its start position 'p'")
     dtype = h.get("dt")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise FrameError(f"dtype {str(dtype)[:20]!r} is not one of {', '.join(DTYPES)}")
     shape = h.get("sh")
     if not isinstance(shape, list) or len(shape) != 2:

@@ -172,3 +172,15 @@ def test_a_pickle_sent_as_payload_stays_bytes() -> None:
         [*P.pack("fwd", {"s": 1, "e": 1, "q": 1, "p": 0, **P.tensor_fields("f32", (1, 16))}), evil], LIMITS
     )
     assert bytes(m.payload or b"") == evil
+
+
+@pytest.mark.parametrize("field", ["dt", "k"])
+def test_unhashable_header_values_are_refused(field: str) -> None:
+    """A list where a name is expected once reached a dict lookup (TypeError); the fuzzer found it."""
+    header = msgpack.unpackb(_fwd()[0])
+    header[field] = [1, 2]
+    with pytest.raises(P.FrameError):
+        P.decode([msgpack.packb(header), _fwd()[1]], LIMITS)
+    err = {"v": header["v"], "k": "error", "msg": "x", "code": ["bad_frame"]}
+    with pytest.raises(P.FrameError, match="known code"):
+        P.decode([msgpack.packb(err)], LIMITS)
