@@ -3,6 +3,25 @@
 import torch
 import torch.nn.functional as F
 
+from engine.layers.qtensor import QTensor
+
+
+def project_qkv(
+    x: torch.Tensor,
+    q: QTensor,
+    k: QTensor,
+    v: QTensor,
+    q_bias: torch.Tensor | None = None,
+    k_bias: torch.Tensor | None = None,
+    v_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, D] -> queries, keys, values [T, H*Dh] with their biases where the family has them."""
+    out = []
+    for w, b in ((q, q_bias), (k, k_bias), (v, v_bias)):
+        y = w.linear(x)
+        out.append(y if b is None else y + b.to(y.dtype))
+    return out[0], out[1], out[2]
+
 
 def causal_mask(q_pos: torch.Tensor, k_len: int, window: int) -> torch.Tensor:
     """Boolean [T, S] mask, True where query position may attend key position."""

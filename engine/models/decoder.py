@@ -13,7 +13,7 @@ from engine.experts.policy import ExpertPolicy, build_expert_cache
 from engine.gguf import names
 from engine.gguf.quants import SUPPORTED_TYPES
 from engine.gguf.reader import GGUFError, GGUFFile
-from engine.layers.attention import attention, causal_mask
+from engine.layers.attention import attention, causal_mask, project_qkv
 from engine.layers.kv_cache import KVCache
 from engine.layers.moe import ACTIVATIONS, ExpertWeights, moe_forward, moe_forward_cached
 from engine.layers.norm import rms_norm
@@ -249,13 +249,7 @@ class DecoderLM:
         t = h.shape[0]
         h = h.float()
         x = rms_norm(h, lw.attn_norm, c.rms_eps, self.dtype)
-        q, k, v = lw.q.linear(x), lw.k.linear(x), lw.v.linear(x)
-        if lw.q_bias is not None:
-            q = q + lw.q_bias.to(q.dtype)
-        if lw.k_bias is not None:
-            k = k + lw.k_bias.to(k.dtype)
-        if lw.v_bias is not None:
-            v = v + lw.v_bias.to(v.dtype)
+        q, k, v = project_qkv(x, lw.q, lw.k, lw.v, lw.q_bias, lw.k_bias, lw.v_bias)
         q = q.view(t, c.n_head, c.head_dim_k)
         k = k.view(t, c.n_head_kv, c.head_dim_k)
         v = v.view(t, c.n_head_kv, c.head_dim_v)

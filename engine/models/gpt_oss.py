@@ -16,7 +16,7 @@ import torch
 from gguf import Keys
 
 from engine.gguf import names
-from engine.layers.attention import causal_mask
+from engine.layers.attention import causal_mask, project_qkv
 from engine.layers.kv_cache import KVCache
 from engine.layers.moe import ExpertWeights
 from engine.layers.qtensor import QTensor
@@ -206,13 +206,7 @@ class GptOssLM(FamilyLM):
         t = h.shape[0]
         h = h.float()
         x = self.norm(h, lw.attn_norm, self.dtype)
-        q, k, v = lw.q.linear(x), lw.k.linear(x), lw.v.linear(x)
-        if lw.q_bias is not None:
-            q = q + lw.q_bias.to(q.dtype)
-        if lw.k_bias is not None:
-            k = k + lw.k_bias.to(k.dtype)
-        if lw.v_bias is not None:
-            v = v + lw.v_bias.to(v.dtype)
+        q, k, v = project_qkv(x, lw.q, lw.k, lw.v, lw.q_bias, lw.k_bias, lw.v_bias)
         q = self.rope.apply_at(q.view(t, c.n_head, c.head_dim_k), pos)
         k = self.rope.apply_at(k.view(t, c.n_head_kv, c.head_dim_k), pos)
         keys, values = cache.store(i, pos, k, v.view(t, c.n_head_kv, c.head_dim_v), span)
