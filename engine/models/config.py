@@ -154,14 +154,18 @@ def common_fields(m: Meta, n_vocab: int) -> dict[str, Any]:
     }
 
 
-def moe_fields(m: Meta, norm_default: bool) -> dict[str, Any]:
+def moe_fields(m: Meta, norm_default: bool, required: bool = False) -> dict[str, Any]:
+    """The routed-expert keys; `required` for families that are MoE by definition."""
     n_expert = m.int(Keys.LLM.EXPERT_COUNT, 0)
     used = m.int(Keys.LLM.EXPERT_USED_COUNT, 0)
+    n_ff_exp = m.int(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, 0)
+    if required and (not n_expert or not n_ff_exp):
+        raise ModelConfigError(f"{m.arch} needs expert_count and expert_feed_forward_length in the metadata")
     if n_expert and not 0 < used <= n_expert:
         raise ModelConfigError(f"expert_used_count {used} must be between 1 and expert_count {n_expert}")
     return {
         "n_expert": n_expert,
         "n_expert_used": used,
-        "n_ff_exp": m.int(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, 0),
+        "n_ff_exp": n_ff_exp,
         "expert_weights_norm": bool(m.get(Keys.LLM.EXPERT_WEIGHTS_NORM, norm_default)),
     }

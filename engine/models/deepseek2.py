@@ -71,9 +71,7 @@ class DeepseekConfig(RoutedConfig):
 
 
 def routed_fields(m: Meta, arch: str, default_gating: int) -> dict[str, Any]:
-    moe = moe_fields(m, norm_default=False)
-    if not moe["n_expert"] or not moe["n_ff_exp"]:
-        raise ModelConfigError(f"{arch} needs expert_count and expert_feed_forward_length in the metadata")
+    moe = moe_fields(m, norm_default=False, required=True)
     gating = m.int(Keys.LLM.EXPERT_GATING_FUNC, default_gating) or default_gating
     if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
         raise ModelConfigError(f"{arch}: expert_gating_func {gating} is not supported (1 softmax, 2 sigmoid)")

@@ -24,7 +24,6 @@ from engine.layers.rope import Rope
 from engine.models.config import (
     Meta,
     ModelConfig,
-    ModelConfigError,
     RopeConfig,
     common_fields,
     moe_fields,
@@ -55,9 +54,7 @@ class GptOssConfig(ModelConfig):
 def config_from_metadata(meta: Mapping[str, Any], n_vocab: int) -> ModelConfig:
     m = Meta(meta, ARCH)
     base = common_fields(m, n_vocab)
-    moe = moe_fields(m, norm_default=False)
-    if not moe["n_expert"] or not moe["n_ff_exp"]:
-        raise ModelConfigError(f"{ARCH} needs expert_count and expert_feed_forward_length in the metadata")
+    moe = moe_fields(m, norm_default=False, required=True)
     n_layer = base["n_layer"]
     window = m.int(Keys.Attention.SLIDING_WINDOW, 0)
     pattern = m.get(Keys.Attention.SLIDING_WINDOW_PATTERN, 2)

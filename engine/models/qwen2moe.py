@@ -9,7 +9,6 @@ from gguf import Keys
 from engine.models.config import (
     Meta,
     ModelConfig,
-    ModelConfigError,
     common_fields,
     moe_fields,
     rope_from_meta,
@@ -21,9 +20,7 @@ ARCH = "qwen2moe"
 def config_from_metadata(meta: Mapping[str, Any], n_vocab: int) -> ModelConfig:
     m = Meta(meta, ARCH)
     base = common_fields(m, n_vocab)
-    moe = moe_fields(m, norm_default=False)
-    if not moe["n_expert"] or not moe["n_ff_exp"]:
-        raise ModelConfigError(f"{ARCH} needs expert_count and expert_feed_forward_length in the metadata")
+    moe = moe_fields(m, norm_default=False, required=True)
     return ModelConfig(
         arch=ARCH,
         rope=rope_from_meta(m, base["head_dim_k"], neox=True),

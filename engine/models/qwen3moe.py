@@ -7,7 +7,6 @@ from typing import Any
 from engine.models.config import (
     Meta,
     ModelConfig,
-    ModelConfigError,
     common_fields,
     moe_fields,
     rope_from_meta,
@@ -19,8 +18,6 @@ ARCH = "qwen3moe"
 def config_from_metadata(meta: Mapping[str, Any], n_vocab: int) -> ModelConfig:
     m = Meta(meta, ARCH)
     base = common_fields(m, n_vocab)
-    moe = moe_fields(m, norm_default=True)
-    if not moe["n_expert"] or not moe["n_ff_exp"]:
-        raise ModelConfigError(f"{ARCH} needs expert_count and expert_feed_forward_length in the metadata")
+    moe = moe_fields(m, norm_default=True, required=True)
     rope = rope_from_meta(m, base["head_dim_k"], neox=True)
     return ModelConfig(arch=ARCH, rope=rope, qk_norm=True, **base, **moe)

@@ -72,9 +72,7 @@ class Qwen3NextConfig(ModelConfig):
 def config_from_metadata(meta: Mapping[str, Any], n_vocab: int) -> ModelConfig:
     m = Meta(meta, ARCH)
     base = common_fields(m, n_vocab)
-    moe = moe_fields(m, norm_default=True)
-    if not moe["n_expert"] or not moe["n_ff_exp"]:
-        raise ModelConfigError(f"{ARCH} needs expert_count and expert_feed_forward_length in the metadata")
+    moe = moe_fields(m, norm_default=True, required=True)
     k_heads, v_heads = m.int(Keys.SSM.GROUP_COUNT), m.int(Keys.SSM.TIME_STEP_RANK)
     inner = m.int(Keys.SSM.INNER_SIZE)
     if v_heads % k_heads or inner % v_heads:
