@@ -75,14 +75,22 @@ def profile_step(model) -> dict:
         _sync()
     kinds: Counter = Counter()
     times: Counter = Counter()
+    by_name: Counter = Counter()
+    n_by_name: Counter = Counter()
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             name = ev.name
+            t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            by_name[name[:80]] += t
+            n_by_name[name[:80]] += 1
             cls = (
                 "gemv"
                 if "gemv" in name
                 else "attention"
-                if "attention" in name.lower() or "flash" in name.lower() or "fmha" in name.lower()
+                if "attention" in name.lower()
+                or "attn" in name.lower()
+                or "flash" in name.lower()
+                or "fmha" in name.lower()
                 else "gemm"
                 if "gemm" in name.lower()
                 else "elementwise/other"
@@ -92,6 +100,11 @@ def profile_step(model) -> dict:
     return {
         "kernels_per_token": {k: v / 4 for k, v in kinds.items()},
         "us_per_token": {k: v / 4 for k, v in times.items()},
+        # the costliest kernels by name: what to fuse or speed up next
+        "top_kernels": [
+            {"name": n, "per_token": n_by_name[n] / 4, "us_per_token": round(t / 4, 1)}
+            for n, t in by_name.most_common(20)
+        ],
     }
 
 

@@ -7,7 +7,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, w_ptr, y_ptr, y2_ptr, D, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr, TWO: tl.constexpr
+):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < D
@@ -16,26 +18,61 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, HAS_W: tl.constexpr, BLOCK: tl
     if HAS_W:
         y = y * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * D + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+    if TWO:  # a float32 copy too (the MoE router reads float32)
+        tl.store(y2_ptr + row * D + offs, y, mask=m)
+
+
+def _rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype, f32_copy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    d = x.shape[-1]
+    xc = x.contiguous()
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    y2 = torch.empty(x.shape, dtype=torch.float32, device=x.device) if f32_copy else None
+    rows = xc.numel() // d
+    _rms_norm_kernel[(rows,)](
+        xc,
+        weight if weight is not None else xc,
+        y,
+        y2 if y2 is not None else y,
+        d,
+        eps,
+        HAS_W=weight is not None,
+        BLOCK=triton.next_power_of_2(d),
+        TWO=f32_copy,
+    )
+    return y, y2
 
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """x [..., D] -> normalised in float32, times weight, as out_dtype."""
-    d = x.shape[-1]
-    xc = x.contiguous()
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    rows = xc.numel() // d
-    _rms_norm_kernel[(rows,)](
-        xc,
-        weight if weight is not None else xc,
-        y,
-        d,
-        eps,
-        HAS_W=weight is not None,
-        BLOCK=triton.next_power_of_2(d),
-    )
-    return y
+    return _rms_norm(x, weight, eps, out_dtype, False)[0]
+
+
+def rms_norm_pair(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm` as out_dtype and as float32, from one launch."""
+    y, y2 = _rms_norm(x, weight, eps, out_dtype, True)
+    assert y2 is not None
+    return y, y2
+
+
+@triton.jit
+def rope_pairs(offs, HALF: tl.constexpr, NEOX: tl.constexpr):
+    """For features `offs` of a head: the frequency index, the partner feature each rotates with, and the sign
+    of the partner's term. NEOX pairs (i, i + HALF); the other layout pairs (2i, 2i + 1)."""
+    if NEOX:
+        i = offs % HALF
+        partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
+        sign = tl.where(offs < HALF, -1.0, 1.0)
+    else:
+        i = offs // 2
+        partner = tl.where(offs % 2 == 0, offs + 1, offs - 1)
+        sign = tl.where(offs % 2 == 0, -1.0, 1.0)
+    return i, partner, sign
 
 
 @triton.jit
@@ -64,14 +101,7 @@ def _norm_rope_kernel(
         x = x * tl.rsqrt(tl.sum(x * x, axis=0) / Dh + eps)
         x = x * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     p = tl.load(pos_ptr + t).to(tl.float32)
-    if NEOX:  # pairs (i, i + HALF)
-        i = offs % HALF
-        partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
-        sign = tl.where(offs < HALF, -1.0, 1.0)
-    else:  # pairs (2i, 2i + 1)
-        i = offs // 2
-        partner = tl.where(offs % 2 == 0, offs + 1, offs - 1)
-        sign = tl.where(offs % 2 == 0, -1.0, 1.0)
+    i, partner, sign = rope_pairs(offs, HALF, NEOX)
     rot = offs < ROT
     theta = p * tl.load(inv_ptr + i, mask=rot, other=0.0)
     xp = tl.load(x_ptr + row * Dh + partner, mask=rot, other=0.0).to(tl.float32)
@@ -145,8 +175,8 @@ def _route_kernel(
         sel_w = tl.where(kk == j, best, sel_w)
         sel_i = tl.where(kk == j, idx.to(tl.int64), sel_i)
         p = tl.where(offs == idx, -1.0, p)
-        if COUNT:
-            tl.atomic_add(counts_ptr + idx, 1)
+    if COUNT:  # one vector atomic after the loop: k scalar ones would each wait for their round trip
+        tl.atomic_add(counts_ptr + sel_i, tl.full([KP2], 1, tl.int64), mask=kk < K)
     if NORM:
         sel_w = sel_w / tl.sum(sel_w, axis=0)
     tl.store(w_ptr + t * K + kk, sel_w, mask=kk < K)
@@ -173,5 +203,6 @@ def route(
         BLOCK_E=triton.next_power_of_2(e),
         NORM=norm,
         COUNT=counts is not None,
+        num_warps=1,  # the top-k is k rounds of max + argmax: one warp's shuffles, no block-wide barriers
     )
     return w, ids

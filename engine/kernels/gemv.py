@@ -23,7 +23,12 @@ KERNEL_TYPES: dict[QT, tuple[int, int, int]] = {
     QT.Q8_0: (2, 32, 34),
     QT.Q4_0: (3, 32, 18),
     QT.Q5_K: (4, 256, 176),
+    QT.F32: (6, 1, 4),  # the MoE router's float32 rows
 }
+
+
+# Other kernel bodies for a block type, chosen per launch class by the tuning file.
+_VARIANTS: dict[QT, tuple[int, ...]] = {QT.Q4_K: (0,), QT.Q6_K: (1,), QT.F32: (6,)}
 
 
 @triton.jit
@@ -32,7 +37,7 @@ def _f16_at(p):
 
 
 @triton.jit
-def _row_dot(w_rows, x_row, K, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+def _row_dot(w_rows, x_rows, K, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
     """sum_k W[n, k] * x[k] for the BLOCK_N rows starting at the uint8 pointers `w_rows` [BLOCK_N, 1, 1]."""
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     j = tl.arange(0, 8)[None, :, None]  # sub-block (or 32-element block) within a 256-element step
@@ -61,8 +66,43 @@ def _row_dot(w_rows, x_row, K, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr
             qb = tl.load(base + 16 + 32 * (j4 // 2) + l4, mask=bm, other=0).to(tl.int32)
             q = tl.where(j4 % 2 == 1, qb >> 4, qb & 15)
             w = d * sc.to(tl.float32) * q.to(tl.float32) - dmin * mn.to(tl.float32)
-            x = tl.load(x_row + sbi * 256 + j4 * 32 + l4, mask=sbi < nsb, other=0.0).to(tl.float32)
+            x = tl.load(x_rows[:, :, :, None] + sbi * 256 + j4 * 32 + l4, mask=sbi < nsb, other=0.0).to(
+                tl.float32
+            )
             acc += tl.sum(tl.sum(tl.sum(w * x, axis=3), axis=2), axis=1)
+    elif QTYPE == 6:  # float32 rows (the MoE router)
+        k3 = tl.arange(0, 256 * SB)[None, None, :]
+        m3k = nmask[:, None, None]
+        for k0 in range(0, K, 256 * SB):
+            kk = k0 + k3
+            w = tl.load(w_rows.to(tl.pointer_type(tl.float32)) + kk, mask=m3k & (kk < K), other=0.0)
+            x = tl.load(x_rows + kk, mask=kk < K, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.sum(w * x, axis=2), axis=1)
+    elif QTYPE == 1:  # Q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, d; SB a step
+        s5 = tl.arange(0, SB)[None, :, None, None, None]
+        h5 = tl.arange(0, 2)[None, None, :, None, None]
+        q5 = tl.arange(0, 4)[None, None, None, :, None]
+        l5 = tl.arange(0, 32)[None, None, None, None, :]
+        n5 = nmask[:, None, None, None, None]
+        w5 = w_rows[:, :, :, None, None]
+        nsb = K // 256
+        for step in range(0, tl.cdiv(nsb, SB)):
+            sb5 = step * SB + s5
+            bm = n5 & (sb5 < nsb)
+            base = w5 + sb5 * 210
+            d = tl.load((base + 208).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+            ql = tl.load(base + 64 * h5 + 32 * (q5 % 2) + l5, mask=bm, other=0).to(tl.int32)
+            qh = tl.load(base + 128 + 32 * h5 + l5, mask=bm, other=0).to(tl.int32)
+            lo = tl.where(q5 >= 2, ql >> 4, ql & 15)
+            q = (lo | (((qh >> (2 * q5)) & 3) << 4)) - 32
+            sc = tl.load(
+                (base + 192 + 8 * h5 + l5 // 16 + 2 * q5).to(tl.pointer_type(tl.int8)), mask=bm, other=0
+            )
+            w = d * sc.to(tl.float32) * q.to(tl.float32)
+            x = tl.load(
+                x_rows[:, :, :, None, None] + sb5 * 256 + 128 * h5 + 32 * q5 + l5, mask=sb5 < nsb, other=0.0
+            ).to(tl.float32)
+            acc += tl.sum(tl.sum(tl.sum(tl.sum(w * x, axis=4), axis=3), axis=2), axis=1)
     elif QTYPE == 4:  # Q5_K: as Q4_K plus 32 bytes of high bits before the nibbles
         for sb in range(0, K // 256):
             base = w_rows + sb * 176
@@ -77,27 +117,8 @@ def _row_dot(w_rows, x_row, K, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr
             qh = tl.load(base + 16 + l32, mask=m3, other=0).to(tl.int32)
             q = tl.where(j % 2 == 1, qb >> 4, qb & 15) + (((qh >> j) & 1) << 4)
             w = d * sc.to(tl.float32) * q.to(tl.float32) - dmin * mn.to(tl.float32)
-            x = tl.load(x_row + sb * 256 + j * 32 + l32).to(tl.float32)
+            x = tl.load(x_rows + sb * 256 + j * 32 + l32).to(tl.float32)
             acc += tl.sum(tl.sum(w * x, axis=2), axis=1)
-    elif QTYPE == 1:  # Q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, d (f16)
-        h = tl.arange(0, 2)[None, :, None, None]
-        qq = tl.arange(0, 4)[None, None, :, None]
-        li = tl.arange(0, 32)[None, None, None, :]
-        m4 = nmask[:, None, None, None]
-        w_rows4 = w_rows[:, :, :, None]
-        for sb in range(0, K // 256):
-            base = w_rows4 + sb * 210
-            d = tl.load((base + 208).to(tl.pointer_type(tl.float16)), mask=m4, other=0.0).to(tl.float32)
-            ql = tl.load(base + 64 * h + 32 * (qq % 2) + li, mask=m4, other=0).to(tl.int32)
-            qh = tl.load(base + 128 + 32 * h + li, mask=m4, other=0).to(tl.int32)
-            lo = tl.where(qq >= 2, ql >> 4, ql & 15)
-            q = (lo | (((qh >> (2 * qq)) & 3) << 4)) - 32
-            sc = tl.load(
-                (base + 192 + 8 * h + li // 16 + 2 * qq).to(tl.pointer_type(tl.int8)), mask=m4, other=0
-            )
-            w = d * sc.to(tl.float32) * q.to(tl.float32)
-            x = tl.load(x_row + sb * 256 + 128 * h + 32 * qq + li).to(tl.float32)
-            acc += tl.sum(tl.sum(tl.sum(w * x, axis=3), axis=2), axis=1)
     elif QTYPE == 2:  # Q8_0: d (f16) + 32 int8, eight blocks a step
         nblk = K // 32
         for step in range(0, tl.cdiv(nblk, 8)):
@@ -106,7 +127,7 @@ def _row_dot(w_rows, x_row, K, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr
             base = w_rows + blk * 34
             d = tl.load((base).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
             q = tl.load((base + 2 + l32).to(tl.pointer_type(tl.int8)), mask=bm, other=0).to(tl.float32)
-            x = tl.load(x_row + blk * 32 + l32, mask=blk < nblk, other=0.0).to(tl.float32)
+            x = tl.load(x_rows + blk * 32 + l32, mask=blk < nblk, other=0.0).to(tl.float32)
             acc += tl.sum(tl.sum(d * q * x, axis=2), axis=1)
     else:  # Q4_0: d (f16) + 16 bytes; element l < 16 low nibble of byte l, else high nibble of byte l - 16
         nblk = K // 32
@@ -117,22 +138,35 @@ def _row_dot(w_rows, x_row, K, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr
             d = tl.load((base).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
             qb = tl.load(base + 2 + (l32 % 16), mask=bm, other=0).to(tl.int32)
             q = tl.where(l32 >= 16, qb >> 4, qb & 15) - 8
-            x = tl.load(x_row + blk * 32 + l32, mask=blk < nblk, other=0.0).to(tl.float32)
+            x = tl.load(x_rows + blk * 32 + l32, mask=blk < nblk, other=0.0).to(tl.float32)
             acc += tl.sum(tl.sum(d * q.to(tl.float32) * x, axis=2), axis=1)
     return acc
 
 
 @triton.jit
 def _gemv_kernel(
-    w_ptr, row_bytes, x_ptr, y_ptr, N, K, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr
+    w_ptr,
+    row_bytes,
+    x_ptr,
+    y_ptr,
+    r_ptr,  # [T, N] residual added to the output (HAS_RES)
+    N,
+    K,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SB: tl.constexpr,
+    HAS_RES: tl.constexpr,
 ):
-    """y[t, n] = W[n, :] . x[t, :] for a dense weight."""
+    """y[t, n] = W[n, :] . x[t, :] (+ r[t, n]) for a dense weight."""
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs < N
     w_rows = (w_ptr + offs.to(tl.int64) * row_bytes)[:, None, None]
-    acc = _row_dot(w_rows, x_ptr + t * K, K, nmask, QTYPE, BLOCK_N, SB)
+    x_rows = (x_ptr + t * K + tl.zeros([1], dtype=tl.int32))[:, None, None]  # one activation row for all
+    acc = _row_dot(w_rows, x_rows, K, nmask, QTYPE, BLOCK_N, SB)
+    if HAS_RES:
+        acc += tl.load(r_ptr + t * N + offs, mask=nmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + t * N + offs, acc.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -160,23 +194,71 @@ def _moe_gemv_kernel(
         x_row = x_ptr + s * K
     else:
         x_row = x_ptr + (s // TOPK) * K
-    offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs < N
+    x_rows = (x_row + tl.zeros([1], dtype=tl.int32))[:, None, None]
     w_base = tl.load(table_ptr + e).to(tl.pointer_type(tl.uint8))
-    acc = _row_dot(
-        (w_base + offs.to(tl.int64) * row_bytes)[:, None, None], x_row, K, nmask, QTYPE, BLOCK_N, SB
-    )
-    if FUSE_GLU != 0:
+    if FUSE_GLU == 0:
+        offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs < N
+        acc = _row_dot((w_base + offs.to(tl.int64) * row_bytes)[:, None, None], x_rows, K, nmask, QTYPE,
+                       BLOCK_N, SB)  # fmt: skip
+        tl.store(y_ptr + s * N + offs, acc.to(y_ptr.dtype.element_ty), mask=nmask)
+    else:
+        # The gate rows and the up rows of this block as one set of 2 * BLOCK_N rows: their loads go out together.
         u_base = tl.load(table2_ptr + e).to(tl.pointer_type(tl.uint8))
-        up = _row_dot(
-            (u_base + offs.to(tl.int64) * row_bytes)[:, None, None], x_row, K, nmask, QTYPE, BLOCK_N, SB
-        )
+        r = tl.arange(0, 2 * BLOCK_N)
+        offs2 = pid_n * BLOCK_N + r % BLOCK_N
+        base = tl.where(r < BLOCK_N, w_base, u_base)
+        both = _row_dot((base + offs2.to(tl.int64) * row_bytes)[:, None, None], x_rows, K, offs2 < N, QTYPE,
+                        2 * BLOCK_N, SB)  # fmt: skip
+        gate, up = tl.split(tl.permute(tl.reshape(both, [2, BLOCK_N]), [1, 0]))  # [BLOCK_N] each
         if FUSE_GLU == 1:
-            acc = acc / (1.0 + tl.exp(-acc)) * up
+            acc = gate / (1.0 + tl.exp(-gate)) * up
         else:
-            inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-            acc = 0.5 * acc * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0)) * up
-    tl.store(y_ptr + s * N + offs, acc.to(y_ptr.dtype.element_ty), mask=nmask)
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            acc = 0.5 * gate * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0)) * up
+        offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(y_ptr + s * N + offs, acc.to(y_ptr.dtype.element_ty), mask=offs < N)
+
+
+@triton.jit
+def _moe_gemv_combine_kernel(
+    table_ptr,  # int64 [E]: address of each expert's first row
+    row_bytes,
+    ids_ptr,  # int [T * TOPK]
+    w_ptr,  # float32 [T * TOPK] routing weights
+    x_ptr,  # [T * TOPK, K]: each slot's activation
+    r_ptr,  # [T, N] float32 residual
+    y_ptr,  # [T, N] float32
+    N,
+    K,
+    TOPK: tl.constexpr,
+    SLOTS: tl.constexpr,  # TOPK rounded up to a power of two
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SB: tl.constexpr,
+):
+    """y[t] = r[t] + sum over the token's slots s of w[s] * (W_ids[s] . x[s]): the down projection of every
+    selected expert, the weighted combine and the residual add in one launch. The rows of all the slots form one
+    set (their loads go out together) and are summed in a fixed order, so the result does not vary run to run."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    r = tl.arange(0, SLOTS * BLOCK_N)
+    j = r // BLOCK_N
+    jc = tl.minimum(j, TOPK - 1)  # padding slots read a real slot's address; their rows are masked off
+    offs = pid_n * BLOCK_N + r % BLOCK_N
+    rmask = (offs < N) & (j < TOPK)
+    s = t * TOPK + jc
+    e = tl.load(ids_ptr + s).to(tl.int64)
+    base = tl.load(table_ptr + e).to(tl.pointer_type(tl.uint8))  # [SLOTS * BLOCK_N]
+    x_rows = (x_ptr + s.to(tl.int64) * K)[:, None, None]
+    part = _row_dot((base + offs.to(tl.int64) * row_bytes)[:, None, None], x_rows, K, rmask, QTYPE,
+                    SLOTS * BLOCK_N, SB)  # fmt: skip
+    wt = tl.where(j < TOPK, tl.load(w_ptr + s), 0.0)
+    acc = tl.sum(tl.reshape(part * wt, [SLOTS, BLOCK_N]), axis=0)  # [BLOCK_N]
+    offs1 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m1 = offs1 < N
+    acc += tl.load(r_ptr + t * N + offs1, mask=m1, other=0.0)
+    tl.store(y_ptr + t * N + offs1, acc, mask=m1)
 
 
 _BLOCK_N = 16
@@ -194,10 +276,15 @@ def _tuned() -> dict[str, dict[str, list[int]]]:
         return {}
 
 
-def _config(qtype: QT, n: int, k: int) -> tuple[int, int, int]:
-    cls = "small" if n <= 8192 else "large"
-    bn, sb, warps = _tuned().get(qtype.name, {}).get(cls, [_BLOCK_N, 1, 4])
-    return bn, sb, warps
+def _config(qtype: QT, n: int, k: int, kind: str = "dense") -> tuple[int, int, int, int]:
+    """(rows a program, super-blocks a step, warps, kernel variant) for a launch, per block type and class
+    ("small" and "large" dense weights, "moe" for the experts' gate/up, "moe_down" for their down projection with
+    the combine). The variant is one of the kernel bodies that compute this block type (see _row_dot)."""
+    cls = kind if kind != "dense" else "small" if n <= 8192 else "large"
+    tuned = _tuned().get(qtype.name, {})
+    got = tuned.get(cls) or tuned.get("small" if n <= 8192 else "large") or [_BLOCK_N, 1, 4]
+    variant = got[3] if len(got) > 3 and got[3] in _VARIANTS.get(qtype, ()) else KERNEL_TYPES[qtype][0]
+    return got[0], got[1], got[2], variant
 
 
 _GLU = {"silu": 1, "gelu_tanh": 2}
@@ -221,16 +308,22 @@ def gemv(
     variant: int | None = None,
     sb: int | None = None,
     out_dtype: torch.dtype = torch.float32,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """raw uint8 [n, row_bytes] on CUDA, x [T, k] -> [T, n] in out_dtype (accumulated in float32)."""
+    """raw uint8 [n, row_bytes] on CUDA, x [T, k] -> [T, n] in out_dtype (accumulated in float32), plus
+    `residual` [T, n] where given (the residual add of the stream folded into the projection)."""
     x = x.contiguous()
     t = x.shape[0]
     y = torch.empty(t, n, dtype=out_dtype, device=x.device)
-    bn, step, warps = _config(qtype, n, k)
+    bn, step, warps, tuned_variant = _config(qtype, n, k)
     block_n, sb, num_warps = block_n or bn, sb or step, num_warps or warps
     grid = (triton.cdiv(n, block_n), t)
-    qid = KERNEL_TYPES[qtype][0] if variant is None else variant
-    _gemv_kernel[grid](raw, raw.shape[-1], x, y, n, k, QTYPE=qid, BLOCK_N=block_n, SB=sb, num_warps=num_warps)
+    qid = tuned_variant if variant is None else variant
+    res = residual.contiguous() if residual is not None else y
+    _gemv_kernel[grid](
+        raw, raw.shape[-1], x, y, res, n, k,
+        QTYPE=qid, BLOCK_N=block_n, SB=sb, HAS_RES=residual is not None, num_warps=num_warps,
+    )  # fmt: skip
     return y
 
 
@@ -246,6 +339,8 @@ def moe_gemv(
     x_per_slot: bool = False,
     up_table: torch.Tensor | None = None,
     act: str | None = None,
+    launch: tuple[int, int, int] | None = None,
+    variant: int | None = None,
 ) -> torch.Tensor:
     """For each (token, slot) s with expert ids[s]: y[s] = W_e . x (or act(W_e . x) * U_e . x with `up_table`).
     ids [T, topk] (device), x [T, k] or [T * topk, k] -> float32 [T * topk, n]."""
@@ -254,7 +349,9 @@ def moe_gemv(
     s = flat.numel()
     y = torch.empty(s, n, dtype=torch.float32, device=x.device)
     glu = _GLU[act] if up_table is not None and act is not None else 0
-    block_n, sb, warps = _config(qtype, n, k)
+    block_n, sb, warps, tuned_variant = _config(qtype, n, k, "moe")
+    if launch is not None:
+        block_n, sb, warps = launch
     grid = (triton.cdiv(n, block_n), s)
     _moe_gemv_kernel[grid](
         table,
@@ -266,11 +363,39 @@ def moe_gemv(
         n,
         k,
         topk,
-        QTYPE=KERNEL_TYPES[qtype][0],
+        QTYPE=tuned_variant if variant is None else variant,
         BLOCK_N=block_n,
         SB=sb,
         X_PER_SLOT=int(x_per_slot),
         FUSE_GLU=glu,
         num_warps=warps,
     )
+    return y
+
+
+def moe_down_combine(
+    table: torch.Tensor,
+    qtype: QT,
+    row_bytes: int,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    n: int,
+    k: int,
+    launch: tuple[int, int, int] | None = None,
+    variant: int | None = None,
+) -> torch.Tensor:
+    """ids, weights [T, topk], x [T * topk, k] (each slot's activation), residual [T, n] float32 ->
+    float32 [T, n] = residual + the routing-weighted sum of the selected experts' down projections."""
+    t, topk = ids.shape
+    y = torch.empty(t, n, dtype=torch.float32, device=x.device)
+    block_n, sb, warps, tuned_variant = _config(qtype, n, k, "moe_down")
+    if launch is not None:
+        block_n, sb, warps = launch
+    qid = tuned_variant if variant is None else variant
+    _moe_gemv_combine_kernel[(triton.cdiv(n, block_n), t)](
+        table, row_bytes, ids.contiguous(), weights.contiguous(), x.contiguous(), residual.contiguous(), y, n, k,
+        TOPK=topk, SLOTS=triton.next_power_of_2(topk), QTYPE=qid, BLOCK_N=block_n, SB=sb, num_warps=warps,
+    )  # fmt: skip
     return y

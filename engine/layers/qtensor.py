@@ -63,15 +63,22 @@ class QTensor:
         """Slice along the first dimension (one expert of a 3-D expert tensor)."""
         return QTensor(self.raw[i], self.qtype, self.shape[1:])
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T for a 2-D weight [n_out, n_in]; x [..., n_in] -> [..., n_out]."""
+    def linear(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T for a 2-D weight [n_out, n_in]; x [..., n_in] -> [..., n_out]. With `residual` (float32, the
+        output's shape) the result is residual + x @ W.T in float32, one kernel on the GEMV path."""
         n_out, n_in = self.shape
         if x.is_cuda and x.numel() <= _GEMV_MAX_ROWS * n_in:
             gemv = _gemv_for(self.qtype, n_in)
             if gemv is not None:  # decode: compute on the blocks, no dequantized copy
                 flat = x.reshape(-1, n_in)
-                y = gemv(self.raw, self.qtype, n_out, n_in, flat, out_dtype=x.dtype)
+                if residual is not None:
+                    res = residual.reshape(-1, n_out)
+                    y = gemv(self.raw, self.qtype, n_out, n_in, flat, out_dtype=torch.float32, residual=res)
+                else:
+                    y = gemv(self.raw, self.qtype, n_out, n_in, flat, out_dtype=x.dtype)
                 return y.reshape(*x.shape[:-1], n_out)
+        if residual is not None:
+            return residual + self.linear(x).float()
         if self.qtype in _FLOAT_VIEWS:
             return x @ self._deq(self.raw, (n_out,), x.dtype).T
         step = max(1, _TILE_ELEMS // n_in)

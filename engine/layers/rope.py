@@ -55,6 +55,12 @@ class Rope:
             self._cache[device] = self.inv_freq.to(device)
         return self._cache[device]
 
+    def inv_effective(self, device: torch.device) -> torch.Tensor:
+        """[dim/2] float32 inverse frequencies (YaRN's mix folded in) on `device`, for the fused kernels."""
+        if device not in self._eff_cache:
+            self._eff_cache[device] = self.inv_freq_effective.to(device)
+        return self._eff_cache[device]
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, dim/2] in float32."""
         theta = positions.double()[:, None] * self._inv(positions.device)[None, :]  # [T, dim/2]
@@ -74,9 +80,7 @@ class Rope:
             except ImportError:
                 norm_rope = None
             if norm_rope is not None:
-                if x.device not in self._eff_cache:
-                    self._eff_cache[x.device] = self.inv_freq_effective.to(x.device)
-                inv = self._eff_cache[x.device]
+                inv = self.inv_effective(x.device)
                 return norm_rope(x, norm_weight, eps, pos, inv, self.cfg.dim, self.cfg.neox, self.mscale)
         if norm_weight is not None:
             from engine.layers.norm import rms_norm

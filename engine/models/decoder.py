@@ -13,6 +13,7 @@ from engine.experts.policy import ExpertPolicy, build_expert_cache
 from engine.gguf import names
 from engine.gguf.quants import SUPPORTED_TYPES
 from engine.gguf.reader import GGUFError, GGUFFile
+from engine.layers import fast_decode
 from engine.layers.attention import attention, causal_mask, project_qkv
 from engine.layers.kv_cache import KVCache
 from engine.layers.moe import ACTIVATIONS, ExpertWeights, moe_forward, moe_forward_cached
@@ -46,6 +47,8 @@ class LayerWeights:
     shexp_gate: QTensor | None = None
     shexp_up: QTensor | None = None
     shexp_down: QTensor | None = None
+    qkv: QTensor | None = None  # q, k and v in one weight (CUDA: one GEMV launch); q, k, v are views of it
+    qkv_bias: torch.Tensor | None = None  # [qd + kd + vd] where the family has biases
 
 
 class _Loader:
@@ -150,6 +153,21 @@ class DecoderLM:
         )
         if self.expert_cache is not None and self.expert_counts is not None:
             self.expert_cache.attach_counts(self.expert_counts)
+        self.fast = fast_decode.available(self)
+        if self.fast:
+            for lw in self.layers.values():
+                self._fuse_qkv(lw)
+
+    def _fuse_qkv(self, lw: LayerWeights) -> None:
+        fused = fast_decode.fuse_qkv(lw.q, lw.k, lw.v)
+        if fused is not None:
+            lw.qkv, lw.q, lw.k, lw.v = fused
+        if lw.q_bias is not None or lw.k_bias is not None or lw.v_bias is not None:
+            parts = [
+                b if b is not None else torch.zeros(w.shape[0], device=self.device)
+                for w, b in ((lw.q, lw.q_bias), (lw.k, lw.k_bias), (lw.v, lw.v_bias))
+            ]
+            lw.qkv_bias = torch.cat(parts).to(self.dtype)
 
     def _load_layer(self, ld: _Loader, gf: GGUFFile, i: int) -> LayerWeights:
         c = self.cfg
@@ -247,6 +265,8 @@ class DecoderLM:
         (a static bound, so that a decode step can be captured in a CUDA graph)."""
         c, lw = self.cfg, self.layers[i]
         t = h.shape[0]
+        if self.fast and t <= fast_decode.FAST_MAX_ROWS and cache.kv_type != "int8" and h.is_cuda:
+            return fast_decode.layer(self, i, h, cache, pos, span)
         h = h.float()
         x = rms_norm(h, lw.attn_norm, c.rms_eps, self.dtype)
         q, k, v = project_qkv(x, lw.q, lw.k, lw.v, lw.q_bias, lw.k_bias, lw.v_bias)

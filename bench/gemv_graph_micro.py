@@ -1,0 +1,159 @@
+"""The decode GEMVs as the model runs them: one launch per layer on that layer's own weights (48 layers, so the
+weights come from HBM, not L2), replayed from a CUDA graph (no launch overhead), for each kernel variant and launch
+shape. Shapes: Qwen3-30B-A3B's fused q/k/v and output projections, its Q6_K head, its float32 router, and the
+routed experts (8 of 128) gate/up with the fused activation and down with the weighted combine.
+
+python bench/gemv_graph_micro.py [--out bench/results/gemv_graph_micro.json] [--tuned engine/kernels/gemv_tuned.json]"""
+
+import argparse
+import itertools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType as QT
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine.kernels.gemv import KERNEL_TYPES, gemv, moe_down_combine, moe_gemv
+
+LAYERS, E, TOPK, D, F = 48, 128, 8, 2048, 768
+VARIANTS = {"Q4_K": (0,), "Q6_K": (1,), "F32": (6,)}
+SHAPES = [  # name, type, rows, cols, kind
+    ("qkv", "Q4_K", 5120, 2048, "dense"),
+    ("o", "Q4_K", 2048, 4096, "dense"),
+    ("router", "F32", 128, 2048, "dense"),
+    ("head", "Q6_K", 151936, 2048, "dense"),
+    ("gate_up", "Q4_K", F, D, "moe"),
+    ("down", "Q4_K", D, F, "moe_down"),
+]
+LAUNCH = list(
+    itertools.product((1, 2, 4, 8), (2, 4, 8), (2, 4))
+)  # rows a program, super-blocks a step, warps
+LAUNCH_HEAD = list(itertools.product((4, 8, 16), (2, 4, 8), (4, 8)))
+
+
+def _row_bytes(tname: str, k: int) -> int:
+    if tname == "F32":
+        return 4 * k
+    _, elems, nbytes = KERNEL_TYPES[QT[tname]]
+    return k // elems * nbytes
+
+
+def _graph_us(fn: Callable[[int], object], layers: int) -> float:
+    """Mean microseconds of one call, from a graph of `layers` calls replayed 10 times."""
+    for i in range(layers):
+        fn(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(layers):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (10 * layers)
+
+
+def _measure(name: str, tname: str, n: int, k: int, kind: str) -> list[dict]:
+    """Every variant and launch shape of one matrix shape."""
+    rows: list[dict] = []
+    qt = QT[tname]
+    rb = _row_bytes(tname, k)
+    layers = 2 if name == "head" else LAYERS
+    if kind == "dense":
+        w = torch.randint(0, 256, (layers, n, rb), dtype=torch.uint8, device="cuda")
+        x = torch.randn(1, k, device="cuda", dtype=torch.float32 if tname == "F32" else torch.bfloat16)
+        nbytes = n * rb
+
+        def call(i: int, lc: tuple[int, int, int], v: int) -> object:
+            return gemv(w[i], qt, n, k, x, block_n=lc[0], sb=lc[1], num_warps=lc[2], variant=v)
+    else:
+        # Every expert of every layer, as the cache holds them; the table of each layer points at its own.
+        up = kind == "moe"
+        w = torch.randint(0, 256, (layers, E, n, rb), dtype=torch.uint8, device="cuda")
+        u = torch.randint(0, 256, (layers, E, n, rb), dtype=torch.uint8, device="cuda") if up else None
+        tables = [torch.tensor([w[i, e].data_ptr() for e in range(E)], device="cuda") for i in range(layers)]
+        utables = (
+            [torch.tensor([u[i, e].data_ptr() for e in range(E)], device="cuda") for i in range(layers)]
+            if u is not None
+            else None
+        )
+        ids = [torch.randperm(E, device="cuda")[:TOPK].view(1, TOPK) for _ in range(layers)]
+        wts = torch.rand(1, TOPK, device="cuda")
+        x = torch.randn(1 if up else TOPK, k, device="cuda", dtype=torch.bfloat16)
+        res = torch.randn(1, n, device="cuda")
+        nbytes = TOPK * n * rb * (2 if up else 1)
+
+        def call(i: int, lc: tuple[int, int, int], v: int) -> object:
+            if utables is not None:
+                return moe_gemv(tables[i], qt, rb, ids[i], x, n, k, TOPK, up_table=utables[i], act="silu",
+                                launch=lc, variant=v)  # fmt: skip
+            return moe_down_combine(tables[i], qt, rb, ids[i], wts, x, res, n, k, launch=lc, variant=v)
+
+    for v in VARIANTS[tname]:
+        for lc in LAUNCH_HEAD if name == "head" else LAUNCH:
+            row = {"shape": name, "type": tname, "kind": kind, "variant": v, "launch": list(lc)}
+            try:
+                us = _graph_us(lambda i, lc=lc, v=v: call(i, lc, v), layers)
+            except Exception as e:  # a launch shape that does not compile is reported, not fatal
+                rows.append({**row, "error": str(e)[:100]})
+                continue
+            rows.append({**row, "us": round(us, 2), "GBps": round(nbytes / (us * 1e-6) / 1e9, 1)})
+    if kind == "dense" and tname == "F32":  # the torch matmul it replaces
+        wf = w.view(torch.float32)  # [layers, n, k]
+        us = _graph_us(lambda i: x @ wf[i].T, layers)
+        rows.append({"shape": name, "type": "F32", "kind": "torch", "us": round(us, 2)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--tuned", help="write the best launch per type and class (gemv_tuned.json format)")
+    a = ap.parse_args()
+    rows: list[dict] = []
+    for shape in SHAPES:
+        rows += _measure(*shape)
+        torch.cuda.empty_cache()
+    best: dict[str, dict] = {}
+    for r in rows:
+        if "us" in r and r["kind"] != "torch":
+            key = f"{r['shape']} v{r['variant']}"
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+    for key, r in best.items():
+        print(f"{key:14s} launch {r['launch']} {r['us']:8.2f} us {r['GBps']:7.0f} GB/s")
+    for r in rows:
+        if r["kind"] == "torch":
+            print(f"router torch matmul {r['us']:.2f} us")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"best": best, "all": rows}, indent=1))
+    if a.tuned:  # per type and class the fastest (variant, launch) of the shapes measured
+        tuned: dict[str, dict] = {}
+        cls_of = {
+            "qkv": "small",
+            "o": "small",
+            "router": "small",
+            "head": "large",
+            "gate_up": "moe",
+            "down": "moe_down",
+        }
+        for r in best.values():
+            cls = cls_of[r["shape"]]
+            cur = tuned.setdefault(r["type"], {}).get(cls)
+            if cur is None or r["us"] < cur[1]:
+                tuned[r["type"]][cls] = (r["launch"] + [r["variant"]], r["us"])
+        out = {t: {c: v[0] for c, v in d.items()} for t, d in tuned.items()}
+        Path(a.tuned).write_text(json.dumps(out, indent=1) + "\n")
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

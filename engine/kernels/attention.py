@@ -1,0 +1,280 @@
+"""Triton kernels for the attention half of a decode step (a few query rows against the KV cache).
+
+`rope_store`: per-head RMS norm + RoPE of queries and keys and the write of keys and values into the cache at their
+positions, one launch for what took seven (two norm+rope kernels, casts, two index copies).
+`decode_attention`: grouped-query attention of those rows over cache positions below a static span (so a CUDA
+graph replays it for every position of its bucket), split over the span and merged by a small second kernel when
+the span is long; the GQA group of query heads shares each key/value block it loads."""
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.fused import rope_pairs
+
+
+@triton.jit
+def _rope_store_kernel(
+    q_ptr,  # [T, H*Dh] (a row stride apart: q, k and v may be column ranges of one QKV output)
+    k_ptr,  # [T, Hkv*Dh]
+    v_ptr,  # [T, Hkv*Dv]
+    row_stride,
+    qn_ptr,  # [Dh] query norm weight (when NORM)
+    kn_ptr,  # [Dh]
+    pos_ptr,  # [T] int64
+    inv_ptr,  # [ROT/2] float32 effective inverse frequencies
+    qo_ptr,  # [T, H, Dh] out
+    kc_ptr,  # [ctx, Hkv, Dh] key cache
+    vc_ptr,  # [ctx, Hkv, Dv]
+    H,
+    HKV,
+    Dh,
+    Dv,
+    eps,
+    mscale,
+    ROT: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,  # >= max(Dh, Dv), power of two
+    NORM: tl.constexpr,
+    NEOX: tl.constexpr,
+):
+    t = tl.program_id(0)
+    hh = tl.program_id(1)  # 0..H-1 query heads, then H..H+HKV-1 key heads (each with its value head)
+    offs = tl.arange(0, BLOCK)
+    m = offs < Dh
+    p = tl.load(pos_ptr + t)
+    is_q = hh < H
+    hk = hh - H
+    if is_q:
+        src = q_ptr + t * row_stride + hh * Dh
+        nw = qn_ptr
+    else:
+        src = k_ptr + t * row_stride + hk * Dh
+        nw = kn_ptr
+    x = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
+    i, partner, sign = rope_pairs(offs, HALF, NEOX)
+    rot = offs < ROT
+    xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
+    if NORM:
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / Dh + eps)
+        x = x * inv_rms * tl.load(nw + offs, mask=m, other=0.0).to(tl.float32)
+        xp = xp * inv_rms * tl.load(nw + partner, mask=rot, other=0.0).to(tl.float32)
+    theta = p.to(tl.float32) * tl.load(inv_ptr + i, mask=rot, other=0.0)
+    out = tl.where(rot, (x * tl.cos(theta) + sign * xp * tl.sin(theta)) * mscale, x)
+    if is_q:
+        tl.store(qo_ptr + (t * H + hh) * Dh + offs, out.to(qo_ptr.dtype.element_ty), mask=m)
+    else:
+        tl.store(kc_ptr + (p * HKV + hk) * Dh + offs, out.to(kc_ptr.dtype.element_ty), mask=m)
+        mv = offs < Dv
+        val = tl.load(v_ptr + t * row_stride + hk * Dv + offs, mask=mv, other=0.0)
+        tl.store(vc_ptr + (p * HKV + hk) * Dv + offs, val.to(vc_ptr.dtype.element_ty), mask=mv)
+
+
+def rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    pos: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rot: int,
+    neox: bool,
+    mscale: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    n_head: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """q [T, H*Dh], k [T, Hkv*Dh], v [T, Hkv*Dv] (rows of one stride; column slices of one tensor are fine) ->
+    normalised, rotated queries [T, H, Dh]; the rotated keys and the values are written into the float caches
+    [ctx, Hkv, D] at `pos` [T]."""
+    t = q.shape[0]
+    _, hkv, dh = k_cache.shape
+    dv = v_cache.shape[2]
+    stride = q.stride(0)
+    assert k.stride(0) == stride and v.stride(0) == stride and q.stride(1) == 1
+    qo = torch.empty(t, n_head, dh, dtype=out_dtype, device=q.device)
+    norm = q_norm is not None and k_norm is not None
+    _rope_store_kernel[(t, n_head + hkv)](
+        q,
+        k,
+        v,
+        stride,
+        q_norm if norm else q,
+        k_norm if norm else q,
+        pos,
+        inv_freq,
+        qo,
+        k_cache,
+        v_cache,
+        n_head,
+        hkv,
+        dh,
+        dv,
+        eps,
+        mscale,
+        ROT=rot,
+        HALF=rot // 2,
+        BLOCK=triton.next_power_of_2(max(dh, dv)),
+        NORM=norm,
+        NEOX=neox,
+    )
+    return qo
+
+
+@triton.jit
+def _decode_attn_kernel(
+    q_ptr,  # [T, H, Dk]
+    kc_ptr,  # [ctx, HKV, Dk]
+    vc_ptr,  # [ctx, HKV, Dv]
+    pos_ptr,  # [T] int64
+    o_ptr,  # [T, H, Dv] (SPLITS == 1) or partials [T, H, SPLITS, Dv] float32
+    ml_ptr,  # [T, H, SPLITS, 2] float32 running max and sum (SPLITS > 1)
+    H,
+    HKV,
+    Dk,
+    Dv,
+    span,
+    chunk,  # positions per split
+    window,  # 0: none
+    scale,
+    softcap,  # 0: none
+    SPLITS: tl.constexpr,
+    G: tl.constexpr,  # query heads per key head
+    GP: tl.constexpr,  # G padded to a tl.dot-able power of two (>= 16)
+    BLOCK_S: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)  # t * HKV + hk
+    sp = tl.program_id(1)
+    t = pid // HKV
+    hk = pid % HKV
+    p = tl.load(pos_ptr + t).to(tl.int32)
+    g = tl.arange(0, GP)
+    gm = g < G
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    heads = hk * G + g  # [GP]
+    q = tl.load(
+        q_ptr + (t * H + heads)[:, None] * Dk + dk[None, :], mask=gm[:, None] & (dk[None, :] < Dk), other=0.0
+    )  # [GP, DK]
+    m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, BLOCK_DV], dtype=tl.float32)
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, span)
+    hi = tl.minimum(hi, p + 1)  # causal: nothing beyond this row's own position
+    if window > 0:
+        lo = tl.maximum(lo, p - window + 1)
+    for s0 in range(lo, hi, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        sm = s < hi
+        kb = tl.load(
+            kc_ptr + (s[:, None] * HKV + hk) * Dk + dk[None, :],
+            mask=sm[:, None] & (dk[None, :] < Dk),
+            other=0.0,
+        )  # [BS, DK]
+        if IEEE:  # float32 compute stays float32 (no TF32 rounding)
+            sc = tl.dot(q, tl.trans(kb.to(q.dtype)), input_precision="ieee") * scale  # [GP, BS]
+        else:
+            sc = tl.dot(q, tl.trans(kb.to(q.dtype))).to(tl.float32) * scale
+        if softcap > 0:
+            sc = softcap * (2.0 / (1.0 + tl.exp(-2.0 * sc / softcap)) - 1.0)
+        sc = tl.where(sm[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        pr = tl.exp(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        vb = tl.load(
+            vc_ptr + (s[:, None] * HKV + hk) * Dv + dv[None, :],
+            mask=sm[:, None] & (dv[None, :] < Dv),
+            other=0.0,
+        )  # [BS, DV]
+        if IEEE:
+            pv = tl.dot(pr, vb.to(tl.float32), input_precision="ieee")  # [GP, DV]
+        else:
+            pv = tl.dot(pr.to(q.dtype), vb.to(q.dtype)).to(tl.float32)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    om = gm[:, None] & (dv[None, :] < Dv)
+    if SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + (t * H + heads)[:, None] * Dv + dv[None, :], out.to(o_ptr.dtype.element_ty), mask=om)
+    else:
+        row = (t * H + heads) * SPLITS + sp  # [GP]
+        tl.store(o_ptr + row[:, None] * Dv + dv[None, :], acc, mask=om)
+        tl.store(ml_ptr + row * 2, m_i, mask=gm)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=gm)
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr,  # [T*H, SPLITS, Dv] float32
+    ml_ptr,  # [T*H, SPLITS, 2]
+    o_ptr,  # [T*H, Dv]
+    Dv,
+    SPLITS: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    r = tl.program_id(0)
+    s = tl.arange(0, SPLITS)
+    dv = tl.arange(0, BLOCK_DV)
+    m = tl.load(ml_ptr + (r * SPLITS + s) * 2)
+    lsum = tl.load(ml_ptr + (r * SPLITS + s) * 2 + 1)
+    mx = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - mx))  # splits wholly past the position weigh nothing
+    part = tl.load(part_ptr + (r * SPLITS + s)[:, None] * Dv + dv[None, :], mask=dv[None, :] < Dv, other=0.0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+    tl.store(o_ptr + r * Dv + dv, out.to(o_ptr.dtype.element_ty), mask=dv < Dv)
+
+
+# Positions one program covers before the span is split over more programs (a second, merging launch).
+SPLIT_CHUNK = 512
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    span: int,
+    window: int,
+    scale: float,
+    softcap: float = 0.0,
+    chunk: int = SPLIT_CHUNK,
+) -> torch.Tensor:
+    """q [T, H, Dk] at positions `pos` [T] over the cache positions below `span` (each row sees positions <= its
+    own, and within `window` of it when window > 0) -> [T, H*Dv] in q's dtype."""
+    t, h, dk = q.shape
+    _, hkv, _ = k_cache.shape
+    dvv = v_cache.shape[2]
+    g = h // hkv
+    splits = triton.next_power_of_2(triton.cdiv(span, chunk))
+    chunk = triton.cdiv(span, splits)
+    out = torch.empty(t, h, dvv, dtype=q.dtype, device=q.device)
+    common = dict(
+        G=g,
+        GP=max(16, triton.next_power_of_2(g)),
+        BLOCK_S=64 if max(dk, dvv) <= 128 else 32,  # large heads: smaller blocks fit in shared memory
+        BLOCK_DK=triton.next_power_of_2(dk),
+        BLOCK_DV=triton.next_power_of_2(dvv),
+        IEEE=q.dtype == torch.float32,
+    )
+    if splits == 1:
+        _decode_attn_kernel[(t * hkv, 1)](
+            q, k_cache, v_cache, pos, out, out, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
+            SPLITS=1, **common,
+        )  # fmt: skip
+        return out.view(t, h * dvv)
+    part = torch.empty(t * h, splits, dvv, dtype=torch.float32, device=q.device)
+    ml = torch.empty(t * h, splits, 2, dtype=torch.float32, device=q.device)
+    _decode_attn_kernel[(t * hkv, splits)](
+        q, k_cache, v_cache, pos, part, ml, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
+        SPLITS=splits, **common,
+    )  # fmt: skip
+    _merge_kernel[(t * h,)](part, ml, out, dvv, SPLITS=splits, BLOCK_DV=common["BLOCK_DV"])
+    return out.view(t, h * dvv)

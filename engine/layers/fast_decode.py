@@ -1,0 +1,118 @@
+"""The decode-sized layer (a few tokens) of the shared decoder on CUDA in ~10 kernels instead of ~40.
+
+At batch 1 a step is bound by how many kernels it launches, not by the bytes it reads, so this path fuses what the
+general `DecoderLM.layer_at` runs as separate torch ops: one GEMV for q, k and v (their blocks concatenated at load),
+norm + RoPE of queries and keys together with the cache write, attention straight from the cache, the output
+projection with the residual add, the norm giving both the experts' and the router's copies, and the experts' down
+projection with the weighted combine and the residual add. Same math as the general path; the tests compare them."""
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.layers.kv_cache import KVCache, KVCacheError
+from engine.layers.moe import ACTIVATIONS, route_and_count
+
+if TYPE_CHECKING:
+    from engine.models.decoder import DecoderLM
+
+# Token rows up to which a step takes this path (decode, and speculative verify windows).
+FAST_MAX_ROWS = 8
+
+
+def available(model: "DecoderLM") -> bool:
+    """Whether `model`'s layers can run the fused decode path (CUDA, Triton, a family without post norms)."""
+    if model.device.type != "cuda":
+        return False
+    try:
+        from engine.kernels import attention, fused, gemv  # noqa: F401
+    except ImportError:
+        return False
+    c = model.cfg
+    if c.post_norms or c.n_head % c.n_head_kv != 0 or c.rope.dim > c.head_dim_k:
+        return False
+    if model.expert_cache is not None:
+        from engine.layers.moe import fused_moe_available
+
+        return all(
+            fused_moe_available(
+                le.gate.host.qtype, le.up.host.qtype, le.down.host.qtype, c.n_embd, c.n_ff_exp
+            )
+            for le in model.expert_cache.layers.values()
+        )
+    return not c.is_moe
+
+
+def fuse_qkv(q, k, v):  # -> (qkv QTensor, q view, k view, v view), or None where the block types differ
+    """One weight for the three projections (one GEMV launch); q, k and v become views of its rows."""
+    from engine.layers.qtensor import QTensor
+
+    if not (q.qtype == k.qtype == v.qtype) or q.raw.shape[-1] != k.raw.shape[-1] or q.raw.dim() != 2:
+        return None
+    raw = torch.cat((q.raw, k.raw, v.raw), dim=0)  # [qd + kd + vd, row_bytes]
+    a, b = q.shape[0], q.shape[0] + k.shape[0]
+    qkv = QTensor(raw, q.qtype, (raw.shape[0], q.shape[1]))
+    return (
+        qkv,
+        QTensor(raw[:a], q.qtype, q.shape),
+        QTensor(raw[a:b], k.qtype, k.shape),
+        QTensor(raw[b:], v.qtype, v.shape),
+    )
+
+
+def layer(
+    model: "DecoderLM", i: int, h: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int
+) -> torch.Tensor:
+    """hidden [T, D] float32 at positions `pos` [T] -> hidden [T, D] float32 (T <= FAST_MAX_ROWS)."""
+    from engine.kernels.attention import decode_attention, rope_store
+    from engine.kernels.fused import rms_norm, rms_norm_pair
+    from engine.kernels.gemv import moe_down_combine, moe_gemv
+
+    if span > cache.max_ctx:
+        raise KVCacheError(
+            f"the sequence needs {span} positions but the KV cache holds {cache.max_ctx} (--max-context)"
+        )
+    c, lw, dt = model.cfg, model.layers[i], model.dtype
+    qd, kd = c.n_head * c.head_dim_k, c.n_head_kv * c.head_dim_k
+    lk = cache.layers[i]
+    h = h.float()
+    x = rms_norm(h, lw.attn_norm, c.rms_eps, dt)
+    if lw.qkv is not None:
+        qkv = lw.qkv.linear(x)  # [T, qd + kd + vd]
+        if lw.qkv_bias is not None:
+            qkv = qkv + lw.qkv_bias
+    else:
+        qkv = torch.cat([w.linear(x) for w in (lw.q, lw.k, lw.v)], dim=-1)
+        if lw.qkv_bias is not None:
+            qkv = qkv + lw.qkv_bias
+    swa = c.is_swa(i)
+    rope = model.rope_swa if swa else model.rope
+    q = rope_store(
+        qkv[:, :qd], qkv[:, qd : qd + kd], qkv[:, qd + kd :], lw.q_norm, lw.k_norm, c.rms_eps, pos,
+        rope.inv_effective(h.device), rope.cfg.dim, rope.cfg.neox, rope.mscale, lk.k, lk.v, c.n_head, dt,
+    )  # fmt: skip
+    window = c.sliding_window if swa else 0
+    a = decode_attention(q, lk.k, lk.v, pos, span, window, c.attn_scale, c.attn_softcap)  # [T, H*Dv]
+    h = lw.o.linear(a, residual=h)  # float32 [T, D]: h + o(a)
+    if lw.experts is None:
+        assert lw.ffn_gate is not None and lw.ffn_up is not None and lw.ffn_down is not None
+        x = rms_norm(h, lw.ffn_norm, c.rms_eps, dt)
+        act = ACTIVATIONS[c.activation]
+        return lw.ffn_down.linear(act(lw.ffn_gate.linear(x)) * lw.ffn_up.linear(x), residual=h)
+    x, x32 = rms_norm_pair(h, lw.ffn_norm, c.rms_eps, dt)
+    assert model.expert_cache is not None
+    le = model.expert_cache.layers[i]
+    counts = model.expert_counts[i] if model.expert_counts is not None else None
+    w, ids = route_and_count(x32, le.router, c.n_expert_used, c.expert_weights_norm, counts)  # [T, k]
+    g, dn = le.gate.host, le.down.host
+    f, d = g.shape[1], c.n_embd
+    hid = moe_gemv(le.gate.table, g.qtype, g.raw.shape[-1], ids, x, f, d, c.n_expert_used,
+                   up_table=le.up.table, act=c.activation)  # fmt: skip
+    if lw.shexp_gate is not None:  # the shared expert joins the residual first; the routed ones add to that
+        assert lw.shexp_up is not None and lw.shexp_down is not None
+        act = ACTIVATIONS[c.activation]
+        s = lw.shexp_down.linear(act(lw.shexp_gate.linear(x)) * lw.shexp_up.linear(x)).float()
+        if lw.shexp_gate_inp is not None:
+            s = s * torch.sigmoid(x32 @ lw.shexp_gate_inp).unsqueeze(-1)  # [T, 1]
+        h = h + s
+    return moe_down_combine(le.down.table, dn.qtype, dn.raw.shape[-1], ids, w, hid, h, d, f)

@@ -1,0 +1,176 @@
+"""The fused decode layer (engine.layers.fast_decode) and its kernels against the general torch path: attention
+from the cache against SDPA, norm + RoPE + cache write against Rope, the residual GEMV and the experts' down
+projection with the combine against dequantize + matmul, and whole models' greedy tokens with the path on and off."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.gguf.quants import dequantize
+from engine.gguf.random_blocks import random_blocks
+from engine.layers.attention import attention, causal_mask
+from engine.loader import load_model
+from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.sampling import GREEDY
+from engine.testing.tiny_models import write_tiny_model
+
+pytestmark = pytest.mark.gpu
+PROMPT = [1, 17, 42, 99, 150, 7, 300, 12, 5, 64, 128, 256, 33, 71]
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+@pytest.mark.parametrize(
+    "t,h,hkv,d,span,window,dtype,chunk",
+    [
+        (1, 32, 4, 128, 256, 0, torch.bfloat16, 512),  # Qwen3-30B-A3B's heads, one program per key head
+        (1, 32, 4, 128, 3000, 0, torch.bfloat16, 512),  # split over the span, merged
+        (4, 8, 2, 64, 300, 0, torch.float32, 64),  # a verify window of 4 rows, causal among them
+        (2, 8, 8, 256, 700, 128, torch.float32, 128),  # sliding window, no grouping, head dim 256
+    ],
+)
+def test_decode_attention_matches_sdpa(t, h, hkv, d, span, window, dtype, chunk) -> None:
+    from engine.kernels.attention import decode_attention
+
+    kc = torch.randn(span + 7, hkv, d, device="cuda").to(dtype)
+    vc = torch.randn(span + 7, hkv, d, device="cuda").to(dtype)
+    pos = torch.arange(span - t, span, device="cuda")
+    q = torch.randn(t, h, d, device="cuda").to(dtype)
+    got = decode_attention(q, kc, vc, pos, span, window, d**-0.5, chunk=chunk).float()
+    ref = attention(q.float(), kc[:span].float(), vc[:span].float(), causal_mask(pos, span, window), d**-0.5)
+    ref = ref.reshape(t, -1)
+    assert _cos(got, ref) >= (0.9999 if dtype == torch.float32 else 0.999)
+    if dtype == torch.float32:
+        assert (got - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_rope_store_matches_rope_and_writes_the_cache(neox: bool) -> None:
+    from engine.kernels.attention import rope_store
+    from engine.layers.rope import Rope
+    from engine.models.config import RopeConfig
+
+    t, h, hkv, d = 3, 8, 2, 128
+    rope = Rope(RopeConfig(dim=64, base=1e6, neox=neox, scaling="yarn", factor=4.0, orig_ctx=4096))
+    qkv = torch.randn(t, (h + 2 * hkv) * d, device="cuda")
+    qn, kn = torch.rand(d, device="cuda") + 0.5, torch.rand(d, device="cuda") + 0.5
+    kc, vc = torch.zeros(64, hkv, d, device="cuda"), torch.zeros(64, hkv, d, device="cuda")
+    pos = torch.tensor([5, 6, 40], device="cuda")
+    q, k, v = qkv[:, : h * d], qkv[:, h * d : (h + hkv) * d], qkv[:, (h + hkv) * d :]
+    qo = rope_store(q, k, v, qn, kn, 1e-6, pos, rope.inv_effective(torch.device("cuda")), 64, neox,
+                    rope.mscale, kc, vc, h, torch.float32)  # fmt: skip
+
+    def ref(x: torch.Tensor, w: torch.Tensor, heads: int) -> torch.Tensor:
+        x = x.reshape(t, heads, d)
+        xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        theta = pos.float()[:, None] * rope.inv_freq_effective.cuda()[None, :]
+        return rope.apply(xn, theta.cos() * rope.mscale, theta.sin() * rope.mscale)
+
+    assert (qo - ref(q, qn, h)).abs().max().item() < 1e-4
+    assert (kc[pos] - ref(k, kn, hkv)).abs().max().item() < 1e-4
+    assert torch.equal(vc[pos], v.reshape(t, hkv, d))
+    untouched = torch.ones(64, dtype=torch.bool, device="cuda")
+    untouched[pos] = False
+    assert kc[untouched].abs().max().item() == 0 and vc[untouched].abs().max().item() == 0
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0"])
+def test_residual_gemv_and_expert_combine(qtype: str) -> None:
+    from engine.kernels.gemv import gemv, moe_down_combine
+
+    qt = QT[qtype]
+    n, k, e, topk, t = 256, 768, 6, 3, 2
+    raw = torch.from_numpy(random_blocks(qt, n, k, seed=4)).cuda()
+    x, r = torch.randn(t, k, device="cuda"), torch.randn(t, n, device="cuda")
+    ref = r + x @ dequantize(raw, qt).T
+    assert _cos(gemv(raw, qt, n, k, x, residual=r), ref) >= 0.9999
+    ws = [torch.from_numpy(random_blocks(qt, n, k, seed=30 + i)) for i in range(e)]
+    ws = [w.cuda() if i % 2 else w.pin_memory() for i, w in enumerate(ws)]  # VRAM and host experts
+    table = torch.tensor([w.data_ptr() for w in ws], device="cuda")
+    ids = torch.tensor([[1, 4, 2], [0, 5, 1]], device="cuda")
+    wt = torch.rand(t, topk, device="cuda")
+    xs = torch.randn(t * topk, k, device="cuda")
+    got = moe_down_combine(table, qt, ws[0].shape[1], ids, wt, xs, r, n, k)
+    expect = r.clone()
+    for ti in range(t):
+        for j in range(topk):
+            w = dequantize(ws[int(ids[ti, j])].cuda(), qt)
+            expect[ti] += wt[ti, j] * (xs[ti * topk + j] @ w.T)
+    assert _cos(got, expect) >= 0.9999
+
+
+def _tokens(path: Path, dtype: str, fast: bool, n: int = 24) -> tuple[list[int], torch.Tensor]:
+    lm = load_model(path, device="cuda", dtype=dtype)
+    lm.model.fast = fast and lm.model.fast
+    runner = Runner(lm.model, lm.tokenizer, 512, dtype)
+    done = [
+        e
+        for e in runner.generate(GenerationRequest(PROMPT, max_tokens=n, sampling=GREEDY, ignore_eos=True))
+        if isinstance(e, DoneEvent)
+    ][0]
+    cache = lm.model.new_cache(64, "f32" if dtype == "f32" else "bf16")
+    lm.model.forward(torch.tensor(PROMPT[:-1], device="cuda"), cache, 0)
+    logits = lm.model.forward(torch.tensor(PROMPT[-1:], device="cuda"), cache, len(PROMPT) - 1)
+    return done.tokens, logits
+
+
+@pytest.mark.parametrize(
+    "arch,types",
+    [
+        ("qwen3moe", {"ffn_down": "Q6_K"}),
+        ("qwen2moe", {}),  # biases, a gated shared expert
+        ("llama", {"attn_v": "Q6_K"}),  # q, k, v of different types: three GEMVs
+        ("qwen3", {}),
+    ],
+)
+def test_fused_decode_gives_the_general_paths_tokens(tmp_path: Path, arch: str, types: dict) -> None:
+    path = write_tiny_model(tmp_path / "m.gguf", arch, qtype="Q4_K", types=types, seed=11)
+    lm = load_model(path, device="cuda", dtype="f32")
+    assert lm.model.fast, "the fused decode path should serve this family"
+    general, lg = _tokens(path, "f32", fast=False)
+    fused, lf = _tokens(path, "f32", fast=True)
+    assert fused == general
+    assert _cos(lf, lg) >= 0.99999
+    _, bg = _tokens(path, "bf16", fast=False)
+    _, bf = _tokens(path, "bf16", fast=True)
+    assert _cos(bf, bg) >= 0.999
+
+
+@pytest.mark.parametrize("qtype,variant", [("Q4_K", 0), ("Q6_K", 1), ("F32", 6)])
+@pytest.mark.parametrize("sb", [1, 2, 4])
+def test_every_kernel_body_matches_dequantize(qtype: str, variant: int, sb: int) -> None:
+    """The tuning file may pick any body for a block type: each must compute the same product, dense and routed."""
+    from engine.kernels.gemv import gemv, moe_down_combine, moe_gemv
+
+    qt = QT[qtype]
+    n, k, e = 200, 1280, 4  # 5 super-blocks a row: steps end part-full
+    if qt == QT.F32:
+        mats = [torch.randn(n, k) for _ in range(e)]
+        raws = [m.view(torch.uint8).cuda() for m in mats]
+    else:
+        raws = [torch.from_numpy(random_blocks(qt, n, k, seed=50 + i)).cuda() for i in range(e)]
+    deq = [dequantize(r, qt) if qt != QT.F32 else r.view(torch.float32) for r in raws]
+    x = torch.randn(2, k, device="cuda")
+    for bn in (2, 8):
+        y = gemv(raws[0], qt, n, k, x, block_n=bn, sb=sb, num_warps=4, variant=variant)
+        assert _cos(y, x @ deq[0].T) >= 0.99999
+    table = torch.tensor([r.data_ptr() for r in raws], device="cuda")
+    ids = torch.tensor([[3, 1], [0, 2]], device="cuda")
+    h = moe_gemv(table, qt, raws[0].shape[1], ids, x, n, k, 2, up_table=table, act="silu", launch=(4, sb, 4),
+                 variant=variant)  # fmt: skip
+    ref = torch.stack([torch.nn.functional.silu(x[t] @ deq[i].T) * (x[t] @ deq[i].T)
+                       for t in range(2) for i in ids[t].tolist()])  # fmt: skip
+    assert _cos(h, ref) >= 0.99999
+    wt = torch.rand(2, 2, device="cuda")
+    xs = torch.randn(4, k, device="cuda")
+    r = torch.randn(2, n, device="cuda")
+    got = moe_down_combine(
+        table, qt, raws[0].shape[1], ids, wt, xs, r, n, k, launch=(4, sb, 4), variant=variant
+    )
+    want = torch.stack([r[t] + sum(wt[t, j] * (xs[2 * t + j] @ deq[int(ids[t, j])].T) for j in range(2))
+                        for t in range(2)])  # fmt: skip
+    assert _cos(got, want) >= 0.99999
