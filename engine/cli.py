@@ -280,6 +280,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 0:
         raise SystemExit(f"{PROG}: error: --max-tokens must be 0 or more, not {args.max_tokens}")
+    if args.no_profile:
+        raise SystemExit(
+            f"{PROG}: error: --no-profile does not go with profile, which writes one: leave it out"
+        )
     prompts = read_prompts(Path(args.prompts))
     lm = _load(args)
     before = model_counts(lm.model)

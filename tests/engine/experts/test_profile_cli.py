@@ -158,6 +158,8 @@ def test_profile_refuses_a_dense_model_and_an_empty_prompt_file(tmp_path: Path) 
     lines.write_text("hi\n", encoding="utf-8")
     with pytest.raises(SystemExit, match="dense qwen3 model: it has no experts"):
         main(["profile", "--device", "cpu", "--model", str(dense), "--prompts", str(lines)])
+    with pytest.raises(SystemExit, match="--no-profile does not go with profile"):
+        main(["profile", "--model", str(dense), "--prompts", str(lines), "--no-profile"])
     lines.write_text("\n  \n", encoding="utf-8")
     with pytest.raises(SystemExit, match="has no prompt: write one user message per line"):
         main(["profile", "--device", "cpu", "--model", str(dense), "--prompts", str(lines)])
