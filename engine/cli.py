@@ -14,6 +14,8 @@ from installer.version import __version__
 
 if TYPE_CHECKING:
     from engine.loader import LoadedModel
+    from engine.pipeline.generate import Runner
+    from engine.pipeline.spec import SpecConfig
 
 PROG = "strata-engine"
 
@@ -107,6 +109,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_split_args(lg)
 
+    pr = sub.add_parser(
+        "profile",
+        help="record which experts a set of prompts uses (the usage profile that fills the expert caches)",
+        description="Runs each line of --prompts as a user message (the model's chat template, then a few greedy "
+        "tokens) and adds the experts each layer selected to the model file's usage profile.",
+    )
+    _model_arg(pr)
+    pr.add_argument(
+        "--prompts", required=True, metavar="FILE", help="a UTF-8 text file: one user message per line"
+    )
+    pr.add_argument(
+        "--max-tokens", "-n", type=int, default=16, help="greedy tokens after each prompt (default 16)"
+    )
+    pr.add_argument(
+        "--out",
+        metavar="PATH",
+        help="the profile file to add to (default: --profile, else the one the engine reads for this file)",
+    )
+    add_split_args(pr)
+
     wk = sub.add_parser("worker", help="run layers K onward of a model for a main process on another PC")
     _model_arg(wk)
     add_worker_args(wk)
@@ -145,12 +167,21 @@ def _load(args: argparse.Namespace) -> "LoadedModel":
     )
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _runner(args: argparse.Namespace, lm: "LoadedModel", spec: "SpecConfig | None" = None) -> "Runner":
+    """The generation loop over the loaded model with the --max-context, --kv and --prefill flags."""
     from engine.layers.kv_cache import resolve_kv_type
-    from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner, TextEvent, TokenEvent
+    from engine.pipeline.generate import Runner
+    from engine.pipeline.split import prefill_chunk
+
+    chunk = prefill_chunk(lm.model, args.prefill) if args.prefill == "auto" else _prefill(args.prefill)
+    kv = resolve_kv_type(args.kv, lm.model.dtype)
+    return Runner(lm.model, lm.tokenizer, args.max_context, kv, chunk, spec=spec)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.pipeline.generate import DoneEvent, GenerationRequest, TextEvent, TokenEvent
     from engine.pipeline.sampling import SamplingParams
     from engine.pipeline.spec import SpecConfig
-    from engine.pipeline.split import prefill_chunk
 
     sampling = SamplingParams(
         temperature=args.temperature,
@@ -172,14 +203,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = lm.tokenizer.encode(text, add_special=True, parse_special=True)
     else:
         ids = lm.tokenizer.encode(args.prompt, add_special=True, parse_special=False)
-    runner = Runner(
-        lm.model,
-        lm.tokenizer,
-        args.max_context,
-        resolve_kv_type(args.kv, lm.model.dtype),
-        prefill_chunk(lm.model, args.prefill) if args.prefill == "auto" else _prefill(args.prefill),
-        spec=spec,
-    )
+    runner = _runner(args, lm, spec)
     req = GenerationRequest(ids, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop)
     if args.prompt is not None:
         sys.stdout.write(args.prompt)
@@ -229,7 +253,82 @@ def cmd_logits(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "logits": cmd_logits, "serve": cmd_serve, "worker": cmd_worker}
+def read_prompts(path: Path) -> list[str]:
+    """`--prompts`: one user message per line; blank lines are skipped."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SystemExit(f"{PROG}: error: --prompts {path} does not exist") from None
+    except UnicodeDecodeError:
+        raise SystemExit(f"{PROG}: error: --prompts {path} is not UTF-8 text (one prompt per line)") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise SystemExit(f"{PROG}: error: --prompts {path} has no prompt: write one user message per line")
+    return prompts
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from engine.experts.profile import (
+        UsageProfile,
+        model_counts,
+        profile_location,
+        save_profile,
+        tokens_from_counts,
+    )
+    from engine.pipeline.generate import GenerationRequest
+    from engine.pipeline.sampling import SamplingParams
+
+    if args.max_tokens < 0:
+        raise SystemExit(f"{PROG}: error: --max-tokens must be 0 or more, not {args.max_tokens}")
+    if args.no_profile:
+        raise SystemExit(
+            f"{PROG}: error: --no-profile does not go with profile, which writes one: leave it out"
+        )
+    prompts = read_prompts(Path(args.prompts))
+    lm = _load(args)
+    before = model_counts(lm.model)
+    if before is None:
+        raise SystemExit(
+            f"{PROG}: error: {lm.name} is a dense {lm.config.arch} model: it has no experts to profile"
+        )
+    runner = _runner(args, lm)
+    greedy = SamplingParams(temperature=0.0)
+    log = logging.getLogger("strata.engine")
+    done = 0
+    for n, text in enumerate(prompts, 1):
+        rendered = lm.chat.render([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = lm.tokenizer.encode(rendered, add_special=True, parse_special=True)
+        if len(ids) >= args.max_context:
+            log.warning(
+                "prompt %d of %s has %d tokens, --max-context is %d: skipped", n, args.prompts, len(ids),
+                args.max_context,
+            )  # fmt: skip
+            continue
+        # Each prompt is read whole (no prefix reuse): the profile counts every token of it.
+        req = GenerationRequest(ids, max_tokens=args.max_tokens, sampling=greedy, cache_prompt=False)
+        for _ in runner.generate(req):
+            pass
+        done += 1
+    after = model_counts(lm.model)
+    assert after is not None
+    counts = after - before  # [L, E]
+    path, ident = profile_location(lm.gguf, lm.config, args.out or args.profile)
+    added = UsageProfile(ident, counts, tokens_from_counts(counts, lm.config.n_expert_used))
+    total = save_profile(path, added)
+    print(
+        f"expert profile {path}: {done} prompts, {added.summary()}"
+        + (f"; the file now holds {total.tokens} tokens" if total.tokens != added.tokens else "")
+    )
+    return 0
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "logits": cmd_logits,
+    "profile": cmd_profile,
+    "serve": cmd_serve,
+    "worker": cmd_worker,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ import importlib.util
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _isolated_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests never write into the user's real config; the data dir is shared so the default model is assembled once."""
     monkeypatch.setenv("STRATA_CONFIG_DIR", str(tmp_path_factory.mktemp("config")))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_profiles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Expert usage profiles (written by every server on a MoE model) go to a folder of the test session, set
+    before any session-wide server starts (function-scoped fixtures come after those)."""
+    before = os.environ.get("STRATA_PROFILE_DIR")
+    os.environ["STRATA_PROFILE_DIR"] = str(tmp_path_factory.mktemp("profiles"))
+    yield
+    if before is None:
+        os.environ.pop("STRATA_PROFILE_DIR", None)
+    else:
+        os.environ["STRATA_PROFILE_DIR"] = before
 
 
 @pytest.fixture(scope="session")

@@ -73,6 +73,8 @@ class SplitOptions:
     remote_stall_s: float = 3.0
     expert_slots: int | None = None  # --expert-cache N: routed experts in VRAM on each card
     vram_budget_mib: int | None = None  # --vram-budget-mib: each card behaves as one of this size
+    profile: str | None = None  # --profile PATH: the usage profile to read (default: the data dir's)
+    use_profile: bool = True  # --no-profile: fill the caches and place the layers without one
 
 
 @dataclass(frozen=True)
@@ -467,13 +469,20 @@ def load_split_model(
 ) -> LoadedModel:
     """`engine.loader.load_model` with the split options: the plan is checked before any weight is read (a bad
     split fails at once, saying how to fix it) and logged, then each stage loads only its own layers on its device.
-    One stage gives the plain `DecoderLM`; several a `SplitModel` (both drive `Runner` alike)."""
+    One stage gives the plain `DecoderLM`; several a `SplitModel` (both drive `Runner` alike).
+    Without a `profile` given, that of the model file is read (`opts.profile`, else the data dir's; see
+    engine.experts.profile) unless `opts.use_profile` is off."""
     gf = GGUFFile.open(path)
     tok = Tokenizer.from_metadata(gf.metadata)
     embd = gf.tensors.get(names.TOKEN_EMBD)
     cfg = config_for(gf.architecture, gf.metadata, n_vocab=embd.shape[0] if embd else tok.vocab_size)
     if opts.remote:
         check_remote_options(opts, cfg.n_layer)
+    if profile is None and opts.use_profile and cfg.is_moe:
+        from engine.experts.profile import startup_profile
+
+        used = startup_profile(gf, cfg, opts.profile)
+        profile = used.counts if used is not None else None
     visible = visible_cards()
     cards = [v.card for v in visible]
     on_cuda = bool(cards) and opts.device.strip().lower() != "cpu"

@@ -68,6 +68,17 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
         metavar="MIB",
         help="use at most this much of each card, as if it were that small (a shared card, or tests)",
     )
+    e.add_argument(
+        "--profile",
+        metavar="PATH",
+        help="the usage profile that fills the caches and weighs --layer-split auto (default: the one saved for "
+        "this file in the data dir)",
+    )
+    e.add_argument(
+        "--no-profile",
+        action="store_true",
+        help="neither read nor save a usage profile (caches filled in expert order)",
+    )
     r = p.add_argument_group("several PCs (remote stage)")
     r.add_argument(
         "--remote-stage",
@@ -113,6 +124,8 @@ def options_from_args(args: argparse.Namespace) -> SplitOptions:
         remote_key=getattr(args, "remote_stage_key", None),
         stage_key=getattr(args, "stage_key", None),
         remote_timing=os.environ.get(TIMING_ENV) == "1",
+        profile=getattr(args, "profile", None),
+        use_profile=not getattr(args, "no_profile", False),
     )
 
 

@@ -50,6 +50,7 @@ def create_app(service: EngineService, cors_origins: Sequence[str] = ()) -> Fast
         yield
         service.hub.close()
         service.stop()
+        await asyncio.to_thread(service.finish)  # the usage profile is saved once the worker is out
 
     app = FastAPI(
         title="PolyStrata engine",

@@ -53,6 +53,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--cors", action="append", default=[], help="a web origin allowed to call the API (repeatable)"
     )
     p.add_argument(
+        "--profile-every",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="save the experts used into the usage profile every S seconds of serving (checked after each "
+        "request; 0: after every request) and at shutdown (default 300); --no-profile turns it off",
+    )
+    p.add_argument(
         "--threads", type=int, default=0, help="CPU threads for the model's math (default: torch's choice)"
     )
 
@@ -180,6 +188,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise ServeError(f"--prompt-cache-mib must be 0 (off) or more, not {args.prompt_cache_mib}")
     if args.threads < 0:
         raise ServeError(f"--threads must be 0 (automatic) or more, not {args.threads}")
+    if args.profile_every < 0:
+        raise ServeError(
+            f"--profile-every must be 0 (after every request) or more seconds, not {args.profile_every}"
+        )
     if args.max_body_mib <= 0:
         raise ServeError(f"--max-body-mib must be more than 0, not {args.max_body_mib}")
     from engine.pipeline.spec import SpecConfig, SpecError
@@ -215,6 +227,7 @@ def _serve(args: argparse.Namespace) -> int:
         suffix_draft=bool(args.suffix_draft),
         pipeline_windows=args.pipeline_windows,
         split=split,
+        profile_every_s=args.profile_every,
     )
     sock = bind(args.host, args.port)
     service = EngineService(opts)

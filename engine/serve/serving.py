@@ -36,6 +36,7 @@ from engine.telemetry.stats import RunningStat, StageStats, Telemetry
 from installer.version import __version__
 
 if TYPE_CHECKING:
+    from engine.experts.profile import ProfileRecorder
     from engine.loader import LoadedModel
     from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
     from engine.pipeline.split import SplitOptions
@@ -75,6 +76,7 @@ class ServeOptions:
     suffix_draft: bool = True  # --suffix-draft: drafts copied from earlier context
     pipeline_windows: int = 0  # --pipeline-windows 2 (a layer split only)
     split: "SplitOptions | None" = None  # the layer-split flags; None: the whole model on `device`
+    profile_every_s: float = 300.0  # --profile-every: save the usage profile this often (and at shutdown)
 
 
 @dataclass
@@ -144,6 +146,16 @@ def sse_event(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _profile_recorder(lm: "LoadedModel", split: "SplitOptions", every_s: float) -> "ProfileRecorder | None":
+    """What serving adds to the model file's usage profile (MoE models, unless --no-profile)."""
+    if not split.use_profile or not lm.config.is_moe:
+        return None
+    from engine.experts.profile import ProfileRecorder, model_counts, profile_location
+
+    path, ident = profile_location(lm.gguf, lm.config, split.profile)
+    return ProfileRecorder(path, ident, lm.config.n_expert_used, lambda: model_counts(lm.model), every_s)
+
+
 class EngineService:
     def __init__(self, opts: ServeOptions) -> None:
         self.opts = opts
@@ -168,6 +180,7 @@ class EngineService:
         self.active: Job | None = None
         self._worker: threading.Thread | None = None
         self._loader: threading.Thread | None = None
+        self.profile: ProfileRecorder | None = None  # the usage profile this server adds to
 
     @staticmethod
     def _default_name() -> str:
@@ -231,6 +244,7 @@ class EngineService:
             spec = SpecConfig(n=o.spec, suffix=o.suffix_draft, pipeline_windows=o.pipeline_windows)
             runner = Runner(lm.model, lm.tokenizer, o.max_context, kv, chunk, cache, spec=spec)
             slots = stage_layout(lm.model, lm.config.n_layer)
+            recorder = _profile_recorder(lm, split, o.profile_every_s)
         except Exception as e:  # the server stays up and says why on /health
             self.error = " ".join(str(e).split()) or type(e).__name__
             self.status = "error"
@@ -244,6 +258,7 @@ class EngineService:
             self.stage_times = StageTimes(slots)
         self.telemetry.stages = [StageStats(RunningStat(), RunningStat()) for _ in slots]
         self.lm, self.runner, self.kv_type = lm, runner, kv
+        self.profile = recorder
         self.model_name = model_id(lm.path.name)
         self.model_created = int(lm.path.stat().st_mtime)
         self._worker = threading.Thread(target=self._work, name="strata-generate", daemon=True)
@@ -262,6 +277,13 @@ class EngineService:
             job.cancelled.set()
             job.push("error", APIError(503, "the server is shutting down", code="shutting_down"))
         self.hub.close_soon()
+
+    def finish(self, wait_s: float = 5.0) -> None:
+        """After `stop`, at shutdown: let the worker leave the model, then save the usage profile gathered."""
+        if self._worker is not None:
+            self._worker.join(wait_s)
+        if self.profile is not None:
+            self.profile.save()
 
     def stop_soon(self) -> None:
         """`stop` from a signal handler: run it on the event loop, never inside a lock the loop may hold."""
@@ -538,6 +560,8 @@ class EngineService:
         finally:
             gen.close()
             self._snapshot_experts()
+            if self.profile is not None:
+                self.profile.tick()
         if done is None:  # stopped by cancel()
             tel.request_done(job.endpoint, "cancelled")
             return
