@@ -180,7 +180,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prefill_chunk(lm.model, args.prefill) if args.prefill == "auto" else _prefill(args.prefill),
         spec=spec,
     )
-    req = GenerationRequest(ids, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop)
+    stops = [*args.stop, *lm.chat.stop_strings] if args.chat is not None else args.stop
+    req = GenerationRequest(ids, max_tokens=args.max_tokens, sampling=sampling, stop=stops)
     if args.prompt is not None:
         sys.stdout.write(args.prompt)
     for ev in runner.generate(req):
