@@ -204,7 +204,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         ids = lm.tokenizer.encode(args.prompt, add_special=True, parse_special=False)
     runner = _runner(args, lm, spec)
-    req = GenerationRequest(ids, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop)
+    stops = [*args.stop, *lm.chat.stop_strings] if args.chat is not None else args.stop
+    req = GenerationRequest(ids, max_tokens=args.max_tokens, sampling=sampling, stop=stops)
     if args.prompt is not None:
         sys.stdout.write(args.prompt)
     for ev in runner.generate(req):

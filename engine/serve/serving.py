@@ -14,7 +14,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -355,7 +355,7 @@ class EngineService:
             raise APIError(400, str(e), code="invalid_value") from None
 
     def _generation(
-        self, ids: list[int], r: ChatCompletionRequest | CompletionRequest
+        self, ids: list[int], r: ChatCompletionRequest | CompletionRequest, template_stops: Sequence[str] = ()
     ) -> "GenerationRequest":
         from engine.pipeline.generate import GenerationRequest
 
@@ -375,7 +375,7 @@ class EngineService:
             ids,
             max_tokens=ctx - len(ids) if limit is None else limit,
             sampling=self._sampling(r),
-            stop=r.stops,
+            stop=[*r.stops, *(s for s in template_stops if s not in r.stops)],
             ignore_eos=bool(r.ignore_eos),
             cache_prompt=r.cache_prompt is not False,
         )
@@ -406,7 +406,8 @@ class EngineService:
             )
         except ChatTemplateError as e:
             raise APIError(400, str(e), code="chat_template_error", param="messages") from None
-        return self._generation(self._encode(text, parse_special=True), r)
+        # a reply under the fallback template may write its end marker as text: it ends there
+        return self._generation(self._encode(text, parse_special=True), r, self.lm.chat.stop_strings)
 
     def prepare_completion(self, r: CompletionRequest) -> tuple["GenerationRequest", str]:
         """-> (generation, echo text)"""

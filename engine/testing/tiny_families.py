@@ -450,11 +450,12 @@ def _split_qkvz(w: np.ndarray, h: Mapping[str, Any]) -> tuple[np.ndarray, np.nda
 # Metadata
 
 
-def _metadata(writer: gguf.GGUFWriter, spec: FamilySpec) -> None:
+def write_family_metadata(writer: gguf.GGUFWriter, spec: FamilySpec, name: str | None = None) -> None:
+    """The `{arch}.*` keys llama.cpp's converter writes for the family's HF config (and `general.name`)."""
     h, a = spec.hf, spec.arch
     d = h["hidden_size"]
     n_layer = h["num_hidden_layers"] + h.get("num_nextn_predict_layers", 0)
-    writer.add_name(f"tiny-{a}")
+    writer.add_name(name or f"tiny-{a}")
     writer.add_block_count(n_layer)
     writer.add_context_length(h["max_position_embeddings"])
     writer.add_embedding_length(d)
@@ -559,7 +560,7 @@ def write_tiny_family(
     _convert(spec, _hf_weights(spec, vocab, seed), store)
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), arch=arch)
-    _metadata(writer, spec)
+    write_family_metadata(writer, spec)
     write_tokenizer(writer, tok)
     for name, data, raw_dtype in store.tensors:
         writer.add_tensor(name, data, raw_dtype=raw_dtype)

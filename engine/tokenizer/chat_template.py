@@ -8,7 +8,9 @@ Every failure becomes one `ChatTemplateError` line that names the template and w
 violation is a `ChatTemplateSecurityError`, which is also a `jinja2.exceptions.SecurityError`.
 
 A file without a template gets `FALLBACK_TEMPLATE` (ChatML, as llama.cpp falls back to); `ChatFormatter.is_fallback`
-tells the caller so it can log it.
+tells the caller so it can log it. A vocabulary without ChatML's tokens (Gemma 3 270M, a base model) reads its
+markers as plain text, so a model imitating the format writes `<|im_end|>` as text instead of ending its turn:
+`ChatFormatter.stop_strings` holds the markers that the generation must then stop at (and leave out).
 """
 
 import json
@@ -46,6 +48,9 @@ FALLBACK_TEMPLATE = (
     "{%- endfor -%}\n"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
+# The end of the reply under the fallback: its end marker, or the start of a next turn. Where the vocabulary has
+# `<|im_end|>` as a control token it is an end-of-generation token anyway; the strings catch it written as text.
+FALLBACK_STOPS: tuple[str, ...] = ("<|im_end|>", "<|im_start|>")
 
 
 class ChatTemplateError(ValueError):
@@ -173,6 +178,8 @@ class ChatFormatter:
 
     `render` strips a leading BOS text when the tokenizer adds BOS itself (and a trailing EOS when it adds EOS),
     as llama.cpp does, so that encoding the prompt with `add_special=True` yields exactly one BOS.
+    `stop_strings` are the strings a reply to a rendered prompt ends at, besides the end-of-generation tokens
+    (the fallback's markers; none for the file's own template): callers add them to the request's stops.
     """
 
     def __init__(
@@ -193,6 +200,7 @@ class ChatFormatter:
         self.strip_bos = strip_bos
         self.strip_eos = strip_eos
         self.source = source
+        self.stop_strings: tuple[str, ...] = FALLBACK_STOPS if is_fallback else ()
         _compile(template, source)  # fail at load, not at the first request
 
     @classmethod

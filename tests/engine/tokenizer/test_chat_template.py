@@ -93,6 +93,7 @@ def test_fixture_template_matches_transformers(
     hf = hf_tokenizer(bpe_file.path)
     formatter = ChatFormatter.from_metadata(bpe_file.meta)
     assert not formatter.is_fallback and formatter.template == CHATML_TOOLS_TEMPLATE
+    assert formatter.stop_strings == ()  # the file's own template ends replies with its EOG tokens
     messages = CONVERSATION + (TOOL_TURNS if with_tools else [])
     extra = {} if thinking is None else {"enable_thinking": thinking}
     tools = TOOLS if with_tools else None
@@ -106,6 +107,7 @@ def test_fallback_is_chatml() -> None:
     meta = {k: v for k, v in tiny_bpe_metadata().items() if k != "tokenizer.chat_template"}
     formatter = ChatFormatter.from_metadata(meta)
     assert formatter.is_fallback and formatter.template == FALLBACK_TEMPLATE
+    assert formatter.stop_strings == ("<|im_end|>", "<|im_start|>")
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},
