@@ -209,6 +209,8 @@ class RemoteGpus(QObject):
             ref,
             sample.index,
             lock,
-            lambda data: self.clocksDone.emit(key, True, str((data.get("clocks") or {}).get("detail") or "done")),
+            lambda data: self.clocksDone.emit(
+                key, True, str((data.get("clocks") or {}).get("detail") or "done")
+            ),
             lambda message: self.clocksDone.emit(key, False, message),
         )

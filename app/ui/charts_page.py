@@ -50,6 +50,11 @@ def _plot(title: str, y_label: str, height: int = 200, x_label: str = "seconds a
     return w
 
 
+def _headroom(plot: pg.PlotWidget, top: float) -> None:
+    """Room above the highest value for the legend, which sits at the top left."""
+    plot.setYRange(0.0, top * 1.7 if top > 0 else 1.0, padding=0)
+
+
 def split_text(p: StagePoint | None) -> str:
     if p is None:
         return "no decode steps in the last 5 s"
@@ -94,6 +99,7 @@ class StageRow(QGroupBox):
         x, comp, cw, total = stacked(steps, now)
         for item, y in zip(self.areas, (total, cw, comp), strict=True):
             item.setData(x, y)
+        _headroom(self.steps, max(total, default=0.0))
         chunks = list(c.chunks.get(self.stage, ()))[-CHUNK_BARS:]
         xs = np.arange(1, len(chunks) + 1, dtype=float)
         comp_c = np.array([p.compute for p in chunks], float)
@@ -104,6 +110,7 @@ class StageRow(QGroupBox):
         ):
             bar.setOpts(x=xs, height=height, y0=y0, width=0.8)
         self.chunks.setXRange(0.4, CHUNK_BARS + 0.6, padding=0)
+        _headroom(self.chunks, float((comp_c + wait_c + tran_c).max(initial=0.0)))
         self.text.setText(split_text(c.recent_split(self.stage)))
 
 

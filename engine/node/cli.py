@@ -731,9 +731,10 @@ def cmd_clocks(args: argparse.Namespace) -> int:
             session.close()
         where = "this PC"
     else:
+        rec = _registry().find(args.node)
         with _client(args.node, timeout=30.0) as c:
             res = c.lock_clocks(args.gpu, args.sm, args.mem) if args.lock else c.reset_clocks(args.gpu)
-        where = args.node
+        where = f"{rec.name} ({rec.address})"
     if res["locked"] != bool(args.lock):
         raise CliError(
             f"GPU {res['gpu']} of {where}: {res['detail']}", "not_locked" if args.lock else "not_reset"

@@ -287,7 +287,7 @@ def test_agent_starts_at_login_when_ticked(
     assert not page.autostart.isChecked() and not entry.exists()
     page.autostart.click()
     assert page.autostart.isChecked() and entry.exists()
-    assert f"fake_node.py serve --host 0.0.0.0\n" in entry.read_text()
+    assert "fake_node.py serve --host 0.0.0.0\n" in entry.read_text()
     assert page.autostart_status.text() == f"Entry: {entry}."
     page.autostart.click()
     assert not entry.exists() and not page.autostart.isChecked() and page.autostart_status.text() == ""

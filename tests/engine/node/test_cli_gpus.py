@@ -86,7 +86,10 @@ def test_locking_a_worker_pcs_clocks(
     pair_with(make_agent("no-admin", nvml=denied), main_keys()).client.close()
     rc, out = run(capsys, "clocks", "no-admin", "--gpu", "1", "--lock")
     assert rc == 1 and out["ok"] is False and out["code"] == "not_locked"
-    assert out["error"].startswith("GPU 1 of no-admin: NOT locked: no permission to change clocks")
+    assert (
+        out["error"].startswith("GPU 1 of no-admin (127.0.0.1:")
+        and "): NOT locked: no permission" in out["error"]
+    )
     assert "administrator" in out["error"] and "`nvidia-smi -i 1 -lgc 1524,1905`" in out["error"]
 
     allowed = two_cards()
