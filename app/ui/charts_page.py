@@ -130,6 +130,10 @@ class GpuRow(QGroupBox):
             "administrator / root rights there"
         )
         self.lock_button.hide()
+        self.locked = False
+        """Locked through this button (then it offers to reset them)."""
+        self.asking_lock = True
+        self.flagged = False
         self.lock_result = QLabel("")
         self.lock_result.setWordWrap(True)
         self.lock_result.hide()
@@ -169,20 +173,28 @@ class GpuRow(QGroupBox):
     def set_flag(self, flag: ClockFlag | None) -> None:
         self.flag.setVisible(flag is not None)
         self.flag.setText(flag.text if flag else "")
-        self.lock_button.setVisible(flag is not None)
+        self.flagged = flag is not None
+        self._show_button()
+
+    def _show_button(self) -> None:
+        self.lock_button.setText("Reset clocks" if self.locked else "Lock clocks")
+        self.lock_button.setVisible(self.flagged or self.locked)
 
     def set_lock_result(self, ok: bool | None, text: str) -> None:
-        """None: asking; True: done (the agent's words); False: refused, with what to do."""
+        """None: asking; True: done as asked (the agent's words); False: refused, with what to do."""
         self.lock_result.setVisible(bool(text))
         color = {None: "#555", True: "#2a7a3a", False: "#b00020"}[ok]
         self.lock_result.setStyleSheet(f"color: {color};")
         self.lock_result.setText(text)
         self.lock_button.setEnabled(ok is not None)
+        if ok:
+            self.locked = self.asking_lock
+        self._show_button()
 
 
 class ChartsPage(QWidget):
-    lockRequested = Signal(object)
-    """The GpuSample (its newest) of a flagged card whose "Lock clocks" was pressed."""
+    lockRequested = Signal(object, bool)
+    """(the newest GpuSample of the card, lock (True) or reset (False)): its "Lock clocks" / "Reset clocks"."""
 
     def __init__(self, charts: ChartsController, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -291,8 +303,9 @@ class ChartsPage(QWidget):
         row = self.gpu_rows.get(key)
         if not samples or row is None:
             return
-        row.set_lock_result(None, "Asking its PC to lock the clocks…")
-        self.lockRequested.emit(samples[-1])
+        row.asking_lock = not row.locked
+        row.set_lock_result(None, f"Asking its PC to {'lock' if row.asking_lock else 'reset'} the clocks…")
+        self.lockRequested.emit(samples[-1], row.asking_lock)
 
     def on_lock_done(self, key: str, ok: bool, text: str) -> None:
         row = self.gpu_rows.get(key)

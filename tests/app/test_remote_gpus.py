@@ -161,8 +161,8 @@ def test_flagged_card_offers_lock_and_shows_the_answer(qtbot: QtBot) -> None:
     page = ChartsPage(charts)
     qtbot.addWidget(page)
     page.show()
-    asked: list[GpuSample] = []
-    page.lockRequested.connect(asked.append)
+    asked: list[tuple[str, bool]] = []
+    page.lockRequested.connect(lambda sample, lock: asked.append((sample.key, lock)))
     for i in range(60):  # decoding at 20 steps/s while pc-b's card keeps dropping to P8
         clock.t += 0.05
         charts.on_event({"type": "step", "stage": 0, "ms": 12.0})
@@ -177,10 +177,21 @@ def test_flagged_card_offers_lock_and_shows_the_answer(qtbot: QtBot) -> None:
     assert "pc-b:0" in charts.flags
     assert not row.flag.isHidden() and not row.lock_button.isHidden() and row.lock_button.isEnabled()
     row.lock_button.click()
-    assert [s.key for s in asked] == ["pc-b:0"] and not row.lock_button.isEnabled()
+    assert asked == [("pc-b:0", True)] and not row.lock_button.isEnabled()
     assert row.lock_result.text() == "Asking its PC to lock the clocks…"
     page.on_lock_done("pc-b:0", False, "GPU 0 of pc-b: NOT locked: no permission to change clocks; run ...")
     assert row.lock_result.text().startswith("GPU 0 of pc-b: NOT locked") and row.lock_button.isEnabled()
+    assert row.lock_button.text() == "Lock clocks"
+    row.lock_button.click()  # the agent runs as root now
+    page.on_lock_done("pc-b:0", True, "locked: SM 1524-1905 MHz, memory 7001 MHz")
+    assert row.lock_result.text() == "Locked: SM 1524-1905 MHz, memory 7001 MHz"
+    assert row.lock_button.text() == "Reset clocks"
+    row.set_flag(None)  # steady now: the button stays, to give the clocks back
+    assert not row.lock_button.isHidden()
+    row.lock_button.click()
+    assert asked[-1] == ("pc-b:0", False) and row.lock_result.text() == "Asking its PC to reset the clocks…"
+    page.on_lock_done("pc-b:0", True, "reset: the driver manages the clocks again")
+    assert row.lock_button.isHidden() and row.lock_button.text() == "Lock clocks"
     page.on_remote_problems({"pc-c": "no GPU samples from 10.0.0.9:7460: timed out"})
     assert not page.remote_note.isHidden() and page.remote_note.text() == (
         "pc-c: no GPU samples from 10.0.0.9:7460: timed out"
