@@ -15,6 +15,7 @@ from app.controllers.conversations import ConversationStore
 from app.controllers.engine import EngineController, EngineState
 from app.controllers.gpu_sampler import GpuSampler
 from app.controllers.nodes import NodesController
+from app.controllers.remote_gpus import RemoteGpus
 from app.controllers.wizard import WizardController
 from app.settings import AppSettings, SettingsError, load_settings, save_settings
 from app.ui.chat_window import ChatWindow
@@ -53,6 +54,7 @@ class StrataApp(QObject):
         self.sampler = GpuSampler(nvml=nvml)
         self.node_client = NodeClient(node_command)
         self.nodes = NodesController(self.node_client, probe_fn)
+        self.remote_gpus = RemoteGpus(self.node_client)
         self.chat = ChatController(
             self.client, ConversationStore(), settings.system_prompt, settings.sampling
         )
@@ -70,6 +72,12 @@ class StrataApp(QObject):
         self.engine.stateChanged.connect(self._on_state)
         self.sampler.sampled.connect(self.charts.on_gpu_samples)
         self.sampler.unavailable.connect(self.charts.on_gpu_unavailable)
+        self.node_client.agentsChanged.connect(self.remote_gpus.watch)
+        self.remote_gpus.sampled.connect(self.charts.on_gpu_samples)
+        charts_page = self.window.charts_page
+        self.remote_gpus.problemsChanged.connect(charts_page.on_remote_problems)
+        self.remote_gpus.clocksDone.connect(charts_page.on_lock_done)
+        charts_page.lockRequested.connect(self.remote_gpus.set_clocks)
         self.window.chatRequested.connect(self.open_chat)
         self.window.quitRequested.connect(self.quit)
         self.window.hiddenToTray.connect(self._on_hidden)
@@ -146,10 +154,11 @@ class StrataApp(QObject):
         self.exit_app()
 
     def shutdown(self) -> None:
-        """Stop everything this app started (engine, sampler thread, node agent); safe to call twice."""
+        """Stop everything this app started (engine, sampler thread, GPU streams, node agent); safe to call twice."""
         self._quitting = True
         self.engine.shutdown()
         self.sampler.stop()
+        self.remote_gpus.stop()
         self.node_client.shutdown()
         if self.chat_window is not None:
             self.chat_window.close()

@@ -6,7 +6,8 @@
 
 The issue's bar: two stages on one H200 cost <= 3% decode and <= 5% prompt 4096. The split is measured with the
 pinned-host hand-off (the path two cards use) and with a direct hand-off (no copy: what is left is the stage
-boundary itself). Ratios are split / unsplit from the best of each arm's rounds."""
+boundary itself), and once more with the host hand-off but without the stage clock (`host-noclock`: what measuring
+each stage's compute, waiting and transfer costs). Ratios are split / unsplit from the best of each arm's rounds."""
 
 import argparse
 import json
@@ -77,13 +78,14 @@ def main() -> None:
     load_s = time.perf_counter() - t0
 
     arms: dict[str, dict[str, list[float]]] = {
-        k: {"decode": [], "prompt": []} for k in ("unsplit", "host", "direct")
+        k: {"decode": [], "prompt": []} for k in ("unsplit", "host", "direct", "host-noclock")
     }
     for _ in range(a.rounds):
         for name in arms:
             model = base
             if name != "unsplit":
-                sm.handoffs[0] = host if name == "host" else direct
+                sm.handoffs[0] = direct if name == "direct" else host
+                sm.measure = name != "host-noclock"
                 model = sm
             arms[name]["decode"].append(decode_tok_s(model, a.decode))
             arms[name]["prompt"].append(prompt_tok_s(model, a.prompt, a.chunk))
@@ -98,6 +100,7 @@ def main() -> None:
         "best_tok_s": best,
         "ratio_split_host": {m: best["host"][m] / best["unsplit"][m] for m in ("decode", "prompt")},
         "ratio_split_direct": {m: best["direct"][m] / best["unsplit"][m] for m in ("decode", "prompt")},
+        "ratio_stage_clock": {m: best["host"][m] / best["host-noclock"][m] for m in ("decode", "prompt")},
         "bar": {"decode": 0.97, "prompt": 0.95},
         "prompt_tokens": a.prompt,
         "prompt_chunk": a.chunk,

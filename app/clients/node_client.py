@@ -3,7 +3,9 @@ control channel is authenticated and encrypted) as QProcesses and reads their `-
 
 - this PC: `strata-node serve --json` (its JSON lines carry the address, key fingerprint and pairing code);
 - worker PCs: `status --json` (paired PCs, their GPUs, or the exact address that fails) and `discover --json`
-  (agents advertised on the LAN by mDNS, a hint only), `pair`, `include`, `exclude`.
+  (agents advertised on the LAN by mDNS, a hint only), `pair`, `include`, `exclude`;
+- GPUs: `samples NODE --follow --json` (a worker PC's clocks, a JSON line per batch the agent samples) and
+  `clocks` (lock or reset a card's clocks, a worker PC's or, with `--here`, this PC's).
 
 What the installed agent can do is asked from it (`strata-node serve --help`), never assumed.
 """
@@ -98,6 +100,14 @@ def agents_from(status: dict, discovered: dict) -> list[AgentInfo]:
     return out
 
 
+@dataclass
+class _Stream:
+    on_line: Callable[[dict], None]
+    on_end: Callable[[str], None]
+    failure: str = ""
+    buffer: bytearray = field(default_factory=bytearray)
+
+
 class NodeClient(QObject):
     serveSupport = Signal(bool, str)
     """Whether `strata-node serve` exists in this build, and the one-line reason when it does not."""
@@ -122,6 +132,7 @@ class NodeClient(QObject):
         self._probe: QProcess | None = None
         self._agent: QProcess | None = None
         self._calls: dict[QProcess, tuple[Callable[[dict], None], Callable[[str], None]]] = {}
+        self._streams: dict[QProcess, _Stream] = {}
         self._refresh: dict[str, dict] = {}
         self.refreshing = False
 
@@ -279,17 +290,22 @@ class NodeClient(QObject):
         else:
             on_failed(err.splitlines()[-1] if err else f"strata-node ended with exit code {code}")
 
-    def _on_call_error(self, err: QProcess.ProcessError) -> None:
+    def _not_started(self, err: QProcess.ProcessError, table: dict) -> QProcess | None:
+        """The sender, when it is one of `table`'s processes that could not be started (removed from `table`)."""
         proc = self.sender()
-        if (
-            err != QProcess.ProcessError.FailedToStart
-            or not isinstance(proc, QProcess)
-            or proc not in self._calls
-        ):
-            return
-        _, on_failed = self._calls.pop(proc)
+        if err != QProcess.ProcessError.FailedToStart or not isinstance(proc, QProcess) or proc not in table:
+            return None
         proc.deleteLater()
-        on_failed(f"the node agent ({' '.join(self.command()[:1])}) cannot be started: {proc.errorString()}")
+        return proc
+
+    def _cannot_start(self, proc: QProcess) -> str:
+        return f"the node agent ({' '.join(self.command()[:1])}) cannot be started: {proc.errorString()}"
+
+    def _on_call_error(self, err: QProcess.ProcessError) -> None:
+        proc = self._not_started(err, self._calls)
+        if proc is not None:
+            _, on_failed = self._calls.pop(proc)
+            on_failed(self._cannot_start(proc))
 
     def refresh_agents(self, discover_s: float = 2.0) -> None:
         """Paired PCs with their health, and agents advertised on the LAN; `agentsChanged` when both answered."""
@@ -330,7 +346,81 @@ class NodeClient(QObject):
             self.commandFailed.emit,
         )
 
+    # -- long-running commands (a JSON line each time something happens) -------------------------------------
+
+    def stream_json(
+        self, args: list[str], on_line: Callable[[dict], None], on_end: Callable[[str], None]
+    ) -> QProcess:
+        """`strata-node ARGS --json` left running: each JSON line to `on_line`, and once it ends, why to `on_end`
+        (the agent's error message, or its exit code). `stop_stream` ends it without calling `on_end`."""
+        cmd = self.command()
+        proc = QProcess(self)
+        proc.readyReadStandardOutput.connect(self._read_stream)
+        proc.finished.connect(self._on_stream_finished)
+        proc.errorOccurred.connect(self._on_stream_error)
+        self._streams[proc] = _Stream(on_line, on_end)
+        proc.start(cmd[0], [*cmd[1:], *args, "--json"])
+        return proc
+
+    def stop_stream(self, proc: QProcess) -> None:
+        if self._streams.pop(proc, None) is None:
+            return
+        proc.kill()
+        proc.waitForFinished(1000)
+        proc.deleteLater()
+
+    def _read_stream(self) -> None:
+        proc = self.sender()
+        st = self._streams.get(proc) if isinstance(proc, QProcess) else None
+        if st is None or not isinstance(proc, QProcess):
+            return
+        st.buffer += bytes(proc.readAllStandardOutput().data())
+        *lines, rest = st.buffer.split(b"\n")  # a batch can arrive in several reads: whole lines only
+        st.buffer = bytearray(rest)
+        for raw in lines:
+            data = _json_line(raw.decode("utf-8", "replace"))
+            if data is None:
+                continue
+            if data.get("ok", True):
+                st.on_line(data)
+            elif data.get("error"):
+                st.failure = str(data["error"])
+
+    def _on_stream_finished(self, code: int, _status: QProcess.ExitStatus) -> None:
+        proc = self.sender()
+        if not isinstance(proc, QProcess) or proc not in self._streams:
+            return
+        self._read_stream()
+        st = self._streams.pop(proc)
+        err = bytes(proc.readAllStandardError().data()).decode("utf-8", "replace").strip()
+        proc.deleteLater()
+        st.on_end(st.failure or (err.splitlines()[-1] if err else f"strata-node ended with exit code {code}"))
+
+    def _on_stream_error(self, err: QProcess.ProcessError) -> None:
+        proc = self._not_started(err, self._streams)
+        if proc is not None:
+            self._streams.pop(proc).on_end(self._cannot_start(proc))
+
+    # -- GPU clocks --------------------------------------------------------------------------------------------
+
+    def set_clocks(
+        self,
+        node: str | None,
+        gpu: int,
+        lock: bool,
+        on_done: Callable[[dict], None],
+        on_failed: Callable[[str], None],
+    ) -> None:
+        """Lock (or reset) a GPU's clocks: a worker PC's through its agent, or this PC's (`node` None) through NVML
+        in a `strata-node clocks --here` process. Without administrator / root rights the failure says what to do."""
+        where = ["--here"] if node is None else [node]
+        self.run_json(
+            ["clocks", *where, "--gpu", str(gpu), "--lock" if lock else "--reset"], on_done, on_failed
+        )
+
     def shutdown(self) -> None:
+        for proc in list(self._streams):
+            self.stop_stream(proc)
         self.stop_local_agent()
         for proc in list(self._calls):
             proc.kill()

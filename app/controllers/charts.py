@@ -1,7 +1,9 @@
-"""`ChartsController`: the time series behind the live charts, fed by the engine's /events and the GPU sampler.
+"""`ChartsController`: the time series behind the live charts, fed by the engine's /events and the GPU samplers.
 
-Per stage: the time of each decode step and of each prompt chunk. Speed: tokens/s of each finished request and a
-live decode rate. Per GPU: SM and memory clock, P-state, clock-event reasons, utilisation, VRAM.
+Per stage: the time of each decode step and of each prompt chunk, split into compute, waiting and transfer where
+the engine reports them (every stage of a split; a single stage is all compute). Speed: tokens/s of each finished
+request and live decode and prompt rates. Per GPU, this PC's and the worker PCs': SM and memory clock, P-state,
+clock-event reasons, utilisation, VRAM.
 
 It also flags a card that drops its clocks between steps (seed 000: Windows put an idle worker card into P5 between
 decode windows, and each window then waited for it): while the engine is decoding, a card that serves a stage and is
@@ -30,6 +32,82 @@ FLAG_MIN_SAMPLES = 3
 FLAG_MIN_FRACTION = 0.10
 IN_USE_UTIL = 10
 MAX_POINTS = 4000
+GAP_S = 1.0
+"""Steps further apart than this are separate stretches of decoding: the stacked chart drops to zero between them."""
+
+
+@dataclass(frozen=True)
+class StagePoint:
+    """One decode step or prompt chunk of one stage: its time split into compute, waiting and transfer (ms)."""
+
+    t: float
+    compute: float
+    wait: float = 0.0
+    transfer: float = 0.0
+    tokens: int = 1
+
+    @property
+    def ms(self) -> float:
+        return self.compute + self.wait + self.transfer
+
+
+def _num(v: object) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def stage_point(ev: dict, t: float, tokens: int = 1) -> StagePoint | None:
+    """A step or prompt-chunk event as a StagePoint; None without a time. Without a split (`compute_ms` and the
+    others absent) the whole time is compute."""
+    compute = _num(ev.get("compute_ms"))
+    if compute is None:
+        ms = _num(ev.get("ms"))
+        return None if ms is None else StagePoint(t, ms, 0.0, 0.0, tokens)
+    wait, transfer = _num(ev.get("wait_ms")) or 0.0, _num(ev.get("transfer_ms")) or 0.0
+    return StagePoint(t, compute, wait, transfer, tokens)
+
+
+def stage_label(ev: dict) -> str:
+    """`layers 0-23 on cuda:0`, or `layers 24-47 at 192.168.1.20:7470` for a worker; empty when not said."""
+    layers = ev.get("layers")
+    if not layers:
+        return ""
+    if ev.get("host"):
+        return f"layers {layers} at {ev['host']}"
+    return f"layers {layers} on {ev['device']}" if ev.get("device") else f"layers {layers}"
+
+
+def stacked(
+    points: list[StagePoint], now: float, gap_s: float = GAP_S
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Points -> (x = seconds before now, compute, compute + waiting, compute + waiting + transfer): the three
+    boundaries of a stacked area chart. Between stretches further apart than `gap_s`, and before the first and
+    after a last point older than `gap_s`, the area drops to zero instead of bridging the idle time."""
+    x: list[float] = []
+    c: list[float] = []
+    cw: list[float] = []
+    total: list[float] = []
+
+    def zero(at: float) -> None:
+        x.append(at - now)
+        c.append(0.0)
+        cw.append(0.0)
+        total.append(0.0)
+
+    edge = min(gap_s / 4, 0.05)
+    prev: float | None = None
+    for p in points:
+        if prev is None or p.t - prev > gap_s:
+            if prev is not None:
+                zero(prev + edge)
+            zero(p.t - edge)
+        x.append(p.t - now)
+        c.append(p.compute)
+        cw.append(p.compute + p.wait)
+        total.append(p.ms)
+        prev = p.t
+    if prev is not None and now - prev > gap_s:
+        zero(prev + edge)
+    return x, c, cw, total
 
 
 @dataclass(frozen=True)
@@ -46,7 +124,8 @@ class ClockFlag:
         share = self.dropped / max(self.busy, 1)
         return (
             f"{self.label} drops its clocks between steps ({share:.0%} of its samples while decoding, down to "
-            f"{self.worst}); lock its clocks: nvidia-smi -lgc <min>,<max> -lmc <mem>,<mem> as administrator"
+            f"{self.worst}). Lock clocks asks its PC to hold them (administrator / root rights needed there), or "
+            "lock them yourself: nvidia-smi -lgc <min>,<max> -lmc <mem>,<mem> as administrator"
         )
 
 
@@ -70,8 +149,10 @@ class ChartsController(QObject):
         super().__init__(parent)
         self.clock = clock
         self.t0 = clock()
-        self.steps: dict[int, deque[tuple[float, float]]] = {}
-        self.chunks: dict[int, deque[tuple[float, float, int]]] = {}
+        self.steps: dict[int, deque[StagePoint]] = {}
+        self.chunks: dict[int, deque[StagePoint]] = {}
+        """Per stage; a chunk's `tokens` is its prompt tokens, a step's the tokens it decided (drafts kept + 1)."""
+        self.stage_labels: dict[int, str] = {}
         self.requests: deque[tuple[float, float, float]] = deque(maxlen=MAX_POINTS)
         """(t, prompt tokens/s, decode tokens/s) of each finished request."""
         self.gpus: dict[str, deque[GpuSample]] = {}
@@ -90,12 +171,17 @@ class ChartsController(QObject):
         kind = ev.get("type")
         stage = int(ev.get("stage", 0) or 0)
         self.events_seen += 1
-        if kind == "step" and isinstance(ev.get("ms"), int | float):
-            self.steps.setdefault(stage, deque(maxlen=MAX_POINTS)).append((now, float(ev["ms"])))
-            self._last_step = now
-        elif kind == "prompt_chunk" and isinstance(ev.get("ms"), int | float):
-            tokens = int(ev.get("tokens", 0) or 0)
-            self.chunks.setdefault(stage, deque(maxlen=MAX_POINTS)).append((now, float(ev["ms"]), tokens))
+        if kind in ("step", "prompt_chunk") and stage_label(ev):
+            self.stage_labels[stage] = stage_label(ev)
+        if kind == "step":
+            p = stage_point(ev, now, int(_num(ev.get("tokens")) or 1))
+            if p is not None:
+                self.steps.setdefault(stage, deque(maxlen=MAX_POINTS)).append(p)
+                self._last_step = now
+        elif kind == "prompt_chunk":
+            p = stage_point(ev, now, int(_num(ev.get("tokens")) or 0))
+            if p is not None:
+                self.chunks.setdefault(stage, deque(maxlen=MAX_POINTS)).append(p)
         elif kind == "request":
             timings = ev.get("timings") if isinstance(ev.get("timings"), dict) else ev
             prompt = float(timings.get("prompt_per_second") or 0.0)
@@ -121,6 +207,7 @@ class ChartsController(QObject):
     def clear(self) -> None:
         self.steps.clear()
         self.chunks.clear()
+        self.stage_labels.clear()
         self.requests.clear()
         self._clock_log.clear()
         self._last_step = float("-inf")
@@ -134,13 +221,13 @@ class ChartsController(QObject):
         return (self.clock() if at is None else at) - self._last_step <= BUSY_GAP_S
 
     def decode_rate(self, window_s: float = 2.0) -> float:
-        """Steps per second of the last stage over the last `window_s` (one token per step without drafts)."""
+        """Tokens per second decided by the last stage's steps over the last `window_s` (one per step without
+        drafts; a step that kept k drafts decided k + 1)."""
         if not self.steps:
             return 0.0
         last = self.steps[max(self.steps)]
         cut = self.clock() - window_s
-        n = sum(1 for t, _ in reversed(last) if t > cut)
-        return n / window_s
+        return sum(p.tokens for p in last if p.t > cut) / window_s
 
     def prompt_rate(self, window_s: float = 2.0) -> float:
         """Prompt tokens per second through the first stage over the last `window_s`."""
@@ -148,7 +235,27 @@ class ChartsController(QObject):
             return 0.0
         first = self.chunks[min(self.chunks)]
         cut = self.clock() - window_s
-        return sum(tok for t, _, tok in first if t > cut) / window_s
+        return sum(p.tokens for p in first if p.t > cut) / window_s
+
+    def recent_split(self, stage: int, seconds: float = 5.0) -> StagePoint | None:
+        """The median compute, waiting and transfer of a stage's steps over the last `seconds` (None: no steps)."""
+        cut = self.clock() - seconds
+        pts = [p for p in self.steps.get(stage, ()) if p.t >= cut]
+        if not pts:
+            return None
+
+        def median(xs: list[float]) -> float:
+            xs = sorted(xs)
+            n = len(xs)
+            return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+        return StagePoint(
+            pts[-1].t,
+            median([p.compute for p in pts]),
+            median([p.wait for p in pts]),
+            median([p.transfer for p in pts]),
+            len(pts),
+        )
 
     def _track_clocks(self, s: GpuSample) -> bool:
         """Update this card's flag from its last 30 s of samples; True when the flag changed."""

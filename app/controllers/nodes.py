@@ -1,4 +1,5 @@
-"""`NodesController`: the worker PCs page's state: this PC's cards, the node agent here, the worker PCs found."""
+"""`NodesController`: the worker PCs page's state: this PC's cards, the node agent here (and whether it starts at
+log-in), the worker PCs found."""
 
 import platform
 from collections.abc import Callable
@@ -8,6 +9,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.clients.node_client import AgentInfo, NodeClient
 from app.controllers.background import run_in_thread
+from installer.autostart import Autostart, for_this_os
 from installer.gpus import ProbeResult, probe
 from installer.rules import assess, assess_others
 
@@ -33,11 +35,14 @@ class NodesController(QObject):
         self,
         client: NodeClient,
         probe_fn: Callable[[], ProbeResult] = probe,
+        autostart: Autostart | None = None,
         parent: QObject | None = None,
     ) -> None:
         super().__init__(parent)
         self.client = client
         self._probe_fn = probe_fn
+        self.autostart = autostart if autostart is not None else for_this_os()
+        self.autostart_problem = ""
         self.host_name = platform.node() or "this PC"
         self.cards: list[CardLine] = []
         self.cards_message = "Looking for GPUs…"
@@ -95,6 +100,44 @@ class NodesController(QObject):
 
     def stop_this_pc(self) -> None:
         self.client.stop_local_agent()
+
+    # -- start the agent at log-in ----------------------------------------------------------------------------
+
+    AGENT_ARGS = ("serve", "--host", "0.0.0.0")
+    """What "add this PC as worker" runs: the agent on the LAN (it admits only its paired main PC)."""
+
+    @property
+    def autostart_on(self) -> bool:
+        return self.autostart is not None and self.autostart.enabled()
+
+    def autostart_text(self) -> str:
+        """Where the log-in entry is, or why there is none."""
+        if self.autostart is None:
+            return "starting the agent at log-in is not supported on this system"
+        note = self.autostart.note()
+        text = f"entry: {self.autostart.where()}" if self.autostart_on else ""
+        return "; ".join(t for t in (text, note) if t)
+
+    def set_autostart(self, on: bool) -> bool:
+        """Write or remove the log-in entry for `strata-node serve`; False (and `autostart_problem` says why) when
+        the system refused."""
+        self.autostart_problem = ""
+        if self.autostart is None:
+            self.autostart_problem = "starting the agent at log-in is not supported on this system"
+        else:
+            try:
+                if on:
+                    self.autostart.enable([*self.client.command(), *self.AGENT_ARGS])
+                else:
+                    self.autostart.disable()
+            except OSError as e:
+                what = "written" if on else "removed"
+                self.autostart_problem = (
+                    f"the log-in entry {self.autostart.where()} could not be {what} ({e}): check that folder's "
+                    "permissions"
+                )
+        self.changed.emit()
+        return not self.autostart_problem
 
     def _on_probe(self, result: object) -> None:
         if isinstance(result, ProbeResult):

@@ -1,25 +1,41 @@
-"""The main window's Charts tab (pyqtgraph): per-stage step and prompt-chunk times, tokens/s, per-GPU clock state."""
+"""The main window's Charts tab (pyqtgraph): per stage, each decode step's and prompt chunk's time stacked as
+compute, waiting and transfer; tokens/s; per GPU (this PC's and the worker PCs') its clock state, with a flag and a
+"Lock clocks" button for a card that drops its clocks between steps."""
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QTimer
-from PySide6.QtWidgets import QGridLayout, QGroupBox, QLabel, QScrollArea, QVBoxLayout, QWidget
+from PySide6.QtCore import QTimer, Signal
+from PySide6.QtWidgets import (
+    QGridLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QScrollArea,
+    QVBoxLayout,
+    QWidget,
+)
 
-from app.controllers.charts import WINDOW_S, ChartsController, ClockFlag
+from app.controllers.charts import WINDOW_S, ChartsController, ClockFlag, StagePoint, stacked
 from app.controllers.gpu_sampler import GpuSample
 
-STAGE_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 REFRESH_MS = 250
 GIB = 1024**3
+CHUNK_BARS = 32
+"""Prompt chunks shown per stage (the newest)."""
+# compute, waiting, transfer
+PART_COLORS = ("#1f77b4", "#ffbb78", "#9467bd")
+PART_NAMES = ("compute", "waiting", "transfer")
 
 
-def _plot(title: str, y_label: str, height: int = 200) -> pg.PlotWidget:
+def _plot(title: str, y_label: str, height: int = 200, x_label: str = "seconds ago") -> pg.PlotWidget:
     w = pg.PlotWidget(background="w")
     w.setTitle(title, color="#333", size="10pt")
     w.setLabel("left", y_label)
-    w.setLabel("bottom", "seconds ago")
+    w.setLabel("bottom", x_label)
     w.showGrid(x=True, y=True, alpha=0.25)
-    w.setXRange(-WINDOW_S, 0, padding=0)
+    if x_label == "seconds ago":
+        w.setXRange(-WINDOW_S, 0, padding=0)
     w.setMouseEnabled(x=False, y=False)
     w.setMenuEnabled(False)
     w.hideButtons()
@@ -27,11 +43,75 @@ def _plot(title: str, y_label: str, height: int = 200) -> pg.PlotWidget:
     legend = w.addLegend(
         offset=(8, 4), labelTextSize="8pt", labelTextColor="#333", brush=(255, 255, 255, 200)
     )
-    legend.setColumnCount(2)
+    legend.setColumnCount(3)
     for axis in ("left", "bottom"):
         w.getAxis(axis).setTextPen("#444")
         w.getAxis(axis).setPen("#888")
     return w
+
+
+def _headroom(plot: pg.PlotWidget, top: float) -> None:
+    """Room above the highest value for the legend, which sits at the top left."""
+    plot.setYRange(0.0, top * 1.7 if top > 0 else 1.0, padding=0)
+
+
+def split_text(p: StagePoint | None) -> str:
+    if p is None:
+        return "no decode steps in the last 5 s"
+    return (
+        f"per step (median of the last 5 s): compute {p.compute:.2f} ms · waiting {p.wait:.2f} ms · "
+        f"transfer {p.transfer:.2f} ms"
+    )
+
+
+class StageRow(QGroupBox):
+    """One stage: its decode steps as a stacked area over time, its last prompt chunks as stacked bars."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__(f"Stage {stage}")
+        self.stage = stage
+        self.text = QLabel("–")
+        self.steps = _plot("Decode step time", "ms", 180)
+        # Painted back to front: the total (its top band is transfer), then compute + waiting, then compute.
+        self.areas = [
+            self.steps.plot(pen=pg.mkPen(color, width=1), fillLevel=0.0, brush=color, name=name)
+            for color, name in reversed(list(zip(PART_COLORS, PART_NAMES, strict=True)))
+        ]
+        self.chunks = _plot(
+            f"Prompt chunk time (last {CHUNK_BARS})", "ms", 180, x_label="prompt chunks, newest right"
+        )
+        self.bars = [
+            pg.BarGraphItem(x=[], height=[], y0=[], width=0.8, brush=color, pen=pg.mkPen(color), name=name)
+            for color, name in zip(PART_COLORS, PART_NAMES, strict=True)
+        ]
+        for b in self.bars:
+            self.chunks.addItem(b)
+        grid = QGridLayout(self)
+        grid.addWidget(self.text, 0, 0, 1, 2)
+        grid.addWidget(self.steps, 1, 0)
+        grid.addWidget(self.chunks, 1, 1)
+
+    def update_from(self, c: ChartsController, now: float) -> None:
+        label = c.stage_labels.get(self.stage)
+        self.setTitle(f"Stage {self.stage}" + (f" · {label}" if label else ""))
+        cut = now - WINDOW_S
+        steps = [p for p in c.steps.get(self.stage, ()) if p.t >= cut]
+        x, comp, cw, total = stacked(steps, now)
+        for item, y in zip(self.areas, (total, cw, comp), strict=True):
+            item.setData(x, y)
+        _headroom(self.steps, max(total, default=0.0))
+        chunks = list(c.chunks.get(self.stage, ()))[-CHUNK_BARS:]
+        xs = np.arange(1, len(chunks) + 1, dtype=float)
+        comp_c = np.array([p.compute for p in chunks], float)
+        wait_c = np.array([p.wait for p in chunks], float)
+        tran_c = np.array([p.transfer for p in chunks], float)
+        for bar, height, y0 in zip(
+            self.bars, (comp_c, wait_c, tran_c), (np.zeros(len(chunks)), comp_c, comp_c + wait_c), strict=True
+        ):
+            bar.setOpts(x=xs, height=height, y0=y0, width=0.8)
+        self.chunks.setXRange(0.4, CHUNK_BARS + 0.6, padding=0)
+        _headroom(self.chunks, float((comp_c + wait_c + tran_c).max(initial=0.0)))
+        self.text.setText(split_text(c.recent_split(self.stage)))
 
 
 class GpuRow(QGroupBox):
@@ -44,6 +124,22 @@ class GpuRow(QGroupBox):
         self.flag.setWordWrap(True)
         self.flag.setStyleSheet("color: #b00020; font-weight: bold;")
         self.flag.hide()
+        self.lock_button = QPushButton("Lock clocks")
+        self.lock_button.setToolTip(
+            "Ask this card's PC to hold its clocks (through its node agent; this PC's through NVML); it needs "
+            "administrator / root rights there"
+        )
+        self.lock_button.hide()
+        self.locked = False
+        """Locked through this button (then it offers to reset them)."""
+        self.asking_lock = True
+        self.flagged = False
+        self.lock_result = QLabel("")
+        self.lock_result.setWordWrap(True)
+        self.lock_result.hide()
+        flag_row = QHBoxLayout()
+        flag_row.addWidget(self.flag, 1)
+        flag_row.addWidget(self.lock_button)
         self.clocks = _plot("Clocks", "MHz", 160)
         self.sm = self.clocks.plot(pen=pg.mkPen("#1f77b4", width=2), name="SM")
         self.mem = self.clocks.plot(pen=pg.mkPen("#ff7f0e", width=2), name="memory")
@@ -53,9 +149,10 @@ class GpuRow(QGroupBox):
         self.vram = self.load.plot(pen=pg.mkPen("#9467bd", width=2), name="VRAM used")
         grid = QGridLayout(self)
         grid.addWidget(self.state, 0, 0, 1, 2)
-        grid.addWidget(self.flag, 1, 0, 1, 2)
-        grid.addWidget(self.clocks, 2, 0)
-        grid.addWidget(self.load, 2, 1)
+        grid.addLayout(flag_row, 1, 0, 1, 2)
+        grid.addWidget(self.lock_result, 2, 0, 1, 2)
+        grid.addWidget(self.clocks, 3, 0)
+        grid.addWidget(self.load, 3, 1)
 
     def update_from(self, samples: list[GpuSample], now: float) -> None:
         if not samples:
@@ -76,22 +173,38 @@ class GpuRow(QGroupBox):
     def set_flag(self, flag: ClockFlag | None) -> None:
         self.flag.setVisible(flag is not None)
         self.flag.setText(flag.text if flag else "")
+        self.flagged = flag is not None
+        self._show_button()
+
+    def _show_button(self) -> None:
+        self.lock_button.setText("Reset clocks" if self.locked else "Lock clocks")
+        self.lock_button.setVisible(self.flagged or self.locked)
+
+    def set_lock_result(self, ok: bool | None, text: str) -> None:
+        """None: asking; True: done as asked (the agent's words); False: refused, with what to do."""
+        self.lock_result.setVisible(bool(text))
+        color = {None: "#555", True: "#2a7a3a", False: "#b00020"}[ok]
+        self.lock_result.setStyleSheet(f"color: {color};")
+        self.lock_result.setText(text)
+        self.lock_button.setEnabled(ok is not None)
+        if ok:
+            self.locked = self.asking_lock
+        self._show_button()
 
 
 class ChartsPage(QWidget):
+    lockRequested = Signal(object, bool)
+    """(the newest GpuSample of the card, lock (True) or reset (False)): its "Lock clocks" / "Reset clocks"."""
+
     def __init__(self, charts: ChartsController, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.charts = charts
         pg.setConfigOptions(antialias=True)
         self.summary = QLabel("Waiting for the engine's events (start the engine and send a message).")
         self.summary.setWordWrap(True)
-        self.step_plot = _plot("Decode step time per stage", "ms")
-        self.chunk_plot = _plot("Prompt chunk time per stage", "ms")
         self.speed_plot = _plot("Decode tokens per second", "tok/s")
         self.prompt_plot = _plot("Prompt tokens per second", "tok/s")
-        self.step_curves: dict[int, pg.PlotDataItem] = {}
-        self.chunk_curves: dict[int, pg.PlotDataItem] = {}
-        self.decode_live = self.speed_plot.plot(pen=pg.mkPen("#2ca02c", width=1.5), name="live (steps/s)")
+        self.decode_live = self.speed_plot.plot(pen=pg.mkPen("#2ca02c", width=1.5), name="live")
         self.decode_curve = self.speed_plot.plot(
             pen=None, symbol="o", symbolSize=7, symbolBrush="#1b5e20", name="per answer"
         )
@@ -102,8 +215,13 @@ class ChartsPage(QWidget):
             pen=None, symbol="t", symbolSize=8, symbolBrush="#0d3c73", name="per answer"
         )
         self._live: list[tuple[float, float, float]] = []
+        self.stage_rows: dict[int, StageRow] = {}
         self.gpu_note = QLabel("Sampling the GPUs…")
         self.gpu_note.setWordWrap(True)
+        self.remote_note = QLabel("")
+        self.remote_note.setWordWrap(True)
+        self.remote_note.setStyleSheet("color: #8a5a00;")
+        self.remote_note.hide()
         self.gpu_rows: dict[str, GpuRow] = {}
 
         body = QWidget()
@@ -111,14 +229,15 @@ class ChartsPage(QWidget):
         engine_box = QGroupBox("Engine")
         eg = QGridLayout(engine_box)
         eg.addWidget(self.summary, 0, 0, 1, 2)
-        eg.addWidget(self.step_plot, 1, 0)
-        eg.addWidget(self.chunk_plot, 1, 1)
-        eg.addWidget(self.speed_plot, 2, 0)
-        eg.addWidget(self.prompt_plot, 2, 1)
+        eg.addWidget(self.speed_plot, 1, 0)
+        eg.addWidget(self.prompt_plot, 1, 1)
+        self.stages_layout = QVBoxLayout()
+        eg.addLayout(self.stages_layout, 2, 0, 1, 2)
         self.body_layout.addWidget(engine_box)
-        self.gpu_box = QGroupBox("GPUs (sampled every 100 ms)")
+        self.gpu_box = QGroupBox("GPUs of this PC and the worker PCs (sampled every 100 ms)")
         self.gpu_layout = QVBoxLayout(self.gpu_box)
         self.gpu_layout.addWidget(self.gpu_note)
+        self.gpu_layout.addWidget(self.remote_note)
         self.body_layout.addWidget(self.gpu_box)
         self.body_layout.addStretch(1)
         self.scroll = scroll = QScrollArea()
@@ -136,33 +255,20 @@ class ChartsPage(QWidget):
         self.timer.timeout.connect(self.redraw)
         self.timer.start(REFRESH_MS)
 
-    def _curve(self, plot: pg.PlotWidget, store: dict[int, pg.PlotDataItem], stage: int, points: bool):
-        if stage not in store:
-            color = STAGE_COLORS[stage % len(STAGE_COLORS)]
-            if points:
-                store[stage] = plot.plot(
-                    pen=None, symbol="o", symbolSize=6, symbolBrush=color, name=f"stage {stage}"
-                )
-            else:
-                store[stage] = plot.plot(pen=pg.mkPen(color, width=1.5), name=f"stage {stage}")
-        return store[stage]
-
     def redraw(self) -> None:
         if not self.isVisible():
             return
         c = self.charts
         now = c.clock()
         cut = now - WINDOW_S
-        for stage, series in sorted(c.steps.items()):
-            pts = [(t - now, ms) for t, ms in series if t >= cut]
-            self._curve(self.step_plot, self.step_curves, stage, False).setData(
-                [p[0] for p in pts], [p[1] for p in pts]
-            )
-        for stage, series in sorted(c.chunks.items()):
-            pts = [(t - now, ms) for t, ms, _ in series if t >= cut]
-            self._curve(self.chunk_plot, self.chunk_curves, stage, True).setData(
-                [p[0] for p in pts], [p[1] for p in pts]
-            )
+        for stage in sorted(set(c.steps) | set(c.chunks)):
+            row = self.stage_rows.get(stage)
+            if row is None:
+                row = self.stage_rows[stage] = StageRow(stage)
+                self.stages_layout.addWidget(row)
+            row.update_from(c, now)
+        for stage in [s for s in self.stage_rows if s not in c.steps and s not in c.chunks]:
+            self.stage_rows.pop(stage).deleteLater()  # the engine restarted with fewer stages
         if c.events_seen:
             self._live.append((now, c.decode_rate(), c.prompt_rate()))
         self._live = [x for x in self._live if x[0] >= cut]
@@ -172,27 +278,47 @@ class ChartsPage(QWidget):
         self.decode_curve.setData([r[0] for r in req], [r[2] for r in req])
         self.prompt_curve.setData([r[0] for r in req], [r[1] for r in req])
         if c.events_seen:
-            parts = [f"decode now: {c.decode_rate():.1f} steps/s", f"prompt now: {c.prompt_rate():.0f} tok/s"]
+            parts = [f"decode now: {c.decode_rate():.1f} tok/s", f"prompt now: {c.prompt_rate():.0f} tok/s"]
             if c.requests:
                 _, p, d = c.requests[-1]
                 parts.append(f"last answer: prompt {p:.0f} tok/s, decode {d:.1f} tok/s")
-            for stage, series in sorted(c.steps.items()):
-                recent = [ms for t, ms in series if t >= now - 5.0]
-                if recent:
-                    parts.append(f"stage {stage}: {np.median(recent):.1f} ms per step (median of 5 s)")
+            for stage in sorted(c.steps):
+                split = c.recent_split(stage)
+                if split is not None:
+                    parts.append(f"stage {stage}: {split.ms:.1f} ms per step (median of 5 s)")
             self.summary.setText(" · ".join(parts))
         for key, samples in c.gpus.items():
             row = self.gpu_rows.get(key)
             if row is None:
                 row = GpuRow(samples[-1].label)
+                row.lock_button.clicked.connect(lambda _=False, key=key: self._lock(key))
                 self.gpu_rows[key] = row
                 self.gpu_layout.addWidget(row)
                 row.set_flag(c.flags.get(key))
                 self.gpu_note.hide()
             row.update_from([s for s in samples if s.t >= cut], now)
 
+    def _lock(self, key: str) -> None:
+        samples = self.charts.gpus.get(key)
+        row = self.gpu_rows.get(key)
+        if not samples or row is None:
+            return
+        row.asking_lock = not row.locked
+        row.set_lock_result(None, f"Asking its PC to {'lock' if row.asking_lock else 'reset'} the clocks…")
+        self.lockRequested.emit(samples[-1], row.asking_lock)
+
+    def on_lock_done(self, key: str, ok: bool, text: str) -> None:
+        row = self.gpu_rows.get(key)
+        if row is not None:
+            row.set_lock_result(ok, (text[:1].upper() + text[1:]) if text else "")
+
+    def on_remote_problems(self, problems: dict) -> None:
+        lines = [f"{name}: {why}" for name, why in sorted(problems.items())]
+        self.remote_note.setText("\n".join(lines))
+        self.remote_note.setVisible(bool(lines))
+
     def _on_gpu_unavailable(self, reason: str) -> None:
-        self.gpu_note.setText(f"No GPU chart: {reason}.")
+        self.gpu_note.setText(f"No GPU chart for this PC: {reason}.")
         self.gpu_note.show()
 
     def _on_flags(self, flags: list) -> None:

@@ -6,6 +6,7 @@ import html
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import (
+    QCheckBox,
     QGroupBox,
     QHBoxLayout,
     QLabel,
@@ -60,8 +61,18 @@ class WorkersPage(QWidget):
         self.stop_button.clicked.connect(nodes.stop_this_pc)
         row.addWidget(self.add_button)
         row.addWidget(self.stop_button)
+        self.autostart = QCheckBox("Start the node agent when I log in")
+        self.autostart.setToolTip(
+            "Runs `strata-node serve` at log-in, listening on the LAN; it admits only the main PC it is paired with"
+        )
+        self.autostart.toggled.connect(self._on_autostart)
+        row.addWidget(self.autostart)
         row.addStretch(1)
         here_layout.addLayout(row)
+        self.autostart_status = QLabel("")
+        self.autostart_status.setWordWrap(True)
+        self.autostart_status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        here_layout.addWidget(self.autostart_status)
         self.agent_status = QLabel("Checking what the node agent in this build can do…")
         self.agent_status.setWordWrap(True)
         self.agent_status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -122,6 +133,10 @@ class WorkersPage(QWidget):
         nodes.changed.connect(self.refresh)
         nodes.agentOutput.connect(self._on_output)
         self.refresh()
+
+    def _on_autostart(self, on: bool) -> None:
+        if on != self.nodes.autostart_on:
+            self.nodes.set_autostart(on)
 
     def _on_add(self) -> None:
         self.nodes.add_this_pc()
@@ -186,6 +201,18 @@ class WorkersPage(QWidget):
             self.agent_status.setText("The node agent ended with an error: see its output below.")
         else:
             self.agent_status.setText("Starts the node agent here so that a main PC can pair with this PC.")
+        self.autostart.blockSignals(True)
+        self.autostart.setChecked(n.autostart_on)
+        self.autostart.blockSignals(False)
+        self.autostart.setEnabled(n.autostart is not None and bool(supported))
+        if n.autostart_problem:
+            self.autostart_status.setStyleSheet("color: #b00020;")
+            self.autostart_status.setText(n.autostart_problem[:1].upper() + n.autostart_problem[1:] + ".")
+        else:
+            self.autostart_status.setStyleSheet("color: #555;")
+            text = n.autostart_text()
+            self.autostart_status.setText(text[:1].upper() + text[1:] + "." if text else "")
+        self.autostart_status.setVisible(bool(self.autostart_status.text()))
         current = self.agent_list.currentRow()
         self.agent_list.clear()
         for a in n.agents:

@@ -2,7 +2,7 @@
 
 On a worker PC: `strata-node serve --host 192.168.1.20` (prints the key fingerprint and the pairing code).
 On the main PC: `strata-node discover`, `pair HOST --code CODE --fingerprint FP`, `list`, `status`, `ship`,
-`start-worker`, `logs`, `clocks`, `tune`. Every command takes `--json` for the app, which runs them as subprocesses
+`start-worker`, `logs`, `samples`, `clocks`, `tune`. Every command takes `--json` for the app, which runs them as subprocesses
 (it never imports the engine): one JSON object on stdout, `{"ok": false, "error": ..., "code": ...}` on failure.
 """
 
@@ -180,8 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--follow", "-f", action="store_true", help="keep printing new lines until the worker ends"
     )
 
-    ck = cmd("clocks", "lock or reset a worker PC's GPU clocks (needs administrator / root there)")
-    ck.add_argument("node")
+    sa = cmd("samples", "a worker PC's live GPU state (clocks, P-state, clock-event reasons, use, VRAM)")
+    sa.add_argument("node")
+    sa.add_argument(
+        "--follow", "-f", action="store_true", help="keep printing each new batch (one JSON line per batch)"
+    )
+
+    ck = cmd(
+        "clocks",
+        "lock or reset the GPU clocks of a worker PC, or of this PC with --here (needs administrator / root there)",
+    )
+    ck.add_argument("node", nargs="?", help="the worker PC (name, HOST:PORT or fingerprint)")
+    ck.add_argument("--here", action="store_true", help="this PC's GPU, through NVML in this process")
     ck.add_argument("--gpu", type=int, default=0)
     grp = ck.add_mutually_exclusive_group(required=True)
     grp.add_argument("--lock", action="store_true")
@@ -651,9 +661,84 @@ def cmd_logs(args: argparse.Namespace) -> int:
                 return 0
 
 
+def _gpu_facts(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """What does not change between samples: each card's name, top SM clock and VRAM."""
+    keep = ("index", "name", "max_sm_mhz", "vram_total")
+    return [{k: g.get(k) for k in keep} for g in (info.get("gpu") or {}).get("gpus", [])]
+
+
+def cmd_samples(args: argparse.Namespace) -> int:
+    """The agent's GPU samples: first the cards (and why there are none), then batches as the agent takes them
+    (a long poll: each batch comes as soon as the agent has one). An agent that restarted counts again from 0."""
+    rec = _registry().find(args.node)
+    with _client(args.node, timeout=10.0) as c:
+        info = c.info()
+        gpu = info.get("gpu") or {}
+        head = {"node": rec.name, "address": rec.address, "gpus": _gpu_facts(info)}
+        head["message"] = gpu.get("message") or ""
+        lines = [f"{rec.name} ({rec.address}): {len(head['gpus'])} GPU(s) {head['message']}".rstrip()]
+        if args.follow:
+            print(json.dumps({"ok": True, **head}) if args.json else lines[0], flush=True)
+        since = 0
+        while True:
+            res = c.gpu_samples(since, 2000 if args.follow else 0)
+            if res["next"] < since:  # the agent restarted: its numbering did too
+                since = 0
+                continue
+            since = res["next"]
+            if not args.follow:
+                break
+            if res["samples"]:
+                if args.json:
+                    print(json.dumps({"ok": True, "samples": res["samples"], "next": since}), flush=True)
+                else:
+                    for x in res["samples"]:
+                        print(_sample_line(x), flush=True)
+    lines += [_sample_line(x) for x in res["samples"]]
+    _out(args, {**head, **res}, "\n".join(lines))
+    return 0
+
+
+def _sample_line(x: dict[str, Any]) -> str:
+    p = f"P{x['pstate']}" if x.get("pstate") is not None else "P?"
+    reasons = ", ".join(x.get("reasons") or []) or "none"
+    return (
+        f"GPU {x.get('index')}: {p}, SM {x.get('sm_mhz')} MHz, memory {x.get('mem_mhz')} MHz, busy "
+        f"{x.get('util_gpu')}%, VRAM used {x.get('vram_used')} bytes, clock-event reasons: {reasons}"
+    )
+
+
 def cmd_clocks(args: argparse.Namespace) -> int:
-    with _client(args.node, timeout=30.0) as c:
-        res = c.lock_clocks(args.gpu, args.sm, args.mem) if args.lock else c.reset_clocks(args.gpu)
+    """Lock or reset; a refusal (no rights, no driver, a card that cannot) is an error with what to do."""
+    if args.here == bool(args.node):
+        raise CliError("name a worker PC, or give --here for this PC's GPU (one of the two)", "bad_arguments")
+    if args.here:
+        from engine.node import gpu as gpu_mod
+
+        try:
+            session = gpu_mod.Nvml()
+        except gpu_mod.NvmlUnavailable as exc:
+            raise CliError(f"GPU {args.gpu} of this PC: {exc}", "no_nvml") from None
+        try:
+            session.handle(args.gpu)
+            if args.lock:
+                sm = tuple(args.sm) if args.sm else None
+                mem = tuple(args.mem) if args.mem else None
+                res = session.lock(args.gpu, sm, mem).to_dict()  # type: ignore[arg-type]
+            else:
+                res = session.reset(args.gpu).to_dict()
+        finally:
+            session.close()
+        where = "this PC"
+    else:
+        rec = _registry().find(args.node)
+        with _client(args.node, timeout=30.0) as c:
+            res = c.lock_clocks(args.gpu, args.sm, args.mem) if args.lock else c.reset_clocks(args.gpu)
+        where = f"{rec.name} ({rec.address})"
+    if res["locked"] != bool(args.lock):
+        raise CliError(
+            f"GPU {res['gpu']} of {where}: {res['detail']}", "not_locked" if args.lock else "not_reset"
+        )
     _out(args, {"clocks": res}, f"GPU {res['gpu']}: {res['detail']}")
     return 0
 
@@ -690,6 +775,7 @@ def main(argv: list[str] | None = None) -> int:
         "stop-worker": cmd_stop_worker,
         "workers": cmd_workers,
         "logs": cmd_logs,
+        "samples": cmd_samples,
         "clocks": cmd_clocks,
         "tune": cmd_tune,
     }

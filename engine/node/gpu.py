@@ -31,8 +31,8 @@ _REASONS = (
     ("display_clocks", "DisplayClockSetting"),
 )
 _NO_PERMISSION_HINT = (
-    "run the agent as administrator (Windows) or as root (Linux; `sudo strata-node serve`), or lock the "
-    "clocks yourself with `nvidia-smi -lgc MIN,MAX`"
+    "run the agent as administrator (Windows) or as root (Linux; `sudo strata-node serve`), or run `{smi}` "
+    "yourself in an administrator / root shell"
 )
 
 
@@ -186,10 +186,11 @@ class Nvml:
         mem = _int(self._opt("nvmlDeviceGetMaxClockInfo", h, self.nvml.NVML_CLOCK_MEM))
         return sm, mem
 
-    def _why(self, exc: BaseException) -> str:
+    def _why(self, exc: BaseException, smi: str = "nvidia-smi -lgc MIN,MAX") -> str:
+        """Why NVML refused; `smi`: the nvidia-smi command that does the same by hand."""
         code = _err_code(exc)
         if code == getattr(self.nvml, "NVML_ERROR_NO_PERMISSION", -100):
-            return f"no permission to change clocks; {_NO_PERMISSION_HINT}"
+            return f"no permission to change clocks; {_NO_PERMISSION_HINT.format(smi=smi)}"
         if code == getattr(self.nvml, "NVML_ERROR_NOT_SUPPORTED", -100):
             return "this card or driver does not support locked clocks (Volta or newer and a current driver needed)"
         return f"NVML refused ({exc})"
@@ -220,7 +221,8 @@ class Nvml:
             else:
                 _smi(index, f"-lgc={sm[0]},{sm[1]}")
         except Exception as exc:
-            return ClockResult(index, False, f"NOT locked: {self._why(exc)}")
+            why = self._why(exc, f"nvidia-smi -i {index} -lgc {sm[0]},{sm[1]}")
+            return ClockResult(index, False, f"NOT locked: {why}")
         detail = f"locked: SM {sm[0]}-{sm[1]} MHz"
         mem_done: tuple[int, int] | None = None
         if mem is not None:
@@ -233,7 +235,8 @@ class Nvml:
                 mem_done = mem
                 detail += f", memory {mem[0]}-{mem[1]} MHz" if mem[0] != mem[1] else f", memory {mem[0]} MHz"
             except Exception as exc:
-                detail += f"; memory clock NOT locked: {self._why(exc)}"
+                why = self._why(exc, f"nvidia-smi -i {index} -lmc {mem[0]},{mem[1]}")
+                detail += f"; memory clock NOT locked: {why}"
         return ClockResult(index, True, detail, sm, mem_done)
 
     def reset(self, index: int) -> ClockResult:
@@ -252,7 +255,8 @@ class Nvml:
             except Exception as exc:
                 code = _err_code(exc)
                 if code != getattr(self.nvml, "NVML_ERROR_NOT_SUPPORTED", -100) or "Gpu" in fn:
-                    problems.append(f"{'SM' if 'Gpu' in fn else 'memory'} clock: {self._why(exc)}")
+                    why = self._why(exc, f"nvidia-smi -i {index} {flag}")
+                    problems.append(f"{'SM' if 'Gpu' in fn else 'memory'} clock: {why}")
         if problems:
             return ClockResult(index, True, "NOT reset: " + "; ".join(problems))
         return ClockResult(index, False, "reset: the driver manages the clocks again")

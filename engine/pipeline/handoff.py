@@ -16,6 +16,8 @@ from typing import Literal
 
 import torch
 
+from engine.pipeline.stage_clock import HopMarks, Mark
+
 HandoffMode = Literal["auto", "host", "peer", "direct"]
 HANDOFF_MODES = ("auto", "host", "peer", "direct")
 
@@ -82,13 +84,20 @@ class Handoff:
             slot.read_done = None
         return slot.buf[:n].view(like.shape)
 
-    def send(self, h: torch.Tensor) -> torch.Tensor:
-        """h [T, D] on src -> the same values [T, D] on dst."""
+    def send(self, h: torch.Tensor, marks: HopMarks | None = None) -> torch.Tensor:
+        """h [T, D] on src -> the same values [T, D] on dst. `marks` (optional) gets the copies' begin and end on
+        each device's timeline (stage_clock); recording them adds no wait."""
         self.bytes += h.numel() * h.element_size()
         if self.mode == "direct":
             return h
         if self.mode == "peer":
-            return h.to(self.dst)
+            if marks is None:
+                return h.to(self.dst)
+            # torch copies between cards on the source card's stream and orders the destination's after it.
+            marks.out_begin = Mark(self.src)
+            out = h.to(self.dst)
+            marks.out_end = Mark(self.src)
+            return out
         slot = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
         buf = self._buffer(slot, h)
@@ -96,23 +105,38 @@ class Handoff:
             src_stream = torch.cuda.current_stream(h.device)
             if slot.read_done is not None:
                 src_stream.wait_event(slot.read_done)  # the last copy in from this slot has finished
+            if marks is not None:
+                marks.out_begin = Mark(self.src)
             buf.copy_(h, non_blocking=True)  # [T, D] -> pinned host
-            written = torch.cuda.Event()
+            written = torch.cuda.Event(enable_timing=marks is not None)
             written.record(src_stream)
         else:
             if slot.read_done is not None:
                 slot.read_done.synchronize()
+            if marks is not None:
+                marks.out_begin = Mark(self.src)
             buf.copy_(h)
             written = None
+        if marks is not None:
+            marks.out_end = Mark(self.src, written)
         if self.dst.type == "cpu":
             if written is not None:
                 written.synchronize()
-            return buf.clone()  # the slot is reused; the CPU stage gets its own tensor
+            if marks is not None:
+                marks.in_begin = Mark(self.dst)
+            out = buf.clone()  # the slot is reused; the CPU stage gets its own tensor
+            if marks is not None:
+                marks.in_end = Mark(self.dst)
+            return out
         dst_stream = torch.cuda.current_stream(self.dst)
         if written is not None:
             dst_stream.wait_event(written)
+        if marks is not None:
+            marks.in_begin = Mark(self.dst)  # completes once the copy out has: the copy in starts here
         out = buf.to(self.dst, non_blocking=True)  # pinned host -> [T, D] on the next card
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=marks is not None)
         done.record(dst_stream)
+        if marks is not None:
+            marks.in_end = Mark(self.dst, done)
         slot.read_done = done
         return out

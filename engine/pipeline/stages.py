@@ -29,6 +29,7 @@ from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderLM
 from engine.pipeline.cuda_graphs import StepGraphs
 from engine.pipeline.handoff import Handoff, HandoffMode
+from engine.pipeline.stage_clock import ForwardClock
 
 log = logging.getLogger("strata.engine")
 
@@ -130,6 +131,9 @@ class SplitModel:
         self.pipe_chunk = max(1, pipe_chunk)
         self.layer_range = range(cfg.n_layer)
         self.timing = StageTiming([0.0] * len(self.stages))
+        # each local stage's compute, waiting and transfer in the last forward; measure=False: none (a baseline)
+        self.clock: ForwardClock | None = None
+        self.measure = True
         self.timing_sink = timing_sink
         self.history: list[int] = []  # token ids at positions 0.. (to rebuild a remote stage that restarted)
         self.replay_chunk = 512
@@ -186,7 +190,9 @@ class SplitModel:
         """tokens [T] -> logits [T, V] on the last stage's device; the cache then holds start+T positions."""
         t = int(tokens.shape[0])
         del self.history[start:]
-        if self._reconnect() and start > 0:
+        lost = self._reconnect()
+        self.clock = ForwardClock(self.devices) if self.measure else None  # a replay below counts in it
+        if lost and start > 0:
             self._replay(cache, start)
         if self.pipeline and len(self.stages) > 1 and t > self.pipe_chunk:
             logits = self._pipelined(tokens, cache, start)
@@ -224,14 +230,25 @@ class SplitModel:
 
     def stage_report(self) -> list[dict[str, object]]:
         """Each stage's own time in the last forward (a prompt chunk or a step), for the timing lines and the
-        server's event stream: local stages `{"layers", "where", "ms"}`, each worker behind a link
+        server's event stream: local stages `{"layers", "where", "ms"}` (host time) plus, once their devices have
+        finished the forward, `"compute_ms", "wait_ms", "transfer_ms"` (stage_clock); each worker behind a link
         `{"layers", "where", "compute_ms", "wait_ms", "transfer_ms"}`."""
         out: list[dict[str, object]] = []
-        for st, ms in zip(self.stages, self.timing.ms, strict=True):
+        for s, (st, ms) in enumerate(zip(self.stages, self.timing.ms, strict=True)):
             if hasattr(st, "last_timing"):
                 out.extend(_hops(st))
             elif len(st.layers):
-                out.append({"layers": f"{st.layers.start}-{st.layers.stop - 1}", "where": st.label, "ms": ms})
+                r: dict[str, object] = {
+                    "layers": f"{st.layers.start}-{st.layers.stop - 1}",
+                    "where": st.label,
+                    "ms": ms,
+                }
+                split = self.clock.split(s) if self.clock is not None else None
+                if split is not None:
+                    r.update(
+                        compute_ms=split.compute_ms, wait_ms=split.wait_ms, transfer_ms=split.transfer_ms
+                    )
+                out.append(r)
         return out
 
     def _timing_line(self, tokens: int, start: int) -> str:
@@ -249,11 +266,15 @@ class SplitModel:
 
     def _serial(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         x = tokens
+        clock = self.clock
         for s, stage in enumerate(self.stages):
             t0 = time.perf_counter()
+            begin = clock.begin(s) if clock is not None else None
             x = stage.run(x, cache, start)
+            if clock is not None and begin is not None:
+                clock.end(s, begin)
             if s < len(self.handoffs):
-                x = self.handoffs[s].send(x)
+                x = self.handoffs[s].send(x, clock.hop(s) if clock is not None else None)
             self.timing.ms[s] = (time.perf_counter() - t0) * 1e3
         return x
 
@@ -269,6 +290,7 @@ class SplitModel:
         errors: list[BaseException] = []
         failed = threading.Event()
         inference = torch.is_inference_mode_enabled()
+        clock = self.clock
 
         def put(q: queue.Queue[tuple[int, torch.Tensor]], item: tuple[int, torch.Tensor]) -> bool:
             while not failed.is_set():
@@ -321,9 +343,12 @@ class SplitModel:
                                 return
                             x = item[1]
                         t0 = time.perf_counter()
+                        begin = clock.begin(s) if clock is not None else None
                         y = stage.run(x, cache, pos)
+                        if clock is not None and begin is not None:
+                            clock.end(s, begin)
                         if s < n - 1:
-                            y = self.handoffs[s].send(y)
+                            y = self.handoffs[s].send(y, clock.hop(s) if clock is not None else None)
                             busy += time.perf_counter() - t0
                             if not put(links[s], (c, y)):
                                 return

@@ -852,9 +852,10 @@ class EngineService:
         links = dict(self.links())
         for st, slot in zip(snap["stages"], self.stage_slots, strict=False):
             st.update(device=slot.device, layers=[slot.begin, slot.end])
-            if slot.remote and self.stage_times is not None:
-                # step_ms and prompt_chunk_ms are the worker's own compute; its waiting and transfer come apart.
+            if slot.remote:
                 st.update(host=slot.host, status=links.get(slot.link, "ok"))
+            if self.stage_times is not None:
+                # step_ms and prompt_chunk_ms are the stage's own compute; its waiting and transfer come apart.
                 st.update(self.stage_times.link_stats(slot.index))
         out["stages"] = snap["stages"]
         pc = self.runner.prompt_cache if self.runner is not None else None

@@ -2,7 +2,8 @@
 
 The layout is read from the model once it is loaded: one stage for a plain model, one per local stage of a layer
 split, one per worker behind a remote link. After each forward `SplitModel.stage_report()` says each stage's own
-time; the workers' waiting and transfer times are kept here (`Telemetry` keeps each stage's own time).
+time, split into compute, waiting and transfer where it can; waiting and transfer are kept here (`Telemetry` keeps
+each stage's own time).
 """
 
 import threading
@@ -67,34 +68,34 @@ class StageTimes:
         self._times = {kind: [_LinkTimes() for _ in slots] for kind in KINDS}
 
     def record(self, kind: str, report: list[dict[str, Any]]) -> list[tuple[int, float, dict[str, Any]]]:
-        """One forward's report -> (stage, own ms, details for its event) per stage it names."""
+        """One forward's report -> (stage index, own ms, details for its event) per stage it names. A stage's own
+        time is its compute where the report splits it into compute, waiting and transfer (every worker; a local
+        stage once its device finished), else its host time."""
         out: list[tuple[int, float, dict[str, Any]]] = []
         for r in report:
             i = self._by_layers.get(str(r.get("layers")))
             if i is None:
                 continue
             slot = self.slots[i]
-            if "ms" in r:
-                out.append((i, float(r["ms"]), {"layers": slot.layers_text, "device": slot.device}))
+            details: dict[str, Any] = {"layers": slot.layers_text, "device": slot.device}
+            if slot.remote:
+                details["host"] = slot.host
+            if "compute_ms" not in r:
+                out.append((i, float(r.get("ms", 0.0)), details))
                 continue
             compute, wait, transfer = (float(r.get(k, 0.0)) for k in ("compute_ms", "wait_ms", "transfer_ms"))
             with self._lock:
                 t = self._times[kind][i]
                 t.wait_ms.add(wait)
                 t.transfer_ms.add(transfer)
-            details = {
-                "layers": slot.layers_text,
-                "device": slot.device,
-                "host": slot.host,
-                "compute_ms": round(compute, 3),
-                "wait_ms": round(wait, 3),
-                "transfer_ms": round(transfer, 3),
-            }
+            details.update(
+                compute_ms=round(compute, 3), wait_ms=round(wait, 3), transfer_ms=round(transfer, 3)
+            )
             out.append((i, compute, details))
         return out
 
     def link_stats(self, index: int) -> dict[str, Any]:
-        """A worker's waiting and transfer times (RunningStat dicts) per step and per prompt chunk."""
+        """A stage's waiting and transfer times (RunningStat dicts) per step and per prompt chunk."""
         with self._lock:
             out: dict[str, Any] = {}
             for kind in KINDS:

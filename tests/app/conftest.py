@@ -24,9 +24,10 @@ def free_port() -> int:
 
 @pytest.fixture(autouse=True)
 def _app_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Conversations and settings of each test go to its own folder."""
+    """Conversations, settings and log-in entries of each test go to its own folder."""
     monkeypatch.setenv("STRATA_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("STRATA_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))  # autostart entries
     monkeypatch.delenv("FAKE_CRASH_AFTER_S", raising=False)
     monkeypatch.delenv("FAKE_HEALTH_ERROR", raising=False)
 

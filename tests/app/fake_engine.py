@@ -54,6 +54,14 @@ STATS = {
     },
 }
 
+# One decode step of a two-stage split as the engine reports it: each stage's compute, waiting and transfer.
+SPLIT_EVENTS = [
+    {"type": "step", "stage": 0, "ms": 12.0, "compute_ms": 12.0, "wait_ms": 0.0, "transfer_ms": 0.0,
+     "layers": "0-11", "device": "cuda:0", "tokens": 1},
+    {"type": "step", "stage": 1, "ms": 18.0, "compute_ms": 18.0, "wait_ms": 0.5, "transfer_ms": 1.2,
+     "layers": "12-47", "device": "cuda:1", "tokens": 1},
+]  # fmt: skip
+
 TIMINGS = {
     "prompt_n": 5,
     "prompt_ms": 10.0,
@@ -232,7 +240,7 @@ def main(argv: list[str]) -> int:
         error_message=os.environ.get("FAKE_HEALTH_ERROR", ""),
         model=args.model or "default.gguf",
         chunk_delay_s=0.02,
-        events=[{"type": "step", "stage": 0, "ms": 12.0}, {"type": "step", "stage": 0, "ms": 13.0}],
+        events=SPLIT_EVENTS,
     )
     print(f"fake engine: serving {engine.model} on {args.host}:{engine.port}", flush=True)
     if args.config:

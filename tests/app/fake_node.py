@@ -4,6 +4,9 @@ FAKE_NODE_SERVE=1: it has a `serve` command that prints the agent's JSON lines (
 and key fingerprint) and runs until stopped; without, only `inventory` and the worker-PC commands.
 FAKE_NODE_STATE=FILE: a JSON file {"nodes": [...], "agents": [...]} that `status`, `discover`, `pair`, `include` and
 `exclude` read and write, shaped as the real agent's answers.
+FAKE_NODE_LOG=FILE: each command line is appended to it. `samples NODE --follow` fails as an unreachable PC does;
+`clocks` answers as the real command does on a PC where the agent lacks administrator rights, or, with
+FAKE_NODE_ADMIN=1, where it has them.
 """
 
 import argparse
@@ -44,8 +47,42 @@ def main(argv: list[str]) -> int:
         c = sub.add_parser(name)
         c.add_argument("node")
         c.add_argument("--json", action="store_true")
+    sa = sub.add_parser("samples")
+    sa.add_argument("node")
+    sa.add_argument("--follow", action="store_true")
+    sa.add_argument("--json", action="store_true")
+    ck = sub.add_parser("clocks")
+    ck.add_argument("node", nargs="?")
+    ck.add_argument("--here", action="store_true")
+    ck.add_argument("--gpu", type=int, default=0)
+    ck.add_argument("--lock", action="store_true")
+    ck.add_argument("--reset", action="store_true")
+    ck.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    log = os.environ.get("FAKE_NODE_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(" ".join(argv) + "\n")
     path, state = _state()
+    if args.command == "samples":
+        error = (
+            f"{args.node} (192.168.1.30:7460) does not answer: tcp://192.168.1.30:7460 timed out after 10 s"
+        )
+        print(json.dumps({"ok": False, "error": error, "code": "unreachable"}))
+        return 1
+    if args.command == "clocks":
+        where = "this PC" if args.here else args.node
+        if os.environ.get("FAKE_NODE_ADMIN") == "1":
+            res = {"gpu": args.gpu, "locked": True, "detail": "locked: SM 1680-2100 MHz, memory 9501 MHz"}
+            print(json.dumps({"ok": True, "clocks": res}))
+            return 0
+        error = (
+            f"GPU {args.gpu} of {where}: NOT locked: no permission to change clocks; run the agent as administrator "
+            f"(Windows) or as root (Linux; `sudo strata-node serve`), or run `nvidia-smi -i {args.gpu} -lgc "
+            "1680,2100` yourself in an administrator / root shell"
+        )
+        print(json.dumps({"ok": False, "error": error, "code": "not_locked"}))
+        return 1
     if args.command == "serve":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         fp = "3F2A-91C0-7B1E-55D0"

@@ -1,10 +1,11 @@
-"""Screenshots of each window for docs/gui.md, taken under Xvfb (or offscreen):
+"""Screenshots of each window for docs/app.md, taken under Xvfb (or offscreen):
 
     xvfb-run -s "-screen 0 1400x1000x24" .venv/bin/python -m tests.app.screenshots docs/img [--engine real|fake]
 
 `--engine real` starts `strata-engine serve` on the embedded Gemma 3 270M (CPU); `fake` runs
 tests/app/fake_engine.py. The GPU rows come from a simulated two-card PC (tests/app/fake_nvml.py) unless this PC
-has NVIDIA cards and `--real-gpus` is given.
+has NVIDIA cards and `--real-gpus` is given, and from a worker PC: a real node agent on loopback with a scripted
+NVML, paired with the app's keys.
 """
 
 import argparse
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="strata-shots-"))
     os.environ["STRATA_CONFIG_DIR"] = str(tmp / "config")
     os.environ["STRATA_DATA_DIR"] = str(tmp / "data")
+    os.environ["XDG_CONFIG_HOME"] = str(tmp / "xdg-config")  # the autostart checkbox never touches this PC's
 
     from PySide6.QtCore import QEventLoop, QTimer
     from PySide6.QtWidgets import QApplication
@@ -98,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     fake_probe = ProbeResult(kind="ok", gpus=cards, driver="580.65")
+    box, box_nvml = _worker_pc(tmp)
     strata = StrataApp(
         settings,
         engine_command=command,
+        node_command=[sys.executable, "-m", "engine.node.cli"],  # this checkout's agent and its client
         tray_reason=None,
         nvml=None if args.real_gpus else two_cards(),
         probe_fn=(lambda: fake_probe) if not args.real_gpus else __import__("installer.gpus").gpus.probe,
@@ -128,21 +132,52 @@ def main(argv: list[str] | None = None) -> int:
     wait(0.5)
     chat.grab().save(str(args.out / "chat.png"))
 
-    # Synthetic stage timings on top of the engine's own events: a two-stage split decoding and reading a prompt.
+    # Synthetic stage timings on top of the engine's own events: a split over two cards of this PC and a worker PC,
+    # reading a prompt, decoding, pausing, and again. The worker PC's card drops its clocks while idle.
     rng = random.Random(0)
     strata.charts.clear()  # only the simulated split in this picture
-    feed_until = time.monotonic() + 8.0
+    start = time.monotonic()
+    stages = (
+        # stage, layers, where, compute ms per step, transfer ms per step, prompt chunk compute ms
+        (0, "0-15", {"device": "cuda:0"}, 6.0, 0.0, 45.0),
+        (1, "16-31", {"device": "cuda:1"}, 7.0, 0.15, 52.0),
+        (2, "32-47", {"device": "remote", "host": "192.168.1.20:7470"}, 8.5, 1.6, 61.0),
+    )
 
     def feed() -> None:
-        if time.monotonic() > feed_until:
+        at = time.monotonic() - start
+        if at > 24.0:
             return
-        for stage, base in ((0, 11.0), (1, 18.0)):
-            strata.charts.on_event({"type": "step", "stage": stage, "ms": base + rng.gauss(0, 0.8)})
-        if rng.random() < 0.05:
-            for stage, base in ((0, 140.0), (1, 210.0)):
-                strata.charts.on_event(
-                    {"type": "prompt_chunk", "stage": stage, "tokens": 512, "ms": base + rng.gauss(0, 8)}
-                )
+        box_nvml.live[0].pstate, box_nvml.live[0].sm_mhz, box_nvml.live[0].reasons = (
+            (8, 210, 0x1) if rng.random() < 0.3 else (2, 1905, 0)
+        )
+        # three answers: a prompt read in chunks, then decoding; a pause between them
+        phase = "idle"
+        for begin, end in ((0.0, 6.0), (8.0, 15.0), (17.0, 24.0)):
+            if begin <= at < end:
+                phase = "prompt" if at < begin + 0.6 else "decode"
+        if phase == "idle":
+            return
+        upstream = 0.0
+        for stage, layers, where, step_ms, transfer, chunk_ms in stages:
+            prompt = phase == "prompt"
+            compute = (chunk_ms if prompt else step_ms) * (1 + rng.gauss(0, 0.05))
+            hop = transfer * (8 if prompt else 1) * (1 + rng.gauss(0, 0.1))
+            # waiting: local cards idle until the stages before them are done; a worker's request queues briefly
+            wait = upstream if where["device"] != "remote" else rng.uniform(0.1, 0.4)
+            ev = {
+                "type": "prompt_chunk" if prompt else "step",
+                "stage": stage,
+                "ms": compute,
+                "compute_ms": compute,
+                "wait_ms": wait,
+                "transfer_ms": hop,
+                "layers": layers,
+                "tokens": 512 if prompt else 1,
+                **where,
+            }
+            strata.charts.on_event(ev)
+            upstream += compute + hop
         if rng.random() < 0.03:
             strata.charts.on_event(
                 {
@@ -156,12 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     timer.timeout.connect(feed)
     timer.start(30)
     win = strata.window
-    win.resize(1200, 860)
+    win.resize(1200, 960)
     win.tabs.setCurrentWidget(win.charts_page)
     win.show()
-    wait(9.0)
+    wait(24.5)
     win.grab().save(str(args.out / "main-charts.png"))
-    bar = win.charts_page.scroll.verticalScrollBar()
+    page = win.charts_page
+    remote_key = "gpu-box:0"
+    wait(20.0, lambda: remote_key in strata.charts.flags and remote_key in page.gpu_rows)
+    page.gpu_rows[remote_key].lock_button.click()  # the agent is not root: its answer says what to do
+    wait(30.0, lambda: page.gpu_rows[remote_key].lock_button.isEnabled())
+    bar = page.scroll.verticalScrollBar()
     bar.setValue(bar.maximum())
     wait(0.5)
     win.grab().save(str(args.out / "main-charts-gpus.png"))
@@ -207,8 +247,27 @@ def main(argv: list[str] | None = None) -> int:
     win.crash_dialog.close()
 
     strata.shutdown()
+    box.close()
     print("screenshots in", args.out, file=sys.stderr)
     return 0
+
+
+def _worker_pc(tmp: Path) -> tuple[Any, Any]:
+    """A worker PC on loopback: a real node agent (its NVML scripted: an RTX 3080 whose agent has no administrator
+    rights), paired with this app's main keys, so the charts follow it through the real `strata-node samples`."""
+    import pynvml
+
+    from engine.node.agent import Agent, AgentOptions
+    from engine.node.client import main_keys
+    from tests.engine.node.conftest import pair_with
+    from tests.engine.node.fake_nvml import RTX_3080, ClockNvml
+
+    nv = ClockNvml(cards=[RTX_3080], lock_error=pynvml.NVML_ERROR_NO_PERMISSION)
+    nv.live[0].util_gpu = 93
+    opts = AgentOptions(tmp / "gpu-box", "127.0.0.1", 0, "gpu-box", nvml=nv, sample_ms=100, advertise=False)
+    agent = Agent(opts).start()
+    pair_with(agent, main_keys()).client.close()
+    return agent, nv
 
 
 def _wizard_shots(out: Path, wait: Any, tmp: Path) -> None:

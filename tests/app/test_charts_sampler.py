@@ -1,8 +1,9 @@
 """ChartsController (series, rates, the clock-drop flag) and GpuSampler (through a fake NVML module)."""
 
+import pytest
 from pytestqt.qtbot import QtBot
 
-from app.controllers.charts import ChartsController, ClockFlag
+from app.controllers.charts import ChartsController, ClockFlag, StagePoint, stacked, stage_label, stage_point
 from app.controllers.gpu_sampler import GpuSample, GpuSampler, reason_names
 from tests.app.fake_nvml import GIB, FakeCard, FakeNvml, steady, two_cards
 
@@ -28,7 +29,12 @@ def test_events_become_series_and_rates() -> None:
         c.on_event({"type": "step", "stage": 1, "ms": 20.0})
     c.on_event({"type": "prompt_chunk", "stage": 0, "tokens": 512, "ms": 100.0})
     c.on_event({"type": "request", "prompt_per_second": 900.0, "predicted_per_second": 31.0})
-    assert [ms for _, ms in c.steps[0]][:3] == [10.0, 11.0, 12.0]
+    assert [p.ms for p in c.steps[0]][:3] == [10.0, 11.0, 12.0]
+    assert [(p.compute, p.wait, p.transfer) for p in c.steps[0]][0] == (
+        10.0,
+        0.0,
+        0.0,
+    )  # one stage: all compute
     assert len(c.steps[1]) == 20
     assert list(c.requests) == [(clock.t, 900.0, 31.0)]
     assert c.busy() and not c.busy(clock.t + 1.0)
@@ -37,6 +43,44 @@ def test_events_become_series_and_rates() -> None:
     assert c.prompt_rate(window_s=2.0) == 256.0
     c.clear()
     assert not c.steps and not c.requests and c.decode_rate() == 0.0
+
+
+def test_split_events_keep_compute_waiting_and_transfer() -> None:
+    clock = Clock()
+    c = ChartsController(clock=clock)
+    worker = {"type": "step", "stage": 1, "ms": 5.0, "compute_ms": 5.0, "wait_ms": 0.4, "transfer_ms": 1.6,
+              "layers": "24-47", "device": "remote", "host": "192.168.1.20:7470", "tokens": 3}  # fmt: skip
+    local = {"type": "step", "stage": 0, "ms": 4.0, "compute_ms": 4.0, "wait_ms": 0.0, "transfer_ms": 0.0,
+             "layers": "0-23", "device": "cuda:0", "tokens": 3}  # fmt: skip
+    for i in range(10):
+        clock.t = 1000.0 + i * 0.1
+        c.on_event(local)
+        c.on_event({**worker, "compute_ms": 5.0 + i})
+    c.on_event({"type": "prompt_chunk", "stage": 1, "tokens": 256, "ms": 30.0, "compute_ms": 30.0,
+                "wait_ms": 2.0, "transfer_ms": 8.0, "layers": "24-47", "host": "192.168.1.20:7470"})  # fmt: skip
+    assert c.stage_labels == {0: "layers 0-23 on cuda:0", 1: "layers 24-47 at 192.168.1.20:7470"}
+    p = c.steps[1][-1]
+    assert (p.compute, p.wait, p.transfer, p.ms, p.tokens) == (14.0, 0.4, 1.6, 16.0, 3)
+    assert c.chunks[1][-1] == StagePoint(clock.t, 30.0, 2.0, 8.0, 256)
+    clock.t = 1000.95
+    assert c.decode_rate(window_s=1.0) == 30.0  # 10 steps of 3 tokens (2 drafts kept) in the last second
+    med = c.recent_split(1)
+    assert med is not None and (med.compute, med.wait, med.transfer, med.tokens) == (9.5, 0.4, 1.6, 10)
+    assert c.recent_split(3) is None
+    assert stage_point({"type": "step"}, 1.0) is None
+    assert stage_label({"layers": "0-5"}) == "layers 0-5" and stage_label({}) == ""
+
+
+def test_stacked_areas_drop_to_zero_between_stretches() -> None:
+    pts = [StagePoint(10.0, 3.0, 1.0, 0.5), StagePoint(10.1, 2.0, 1.0, 0.5), StagePoint(20.0, 4.0, 0.0, 1.0)]
+    x, c, cw, total = stacked(pts, now=30.0, gap_s=1.0)
+    assert x == pytest.approx([-20.05, -20.0, -19.9, -19.85, -10.05, -10.0, -9.95])
+    assert c == [0.0, 3.0, 2.0, 0.0, 0.0, 4.0, 0.0]
+    assert cw == [0.0, 4.0, 3.0, 0.0, 0.0, 4.0, 0.0]
+    assert total == [0.0, 4.5, 3.5, 0.0, 0.0, 5.0, 0.0]
+    live = stacked(pts[-1:], now=20.2, gap_s=1.0)
+    assert live[0] == pytest.approx([-0.25, -0.2])  # still decoding: the last point is not closed
+    assert stacked([], now=1.0) == ([], [], [], [])
 
 
 def test_stage_gpus_come_from_stats() -> None:

@@ -179,3 +179,33 @@ def test_probe_failure_is_shown(qtbot: QtBot) -> None:
     qtbot.waitUntil(lambda: "NVML crashed" in nodes.cards_message, timeout=5000)
     assert nodes.cards_message == "the GPU probe failed: NVML crashed"
     qtbot.waitUntil(lambda: nodes.serve_supported is not None, timeout=5000)
+
+
+class ReadOnlyAutostart:
+    """A log-in entry whose folder cannot be written."""
+
+    def enabled(self) -> bool:
+        return False
+
+    def enable(self, command: list[str]) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    def disable(self) -> None:
+        pass
+
+    def where(self) -> str:
+        return "/home/ann/.config/autostart/polystrata-node.desktop"
+
+    def note(self) -> str:
+        return ""
+
+
+def test_autostart_that_cannot_be_written_says_so(qtbot: QtBot) -> None:
+    nodes = NodesController(NodeClient(FAKE_NODE), probe_fn=lambda: SEED_PC, autostart=ReadOnlyAutostart())
+    with qtbot.waitSignal(nodes.changed, timeout=1000):
+        assert nodes.set_autostart(True) is False
+    assert nodes.autostart_problem == (
+        "the log-in entry /home/ann/.config/autostart/polystrata-node.desktop could not be written "
+        "([Errno 13] Permission denied): check that folder's permissions"
+    )
+    assert not nodes.autostart_on

@@ -93,6 +93,11 @@ def test_main_window_follows_the_engine(qtbot: QtBot, make_app: Make) -> None:
     assert set(win.charts_page.gpu_rows) == {"local:0", "local:1"}
     assert "GPU 0 (NVIDIA GeForce RTX 3090)" == win.charts_page.gpu_rows["local:0"].title()
     assert "decode now" in win.charts_page.summary.text()
+    rows = win.charts_page.stage_rows
+    assert set(rows) == {0, 1} and rows[1].title() == "Stage 1 · layers 12-47 on cuda:1"
+    assert rows[1].text.text() == (
+        "per step (median of the last 5 s): compute 18.00 ms · waiting 0.50 ms · transfer 1.20 ms"
+    )
     with qtbot.waitSignal(app.engine.stateChanged, check_params_cb=lambda s: s == "stopped", timeout=8000):
         win.stop_button.click()
     assert win.start_button.isEnabled() and win.state_label.text() == "Stopped"
@@ -268,6 +273,24 @@ def test_add_this_pc_starts_the_agent(qtbot: QtBot, make_app: Make, monkeypatch:
     assert not page.stop_button.isHidden() and not page.add_button.isEnabled()
     page.stop_button.click()
     qtbot.waitUntil(page.add_button.isEnabled, timeout=10000)
+
+
+def test_agent_starts_at_login_when_ticked(
+    qtbot: QtBot, make_app: Make, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("FAKE_NODE_SERVE", "1")
+    app = make_app(autostart=False)
+    app.start()
+    page = app.window.workers_page
+    qtbot.waitUntil(page.autostart.isEnabled, timeout=10000)
+    entry = tmp_path / "xdg-config" / "autostart" / "polystrata-node.desktop"
+    assert not page.autostart.isChecked() and not entry.exists()
+    page.autostart.click()
+    assert page.autostart.isChecked() and entry.exists()
+    assert "fake_node.py serve --host 0.0.0.0\n" in entry.read_text()
+    assert page.autostart_status.text() == f"Entry: {entry}."
+    page.autostart.click()
+    assert not entry.exists() and not page.autostart.isChecked() and page.autostart_status.text() == ""
 
 
 def test_pairing_from_the_workers_page(

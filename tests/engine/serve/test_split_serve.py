@@ -169,8 +169,9 @@ def test_remote_stage_answers_like_one_process(servers: Servers) -> None:
         if e["stage"] == 1:
             assert e["host"] == address and e["layers"] == f"{K}-{N_LAYER - 1}"
             assert e["ms"] == e["compute_ms"] > 0 and e["wait_ms"] >= 0 and e["transfer_ms"] >= 0
-        else:
-            assert e["layers"] == f"0-{K - 1}" and e["ms"] > 0
+        else:  # this process's stage: its own compute, waiting and transfer (stage_clock)
+            assert e["layers"] == f"0-{K - 1}" and e["ms"] == e["compute_ms"] > 0
+            assert e["wait_ms"] >= 0 and e["transfer_ms"] == 0.0 and "host" not in e
 
 
 def test_a_killed_worker_fails_the_request_and_a_restarted_one_serves(servers: Servers) -> None:
