@@ -7,14 +7,17 @@ as `post_attention_norm`.
 
 The file's `block_count` includes `nextn_predict_layers` multi-token-prediction blocks after the main layers:
 block N (N = block_count - nextn) is a full decoder layer plus `nextn.eh_proj`, `nextn.enorm`, `nextn.hnorm`,
-`nextn.shared_head_norm` (and optionally its own `nextn.embed_tokens` / `nextn.shared_head_head`). The model runs
-layers 0..N-1; the stage holding the head also loads the draft block (`with_draft`) and offers `nextn_step`:
+`nextn.shared_head_norm` and, in GLM-4.5 files, its own `nextn.embed_tokens` / `nextn.shared_head_head` (GLM-4.6
+files leave them out: the model's token table and head serve). The model runs layers 0..N-1; the stage holding the
+head also loads the draft block (`with_draft`) and offers `nextn_step`:
 
-    h' = eh_proj([enorm(embed(next_token)), hnorm(hidden)])  ->  decoder block N  ->  shared_head_norm  ->  head
+    g' = shared_head_norm(block N(eh_proj([enorm(embed(x_{i+1})), hnorm(g_i)])))   logits = head(g')
 
-where `hidden` is the main model's final hidden state after the output norm (what the head multiplies, see
-`head_hidden`) at the same position, as vLLM and SGLang feed it; the step's own pre-norm hidden state can feed a
-further draft step. The draft block keeps its KV under layer index N of the same cache.
+where g_i is the main model's final hidden state at position i after the output norm (the rows the head multiplies,
+kept from the last forward: `head_rows`), as vLLM, SGLang and llama.cpp's MTP graphs feed it. A further draft step
+reads the draft's own g' (after shared_head_norm, what its head multiplies), as SGLang chains it (vLLM chains the
+state before that norm; the verification keeps either choice exact). The draft block keeps its KV under layer
+index N of the same cache, slot i for the pair (g_i, x_{i+1}); engine/pipeline/mtp.py drafts with it.
 """
 
 from collections.abc import Mapping
@@ -42,6 +45,8 @@ from engine.models.deepseek2 import (
 from engine.models.family_base import FamilyLM, Weights
 
 ARCH = "glm4moe"
+# Head input rows kept in a buffer of fixed address (a CUDA graph writes into it); verify windows have at most 33.
+_KEPT_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,9 @@ class Glm4MoeLM(FamilyLM):
             for j in range(cfg.n_layer, cfg.n_layer + cfg.nextn_layers):
                 if w.has(names.blk(j, "nextn.eh_proj")):
                     self.nextn[j] = self._load_nextn(w, j)
+        # The rows the head read in the last forward, for the draft layer (float32 [rows, D]).
+        self._rows = torch.zeros(_KEPT_ROWS, cfg.n_embd, device=self.device) if self.nextn else None
+        self._rows_long: torch.Tensor | None = None  # a forward of more rows (prompt chunks, never captured)
 
     def _load_layer(self, w: Weights, i: int) -> GlmLayer:
         c = self.cfg
@@ -190,6 +198,30 @@ class Glm4MoeLM(FamilyLM):
     def has_draft(self) -> bool:
         return bool(self.nextn)
 
+    @property
+    def draft_layer_count(self) -> int:
+        return len(self.nextn)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """hidden [T, D] -> logits [T, V] float32; with a draft block, the normed rows are kept (`head_rows`)."""
+        assert self.output is not None and self.output_norm is not None
+        x = self.norm(h.float(), self.output_norm, self.dtype)  # [T, D]
+        if self._rows is not None:
+            t = min(x.shape[0], self._rows.shape[0])
+            self._rows[:t].copy_(x[:t])  # capturable: a graph's replay refills the same buffer
+            if x.shape[0] > t:
+                self._rows_long = x
+        return self.output.linear(x).float()
+
+    def head_rows(self, n: int) -> torch.Tensor:
+        """The first n rows the head read in the last forward (the final hidden state after the output norm):
+        float32 [n, D] on the device, valid until the next forward."""
+        assert self._rows is not None, "the model has no draft block"
+        if n <= self._rows.shape[0]:
+            return self._rows[:n]
+        assert self._rows_long is not None and self._rows_long.shape[0] >= n
+        return self._rows_long[:n].float()
+
     def head_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """The main model's final hidden state as the draft reads it: after the output norm, float32 [T, D]."""
         assert self.output_norm is not None
@@ -198,8 +230,9 @@ class Glm4MoeLM(FamilyLM):
     def nextn_step(
         self, tokens: torch.Tensor, hidden: torch.Tensor, cache: KVCache, start: int, depth: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft block `depth`: tokens [T] (the tokens that follow positions start..start+T-1), hidden [T, D] at
-        those positions -> (logits [T, V] for the token after each, the block's hidden state [T, D])."""
+        """Draft block `depth` at slots start..start+T-1: tokens [T] (x_{i+1}, the token after each position i),
+        hidden [T, D] (g_i) -> (logits [T, V] for x_{i+2}, the block's normed output g' [T, D] float32, which a
+        further step reads as its hidden state)."""
         j = self.cfg.n_layer + depth
         nw = self.nextn[j]
         t = tokens.shape[0]
@@ -210,10 +243,10 @@ class Glm4MoeLM(FamilyLM):
         x = torch.cat((e, self.norm(hidden.float(), nw.hnorm)), dim=-1).to(self.dtype)  # [T, 2D]
         h = nw.eh_proj.linear(x).float()
         h = self._block(j, nw.block, h, cache, pos, start + t, None, use_cache=False)
+        g = self.norm(h, nw.head_norm, self.dtype)  # [T, D]
         out = nw.head if nw.head is not None else self.output
         assert out is not None
-        logits = out.linear(self.norm(h, nw.head_norm, self.dtype)).float()
-        return logits, h
+        return out.linear(g).float(), g.float()
 
     def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
         c = self.cfg
