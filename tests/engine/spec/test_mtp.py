@@ -16,11 +16,11 @@ from engine.models.glm4moe import Glm4MoeLM
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.mtp import DraftLayerSource, draft_layer_of
 from engine.pipeline.sampling import GREEDY, Sampler, SamplingParams
-from engine.pipeline.spec import Draft, SpecConfig, SpecError, window_graphs_for
+from engine.pipeline.spec import Draft, DraftPicker, SpecConfig, SpecError, draft_sources, window_graphs_for
 from engine.testing.tiny_families import write_tiny_family
 from tests.engine.hf_reference import read_gguf
 from tests.engine.hf_reference_families import hf_family_model
-from tests.engine.spec.toys import BigramToy, reference_greedy, two_stage_split
+from tests.engine.spec.toys import BigramToy, ScriptedDraft, reference_greedy, two_stage_split
 
 PROMPT = [5, 9, 33, 71, 120, 200, 7, 64, 3, 11, 5, 9, 33, 71, 120, 200, 7, 64, 3, 11]
 N = 16
@@ -226,6 +226,46 @@ def test_greedy_tokens_identical_two_stages(tiny_models: dict[str, Path]) -> Non
     wrong = _run(sm, lm.tokenizer, SpecConfig(n=4, suffix=False))
     assert (
         wrong.tokens == ref and wrong.timings.drafts_accepted == 0 and wrong.timings.decode_windows == N - 1
+    )
+
+
+def test_draft_kv_follows_the_sequence_across_requests(tiny_models: dict[str, Path]) -> None:
+    """Drafts kept from another source (always right here), then a second request that continues the first: the
+    draft layer's KV of the reused positions is what a fresh read of the whole sequence writes (but the one slot at
+    the boundary), and the tokens are those of decoding without drafts."""
+    lm = load_model(tiny_models["glm4moe"], "cpu", "f32")
+    model = lm.model
+    assert isinstance(model, Glm4MoeLM)
+    ref = reference_greedy(model, PROMPT, N, CTX)
+    truth = PROMPT + ref
+    spec = SpecConfig(n=4, suffix=False)
+    runner = Runner(model, lm.tokenizer, CTX, "f32", 8, spec=spec)
+    # Copies of the known answer come first (strong_match 0), so the draft layer only follows the kept tokens.
+    runner.drafts = lambda s: DraftPicker(
+        ScriptedDraft(truth, model.cfg.n_vocab, 0),  # type: ignore[arg-type]
+        DraftLayerSource(model, s, runner.cache),
+        0,
+    )
+    req = GenerationRequest(PROMPT, max_tokens=N, sampling=GREEDY, ignore_eos=True)
+    first = [e for e in runner.generate(req) if isinstance(e, DoneEvent)][0]
+    assert first.tokens == ref and first.timings.drafts_accepted >= N // 2
+    runner.drafts = lambda s: draft_sources(model, spec, s, runner.cache)
+    longer = PROMPT + ref + [3, 11]
+    ref2 = reference_greedy(model, longer, N, CTX)
+    req2 = GenerationRequest(longer, max_tokens=N, sampling=GREEDY, ignore_eos=True)
+    second = [e for e in runner.generate(req2) if isinstance(e, DoneEvent)][0]
+    assert second.tokens == ref2 and second.timings.prompt_cached == len(PROMPT) + N - 1
+
+    fresh = Runner(model, lm.tokenizer, CTX, "f32", 8, spec=spec)
+    again = [e for e in fresh.generate(req2) if isinstance(e, DoneEvent)][0]
+    assert again.tokens == ref2
+    j, n = (
+        model.cfg.n_layer,
+        second.timings.prompt_cached - 1,
+    )  # slots 0..n-1: pairs known in the first request
+    kept, read = runner.cache.layers[j], fresh.cache.layers[j]
+    assert torch.allclose(kept.k[:n], read.k[:n], atol=1e-4) and torch.allclose(
+        kept.v[:n], read.v[:n], atol=1e-4
     )
 
 
