@@ -1,5 +1,6 @@
 """The one generation stream: a generator of typed events that the server, the CLI and the worker all consume."""
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from engine.pipeline.spec import (
     window_graphs_for,
 )
 from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("strata.engine")
 
 
 class GenerationError(ValueError):
@@ -160,10 +163,20 @@ class Runner:
         self.pipe = pipeline_for(model, self.spec, cache=self.cache)
         self.window_graphs = window_graphs_for(model, self.spec) if self.pipe is None else None
         self.cached_tokens: list[int] = []
-        if self.spec.need_draft_layer and draft_layer_of(model) is None:
-            raise SpecError(
-                "--mtp 1: the model has no draft layer (its file has no blk.N.nextn.* tensors): use --mtp auto or 0"
-            )
+        if self.spec.n > 0 and drafts is None:
+            layer = draft_layer_of(model) if self.spec.draft_layer else None
+            if self.spec.need_draft_layer and layer is None:
+                raise SpecError(
+                    "--mtp 1: the model has no draft layer (its file has no blk.N.nextn.* tensors): use --mtp auto or 0"
+                )
+            names = ["the model's draft layer"] if layer is not None else []
+            names += ["earlier context"] if self.spec.suffix else []
+            if names:
+                log.info("verify windows: up to %d drafts each, from %s", self.spec.n, " and ".join(names))
+            else:
+                log.info(
+                    "verify windows: nothing to draft from (no draft layer, --suffix-draft 0): one token a step"
+                )
 
     def reset(self) -> None:
         """Forget the live sequence (after a failed step its KV may be incomplete)."""

@@ -4,6 +4,7 @@ for the hidden states and its decoder layer for the block, on weights dequantize
 tokens identical to decoding without drafts on one stage and on a 2-stage CPU split - also with a draft layer
 perturbed so that every draft is wrong."""
 
+import logging
 from pathlib import Path
 
 import gguf
@@ -269,8 +270,9 @@ def test_draft_kv_follows_the_sequence_across_requests(tiny_models: dict[str, Pa
     )
 
 
-def test_mtp_required(tiny_models: dict[str, Path]) -> None:
-    """--mtp 1 refuses a model without a draft layer, and needs --spec; --mtp 0 leaves the layer out."""
+def test_mtp_flags(tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    """--mtp 1 refuses a model without a draft layer, and needs --spec; --mtp 0 leaves the layer out; the log
+    says where the drafts come from."""
     lm = load_model(tiny_models["qwen2"], "cpu", "f32")
     with pytest.raises(SpecError, match="--mtp 1: the model has no draft layer"):
         Runner(lm.model, lm.tokenizer, CTX, "f32", spec=SpecConfig.from_flags(4, True, "1"))
@@ -279,6 +281,13 @@ def test_mtp_required(tiny_models: dict[str, Path]) -> None:
     with pytest.raises(SpecError, match="--mtp yes: use auto"):
         SpecConfig.from_flags(4, True, "yes")
     glm = load_model(tiny_models["glm4moe"], "cpu", "f32")
+    with caplog.at_level(logging.INFO, logger="strata.engine"):
+        Runner(glm.model, glm.tokenizer, CTX, "f32", spec=SpecConfig.from_flags(4, True, "auto"))
+        Runner(lm.model, lm.tokenizer, CTX, "f32", spec=SpecConfig.from_flags(4, False, "auto"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "verify windows: up to 4 drafts each, from the model's draft layer and earlier context",
+        "verify windows: nothing to draft from (no draft layer, --suffix-draft 0): one token a step",
+    ]
     off = _run(glm.model, glm.tokenizer, SpecConfig.from_flags(4, False, "0"))
     assert off.timings.drafts_proposed == 0  # no source left: one token per forward
 
