@@ -14,7 +14,7 @@ head also loads the draft block (`with_draft`) and offers `nextn_step`:
     g' = shared_head_norm(block N(eh_proj([enorm(embed(x_{i+1})), hnorm(g_i)])))   logits = head(g')
 
 where g_i is the main model's final hidden state at position i after the output norm (the rows the head multiplies,
-kept from the last forward: `head_rows`), as vLLM, SGLang and llama.cpp's MTP graphs feed it. A further draft step
+kept from the last forward: `take_head_rows`), as vLLM, SGLang and llama.cpp's MTP graphs feed it. A further draft step
 reads the draft's own g' (after shared_head_norm, what its head multiplies), as SGLang chains it (vLLM chains the
 state before that norm; the verification keeps either choice exact). The draft block keeps its KV under layer
 index N of the same cache, slot i for the pair (g_i, x_{i+1}); engine/pipeline/mtp.py drafts with it.
@@ -45,8 +45,9 @@ from engine.models.deepseek2 import (
 from engine.models.family_base import FamilyLM, Weights
 
 ARCH = "glm4moe"
-# Head input rows kept in a buffer of fixed address (a CUDA graph writes into it); verify windows have at most 33.
-_KEPT_ROWS = 64
+# A captured step's head rows go to a buffer of fixed address, which its replays refill (windows have at most 33).
+_GRAPH_ROWS = 64
+_MAX_KEPT = 1 << 16  # rows kept for the draft layer between two takes (never reached while one drafts)
 
 
 @dataclass(frozen=True)
@@ -114,9 +115,11 @@ class Glm4MoeLM(FamilyLM):
             for j in range(cfg.n_layer, cfg.n_layer + cfg.nextn_layers):
                 if w.has(names.blk(j, "nextn.eh_proj")):
                     self.nextn[j] = self._load_nextn(w, j)
-        # The rows the head read in the last forward, for the draft layer (float32 [rows, D]).
-        self._rows = torch.zeros(_KEPT_ROWS, cfg.n_embd, device=self.device) if self.nextn else None
-        self._rows_long: torch.Tensor | None = None  # a forward of more rows (prompt chunks, never captured)
+        # The rows the head read since the draft layer last took them: eager calls in order (a prompt chunk read
+        # in pieces on a split calls the head once per piece), a captured step's in its buffer.
+        self._graph_rows = torch.zeros(_GRAPH_ROWS, cfg.n_embd, device=self.device) if self.nextn else None
+        self._rows: list[torch.Tensor] = []
+        self._keeping = False  # from the draft layer's first take on
 
     def _load_layer(self, w: Weights, i: int) -> GlmLayer:
         c = self.cfg
@@ -203,24 +206,33 @@ class Glm4MoeLM(FamilyLM):
         return len(self.nextn)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """hidden [T, D] -> logits [T, V] float32; with a draft block, the normed rows are kept (`head_rows`)."""
+        """hidden [T, D] -> logits [T, V] float32; with a draft block, the normed rows are kept for it."""
         assert self.output is not None and self.output_norm is not None
         x = self.norm(h.float(), self.output_norm, self.dtype)  # [T, D]
-        if self._rows is not None:
-            t = min(x.shape[0], self._rows.shape[0])
-            self._rows[:t].copy_(x[:t])  # capturable: a graph's replay refills the same buffer
-            if x.shape[0] > t:
-                self._rows_long = x
+        if self._graph_rows is not None:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                self._graph_rows[: x.shape[0]].copy_(x)
+            elif self._keeping:
+                if sum(r.shape[0] for r in self._rows) + x.shape[0] > _MAX_KEPT:
+                    self._rows.clear()  # forwards outside a request's decode, which nobody took
+                self._rows.append(x)
         return self.output.linear(x).float()
 
-    def head_rows(self, n: int) -> torch.Tensor:
-        """The first n rows the head read in the last forward (the final hidden state after the output norm):
-        float32 [n, D] on the device, valid until the next forward."""
-        assert self._rows is not None, "the model has no draft block"
-        if n <= self._rows.shape[0]:
-            return self._rows[:n]
-        assert self._rows_long is not None and self._rows_long.shape[0] >= n
-        return self._rows_long[:n].float()
+    def take_head_rows(self, n: int) -> torch.Tensor:
+        """The first n rows the head read since the last take (after the output norm, what it multiplies), float32
+        [<= n, D] on the device, and forget them. The draft layer takes them after each forward; when a forward
+        replayed a CUDA graph, they are that step's (the graph's warm-up runs, which precede it, read the same)."""
+        assert self._graph_rows is not None, "the model has no draft block"
+        self._keeping = True
+        rows = (
+            torch.cat(self._rows)
+            if len(self._rows) > 1
+            else self._rows[0]
+            if self._rows
+            else self._graph_rows
+        )
+        self._rows = []
+        return rows[:n].float()
 
     def head_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """The main model's final hidden state as the draft reads it: after the output norm, float32 [T, D]."""

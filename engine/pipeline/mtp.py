@@ -7,7 +7,7 @@ last committed position paired with the token decided last, and feeds each step'
 next step together with the token it drafted.
 
 `DraftLayerSource` keeps that KV in step with the committed sequence: after every forward of the target (prompt
-chunks and verify windows) it takes the head's rows of the committed positions (`head_rows`), and before the next
+chunks and verify windows) it takes the head's rows of the committed positions (`take_head_rows`), and before the next
 chain it writes their slots from them - the accepted drafts' slots, written from the chain's own hidden states
 while drafting, are written again from the target's - in one batch with the chain's first step. Slots past the
 committed positions are left as the last chain wrote them: a slot is always written again before a query reads it.
@@ -33,8 +33,8 @@ class DraftLayerModel(Protocol):
 
     draft_layer_count: int
 
-    def head_rows(self, n: int) -> torch.Tensor:
-        """The first n rows [n, D] the head read in the last forward (valid until the next forward)."""
+    def take_head_rows(self, n: int) -> torch.Tensor:
+        """The first n rows [<= n, D] the head read since the last take, forgotten by the model."""
         ...
 
     def nextn_step(
@@ -74,18 +74,21 @@ class DraftLayerSource:
         self.tentative: int | None = None
 
     def reset(self, tokens: Sequence[int]) -> None:
+        self.model.take_head_rows(0)  # rows of forwards outside this request
         self.committed = self.done = len(tokens)
         self.rows, self.next, self.tentative = None, [], None
 
     def commit(self, tokens: Sequence[int]) -> None:
         if not tokens:
             return
-        rows = self.model.head_rows(len(tokens)).clone()  # [m, D] at positions committed..
+        rows = self.model.take_head_rows(len(tokens)).clone()  # [m, D] at positions committed..
         if self.rows is not None and self.tentative != int(tokens[0]):
             self._step([*self.next, int(tokens[0])], self.rows, self.done)  # the earlier rows' slots
         self.done = self.committed
         self.rows, self.next, self.tentative = rows, [int(t) for t in tokens[1:]], None
         self.committed += len(tokens)
+        if len(rows) < len(tokens):  # rows that were not kept: those slots stay as they are
+            self.done, self.rows, self.next = self.committed, None, []
 
     def finish(self) -> None:
         """Write the slots whose pairs are known (the last window's kept drafts), so that a later request that

@@ -21,7 +21,7 @@ from engine.pipeline.spec import Draft, DraftPicker, SpecConfig, SpecError, draf
 from engine.testing.tiny_families import write_tiny_family
 from tests.engine.hf_reference import read_gguf
 from tests.engine.hf_reference_families import hf_family_model
-from tests.engine.spec.toys import BigramToy, ScriptedDraft, reference_greedy, two_stage_split
+from tests.engine.spec.toys import BigramToy, ScriptedDraft, family_split, reference_greedy, two_stage_split
 
 PROMPT = [5, 9, 33, 71, 120, 200, 7, 64, 3, 11, 5, 9, 33, 71, 120, 200, 7, 64, 3, 11]
 N = 16
@@ -207,7 +207,8 @@ def test_greedy_tokens_identical_one_stage(tiny_models: dict[str, Path]) -> None
 
 
 def test_greedy_tokens_identical_two_stages(tiny_models: dict[str, Path]) -> None:
-    """The draft layer sits with the head on the last stage; serial windows and --pipeline-windows 2."""
+    """The draft layer sits with the head on the last stage; serial windows and --pipeline-windows 2; prompt chunks
+    read in pieces that flow through the stages give the draft layer the rows of every piece."""
     path = tiny_models["glm4moe"]
     lm = load_model(path, "cpu", "f32")
     ref = reference_greedy(lm.model, PROMPT, N, CTX)
@@ -222,6 +223,20 @@ def test_greedy_tokens_identical_two_stages(tiny_models: dict[str, Path]) -> Non
         done = _run(sm, lm.tokenizer, spec)
         assert done.tokens == ref, spec
         assert done.timings.drafts_proposed > 0
+
+    # The one-stage model and a split whose 8-token prompt chunks go through the stages in pieces of 5 and 3
+    mtp = SpecConfig(n=4, suffix=False)
+    whole = Runner(lm.model, lm.tokenizer, CTX, "f32", 8, spec=mtp)
+    piped = family_split(path, 1, pipeline=True, pipe_chunk=5)
+    pieces = Runner(piped, lm.tokenizer, CTX, "f32", 8, spec=mtp)
+    req = GenerationRequest(PROMPT, max_tokens=N, sampling=GREEDY, ignore_eos=True)
+    for runner in (whole, pieces):
+        done = [e for e in runner.generate(req) if isinstance(e, DoneEvent)][0]
+        assert done.tokens == ref
+    j, n = lm.model.cfg.n_layer, len(PROMPT) + N - 2
+    a, b = whole.cache.layers[j], pieces.cache.layers[j]
+    assert torch.allclose(a.k[:n], b.k[:n], atol=1e-4) and torch.allclose(a.v[:n], b.v[:n], atol=1e-4)
+
     assert isinstance(last, Glm4MoeLM)
     _always_wrong(last, ref)
     wrong = _run(sm, lm.tokenizer, SpecConfig(n=4, suffix=False))

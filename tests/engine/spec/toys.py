@@ -101,7 +101,7 @@ class BigramToy:
         self.rows = torch.arange(start, start + t, dtype=torch.float32)[:, None]  # [T, 1]
         return self.target[tokens]  # [T, V]
 
-    def head_rows(self, n: int) -> torch.Tensor:
+    def take_head_rows(self, n: int) -> torch.Tensor:
         return self.rows[:n]
 
     def nextn_step(
