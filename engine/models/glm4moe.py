@@ -13,11 +13,11 @@ head also loads the draft block (`with_draft`) and offers `nextn_step`:
 
     g' = shared_head_norm(block N(eh_proj([enorm(embed(x_{i+1})), hnorm(g_i)])))   logits = head(g')
 
-where g_i is the main model's final hidden state at position i after the output norm (the rows the head multiplies,
-kept from the last forward: `take_head_rows`), as vLLM, SGLang and llama.cpp's MTP graphs feed it. A further draft step
-reads the draft's own g' (after shared_head_norm, what its head multiplies), as SGLang chains it (vLLM chains the
-state before that norm; the verification keeps either choice exact). The draft block keeps its KV under layer
-index N of the same cache, slot i for the pair (g_i, x_{i+1}); engine/pipeline/mtp.py drafts with it.
+where g_i is the main model's final hidden state at position i after the output norm (the rows the head
+multiplies, kept for the draft layer: `take_head_rows`), as vLLM, SGLang and llama.cpp's MTP graphs feed it. A
+further draft step reads the draft's own g' (after shared_head_norm, what its head multiplies), as SGLang chains it
+(vLLM chains the state before that norm; the verification keeps either choice exact). The draft block keeps its
+KV under layer index N of the same cache, slot i for the pair (g_i, x_{i+1}); engine/pipeline/mtp.py drafts with it.
 """
 
 from collections.abc import Mapping
@@ -224,14 +224,8 @@ class Glm4MoeLM(FamilyLM):
         replayed a CUDA graph, they are that step's (the graph's warm-up runs, which precede it, read the same)."""
         assert self._graph_rows is not None, "the model has no draft block"
         self._keeping = True
-        rows = (
-            torch.cat(self._rows)
-            if len(self._rows) > 1
-            else self._rows[0]
-            if self._rows
-            else self._graph_rows
-        )
-        self._rows = []
+        kept, self._rows = self._rows, []
+        rows = self._graph_rows if not kept else kept[0] if len(kept) == 1 else torch.cat(kept)  # [T, D]
         return rows[:n].float()
 
     def head_hidden(self, h: torch.Tensor) -> torch.Tensor:

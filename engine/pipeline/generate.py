@@ -167,7 +167,8 @@ class Runner:
             layer = draft_layer_of(model) if self.spec.draft_layer else None
             if self.spec.need_draft_layer and layer is None:
                 raise SpecError(
-                    "--mtp 1: the model has no draft layer (its file has no blk.N.nextn.* tensors): use --mtp auto or 0"
+                    "--mtp 1: the model has no draft layer (its file has no blk.N.nextn.* tensors): "
+                    "use --mtp auto or 0"
                 )
             names = ["the model's draft layer"] if layer is not None else []
             names += ["earlier context"] if self.spec.suffix else []

@@ -7,12 +7,12 @@ last committed position paired with the token decided last, and feeds each step'
 next step together with the token it drafted.
 
 `DraftLayerSource` keeps that KV in step with the committed sequence: after every forward of the target (prompt
-chunks and verify windows) it takes the head's rows of the committed positions (`take_head_rows`), and before the next
-chain it writes their slots from them - the accepted drafts' slots, written from the chain's own hidden states
-while drafting, are written again from the target's - in one batch with the chain's first step. Slots past the
-committed positions are left as the last chain wrote them: a slot is always written again before a query reads it.
-Positions reused from an earlier request (prompt cache) keep the slots that request wrote; the one slot at the
-boundary pairs the earlier request's next token, which only changes what gets drafted, never the output.
+chunks and verify windows) it takes the head's rows of the committed positions (`take_head_rows`), and before the
+next chain it writes their slots from them - the accepted drafts' slots, written from the chain's own hidden
+states while drafting, are written again from the target's - in one batch with the chain's first step. Slots past
+the committed positions are left as the last chain wrote them: a slot is always written again before a query
+reads it. Positions reused from an earlier request (prompt cache) keep the slots that request wrote; the one slot
+at the boundary pairs the earlier request's next token, which only changes what gets drafted, never the output.
 """
 
 from __future__ import annotations
