@@ -4,10 +4,13 @@ and on prose, with the drafts' acceptance rates; greedy, through `Runner` as the
     python bench/spec_bench.py --model M.gguf [--device cuda] [--spec 4] [--max-tokens 256] [--rounds 2]
                                [--layer-split K [--pipeline-windows 2]] [--out bench/results/spec-....json]
     python bench/spec_bench.py --tiny qwen3moe --device cpu     # a tiny random model written on the fly
+    python bench/spec_bench.py --tiny glm4moe --device cpu      # with a draft (nextn) layer
 
 Arms, each per prompt and measured in interleaved rounds after a warm-up (CUDA graphs are captured there):
 - `spec0`: one token per forward;
-- `lookup`: `--spec N` with drafts copied from earlier context (prompt lookup), what a user gets;
+- `lookup`: `--spec N` with drafts copied from earlier context (prompt lookup) only;
+- `mtp` and `auto` (models with a draft layer, e.g. glm4moe): drafts from the model's draft layer only
+  (`--suffix-draft 0`), and from both sources (the default, what a user gets);
 - `right`: `--spec N` with drafts that are always right (the spec0 answer): the ceiling of the window machinery;
 - `wrong`: `--spec N` with drafts that are always wrong: what a window costs when nothing is kept.
 On a model with random weights (the ../shared/bench writer, the tiny models) the answer is not a copy of the file,
@@ -20,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.mtp import draft_layer_of
 from engine.pipeline.sampling import GREEDY, Sampler
 from engine.pipeline.spec import Draft, DraftSource, SpecConfig
 
@@ -120,9 +125,14 @@ def _load(a: argparse.Namespace) -> object:
 
     path = a.model
     if a.tiny:
+        from engine.testing.tiny_families import FAMILIES, write_tiny_family
         from engine.testing.tiny_models import write_tiny_model
 
-        path = write_tiny_model(Path(tempfile.mkdtemp()) / f"{a.tiny}.gguf", a.tiny, qtype="Q8_0", n_layer=4)
+        out = Path(tempfile.mkdtemp()) / f"{a.tiny}.gguf"
+        if a.tiny in FAMILIES:
+            path = write_tiny_family(out, a.tiny, qtype="Q8_0", num_hidden_layers=4)
+        else:
+            path = write_tiny_model(out, a.tiny, qtype="Q8_0", n_layer=4)
     split = (int(a.layer_split),) if a.layer_split else None
     opts = SplitOptions(
         device=a.device,
@@ -188,16 +198,21 @@ def main() -> None:
     if torch.cuda.is_available() and lm.model.device.type == "cuda":  # type: ignore[attr-defined]
         res["gpu"] = torch.cuda.get_device_name(lm.model.device)  # type: ignore[attr-defined]
     spec = SpecConfig(n=a.spec, pipeline_windows=a.pipeline_windows)
+    has_layer = draft_layer_of(lm.model) is not None  # type: ignore[attr-defined]
+    res["draft_layer"] = has_layer
     for name in [p for p in a.prompts.split(",") if p]:
         ids = lm.tokenizer.encode(PROMPTS[name], add_special=True, parse_special=False)  # type: ignore[attr-defined]
         ref = _run(lm, ids, a, SpecConfig(), None)  # warm-up, and the answer the scripted drafts know
         truth = ids + ref.tokens
         arms: dict[str, tuple[SpecConfig, Callable[[Sampler], DraftSource | None] | None]] = {
             "spec0": (SpecConfig(), None),
-            "lookup": (spec, None),
+            "lookup": (replace(spec, draft_layer=False), None),
             "right": (spec, lambda s, t=truth: _Scripted(t, vocab, False)),
             "wrong": (spec, lambda s, t=truth: _Scripted(t, vocab, True)),
         }
+        if has_layer:
+            arms["mtp"] = (replace(spec, suffix=False), None)
+            arms["auto"] = (spec, None)
         for cfg, drafts in arms.values():  # warm-up: windows of every size met once (graph captures)
             _run(lm, ids, a, cfg, drafts)
         best: dict[str, dict] = {}
@@ -220,15 +235,15 @@ def main() -> None:
                 if arm not in best or row["decode_tok_s"] > best[arm]["decode_tok_s"]:
                     best[arm] = row
         base = best["spec0"]["decode_tok_s"]
-        for arm in ("lookup", "right", "wrong"):
+        for arm in [k for k in arms if k != "spec0"]:
             best[arm]["ratio_to_spec0"] = round(best[arm]["decode_tok_s"] / base, 3) if base else None
         res["prompts"][name] = {"prompt_tokens": len(ids), **best}
-        print(
-            f"{name}: spec0 {base:.1f} tok/s; --spec {a.spec}: lookup {best['lookup']['decode_tok_s']:.1f} "
-            f"(acceptance {best['lookup']['acceptance']:.0%}), right {best['right']['decode_tok_s']:.1f}, "
-            f"wrong {best['wrong']['decode_tok_s']:.1f}",
-            file=sys.stderr,
+        arms_text = ", ".join(
+            f"{arm} {best[arm]['decode_tok_s']:.1f} ({best[arm]['acceptance']:.0%})"
+            for arm in arms
+            if arm != "spec0"
         )
+        print(f"{name}: spec0 {base:.1f} tok/s; --spec {a.spec} (acceptance): {arms_text}", file=sys.stderr)
     text = json.dumps(res, indent=1)
     print(text)
     if a.out:

@@ -67,6 +67,15 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
         help="1: draft by copying earlier context, prompt and answer (default); 0: only the model's draft layer",
     )
     g.add_argument(
+        "--mtp",
+        nargs="?",
+        const="1",
+        default="auto",
+        metavar="auto|1|0",
+        help="draft with the model's own draft (MTP / nextn) layer: auto where the file has one (default), "
+        "1 (or --mtp alone) to require it, 0 to leave it out",
+    )
+    g.add_argument(
         "--pipeline-windows",
         type=int,
         default=0,
@@ -193,7 +202,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty,
         seed=args.seed,
     )
-    spec = SpecConfig(n=args.spec, suffix=bool(args.suffix_draft), pipeline_windows=args.pipeline_windows)
+    spec = SpecConfig.from_flags(args.spec, bool(args.suffix_draft), args.mtp, args.pipeline_windows)
     lm = _load(args)
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [

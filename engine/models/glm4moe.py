@@ -7,14 +7,17 @@ as `post_attention_norm`.
 
 The file's `block_count` includes `nextn_predict_layers` multi-token-prediction blocks after the main layers:
 block N (N = block_count - nextn) is a full decoder layer plus `nextn.eh_proj`, `nextn.enorm`, `nextn.hnorm`,
-`nextn.shared_head_norm` (and optionally its own `nextn.embed_tokens` / `nextn.shared_head_head`). The model runs
-layers 0..N-1; the stage holding the head also loads the draft block (`with_draft`) and offers `nextn_step`:
+`nextn.shared_head_norm` and, in GLM-4.5 files, its own `nextn.embed_tokens` / `nextn.shared_head_head` (GLM-4.6
+files leave them out: the model's token table and head serve). The model runs layers 0..N-1; the stage holding the
+head also loads the draft block (`with_draft`) and offers `nextn_step`:
 
-    h' = eh_proj([enorm(embed(next_token)), hnorm(hidden)])  ->  decoder block N  ->  shared_head_norm  ->  head
+    g' = shared_head_norm(block N(eh_proj([enorm(embed(x_{i+1})), hnorm(g_i)])))   logits = head(g')
 
-where `hidden` is the main model's final hidden state after the output norm (what the head multiplies, see
-`head_hidden`) at the same position, as vLLM and SGLang feed it; the step's own pre-norm hidden state can feed a
-further draft step. The draft block keeps its KV under layer index N of the same cache.
+where g_i is the main model's final hidden state at position i after the output norm (the rows the head
+multiplies, kept for the draft layer: `take_head_rows`), as vLLM, SGLang and llama.cpp's MTP graphs feed it. A
+further draft step reads the draft's own g' (after shared_head_norm, what its head multiplies), as SGLang chains it
+(vLLM chains the state before that norm; the verification keeps either choice exact). The draft block keeps its
+KV under layer index N of the same cache, slot i for the pair (g_i, x_{i+1}); engine/pipeline/mtp.py drafts with it.
 """
 
 from collections.abc import Mapping
@@ -42,6 +45,9 @@ from engine.models.deepseek2 import (
 from engine.models.family_base import FamilyLM, Weights
 
 ARCH = "glm4moe"
+# A captured step's head rows go to a buffer of fixed address, which its replays refill (windows have at most 33).
+_GRAPH_ROWS = 64
+_MAX_KEPT = 1 << 16  # rows kept for the draft layer between two takes (never reached while one drafts)
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,11 @@ class Glm4MoeLM(FamilyLM):
             for j in range(cfg.n_layer, cfg.n_layer + cfg.nextn_layers):
                 if w.has(names.blk(j, "nextn.eh_proj")):
                     self.nextn[j] = self._load_nextn(w, j)
+        # The rows the head read since the draft layer last took them: eager calls in order (a prompt chunk read
+        # in pieces on a split calls the head once per piece), a captured step's in its buffer.
+        self._graph_rows = torch.zeros(_GRAPH_ROWS, cfg.n_embd, device=self.device) if self.nextn else None
+        self._rows: list[torch.Tensor] = []
+        self._keeping = False  # from the draft layer's first take on
 
     def _load_layer(self, w: Weights, i: int) -> GlmLayer:
         c = self.cfg
@@ -190,6 +201,33 @@ class Glm4MoeLM(FamilyLM):
     def has_draft(self) -> bool:
         return bool(self.nextn)
 
+    @property
+    def draft_layer_count(self) -> int:
+        return len(self.nextn)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """hidden [T, D] -> logits [T, V] float32; with a draft block, the normed rows are kept for it."""
+        assert self.output is not None and self.output_norm is not None
+        x = self.norm(h.float(), self.output_norm, self.dtype)  # [T, D]
+        if self._graph_rows is not None:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                self._graph_rows[: x.shape[0]].copy_(x)
+            elif self._keeping:
+                if sum(r.shape[0] for r in self._rows) + x.shape[0] > _MAX_KEPT:
+                    self._rows.clear()  # forwards outside a request's decode, which nobody took
+                self._rows.append(x)
+        return self.output.linear(x).float()
+
+    def take_head_rows(self, n: int) -> torch.Tensor:
+        """The first n rows the head read since the last take (after the output norm, what it multiplies), float32
+        [<= n, D] on the device, and forget them. The draft layer takes them after each forward; when a forward
+        replayed a CUDA graph, they are that step's (the graph's warm-up runs, which precede it, read the same)."""
+        assert self._graph_rows is not None, "the model has no draft block"
+        self._keeping = True
+        kept, self._rows = self._rows, []
+        rows = self._graph_rows if not kept else kept[0] if len(kept) == 1 else torch.cat(kept)  # [T, D]
+        return rows[:n].float()
+
     def head_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """The main model's final hidden state as the draft reads it: after the output norm, float32 [T, D]."""
         assert self.output_norm is not None
@@ -198,8 +236,9 @@ class Glm4MoeLM(FamilyLM):
     def nextn_step(
         self, tokens: torch.Tensor, hidden: torch.Tensor, cache: KVCache, start: int, depth: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft block `depth`: tokens [T] (the tokens that follow positions start..start+T-1), hidden [T, D] at
-        those positions -> (logits [T, V] for the token after each, the block's hidden state [T, D])."""
+        """Draft block `depth` at slots start..start+T-1: tokens [T] (x_{i+1}, the token after each position i),
+        hidden [T, D] (g_i) -> (logits [T, V] for x_{i+2}, the block's normed output g' [T, D] float32, which a
+        further step reads as its hidden state)."""
         j = self.cfg.n_layer + depth
         nw = self.nextn[j]
         t = tokens.shape[0]
@@ -210,10 +249,10 @@ class Glm4MoeLM(FamilyLM):
         x = torch.cat((e, self.norm(hidden.float(), nw.hnorm)), dim=-1).to(self.dtype)  # [T, 2D]
         h = nw.eh_proj.linear(x).float()
         h = self._block(j, nw.block, h, cache, pos, start + t, None, use_cache=False)
+        g = self.norm(h, nw.head_norm, self.dtype)  # [T, D]
         out = nw.head if nw.head is not None else self.output
         assert out is not None
-        logits = out.linear(self.norm(h, nw.head_norm, self.dtype)).float()
-        return logits, h
+        return out.linear(g).float(), g.float()
 
     def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
         c = self.cfg

@@ -1,5 +1,6 @@
 """The one generation stream: a generator of typed events that the server, the CLI and the worker all consume."""
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -7,11 +8,13 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.layers.kv_cache import KVCache
+from engine.pipeline.mtp import draft_layer_of
 from engine.pipeline.prompt_cache import PromptCache, common_prefix
 from engine.pipeline.sampling import Sampler, SamplingParams
 from engine.pipeline.spec import (
     DraftSource,
     SpecConfig,
+    SpecError,
     WindowDecoder,
     draft_sources,
     pipeline_for,
@@ -19,6 +22,8 @@ from engine.pipeline.spec import (
     window_graphs_for,
 )
 from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("strata.engine")
 
 
 class GenerationError(ValueError):
@@ -146,7 +151,7 @@ class Runner:
         self.model = model
         self.spec = spec or SpecConfig()
         # A request's draft source; by default the ones `spec` names (earlier context, the model's draft layer).
-        self.drafts = drafts or (lambda sampler: draft_sources(model, self.spec, sampler))
+        self.drafts = drafts or (lambda sampler: draft_sources(model, self.spec, sampler, self.cache))
         self.prompt_cache = prompt_cache
         self.tok = tokenizer
         self.max_ctx = max_ctx
@@ -158,6 +163,21 @@ class Runner:
         self.pipe = pipeline_for(model, self.spec, cache=self.cache)
         self.window_graphs = window_graphs_for(model, self.spec) if self.pipe is None else None
         self.cached_tokens: list[int] = []
+        if self.spec.n > 0 and drafts is None:
+            layer = draft_layer_of(model) if self.spec.draft_layer else None
+            if self.spec.need_draft_layer and layer is None:
+                raise SpecError(
+                    "--mtp 1: the model has no draft layer (its file has no blk.N.nextn.* tensors): "
+                    "use --mtp auto or 0"
+                )
+            names = ["the model's draft layer"] if layer is not None else []
+            names += ["earlier context"] if self.spec.suffix else []
+            if names:
+                log.info("verify windows: up to %d drafts each, from %s", self.spec.n, " and ".join(names))
+            else:
+                log.info(
+                    "verify windows: nothing to draft from (no draft layer, --suffix-draft 0): one token a step"
+                )
 
     def reset(self) -> None:
         """Forget the live sequence (after a failed step its KV may be incomplete)."""
@@ -205,6 +225,11 @@ class Runner:
         common = self._reuse(prompt, req.cache_prompt)
         timings.prompt_cached = common
         sampler = Sampler(req.sampling)
+        source = self.drafts(sampler) if self.spec.n > 0 else None
+        windows = WindowDecoder(
+            self.model, self.cache, self.spec, sampler, source, self.pipe, self.window_graphs
+        )
+        windows.start(self.cached_tokens)
         t0 = time.perf_counter()
         logits = None
         pos = common
@@ -212,6 +237,7 @@ class Runner:
             chunk = prompt[pos : pos + self.prefill_chunk]
             c0 = time.perf_counter()
             logits = self.model.forward(torch.tensor(chunk, dtype=torch.long), self.cache, pos)  # type: ignore[attr-defined]
+            windows.read(chunk)  # a draft layer takes the chunk's hidden states now, before the next forward
             self._sync()
             self.cached_tokens.extend(chunk)
             yield PromptChunkEvent(pos, len(chunk), (time.perf_counter() - c0) * 1e3)
@@ -226,11 +252,6 @@ class Runner:
         eog = set() if req.ignore_eos else set(self.tok.eog_ids)
         finish = "length"
         stopped_by_string = False
-        source = self.drafts(sampler) if self.spec.n > 0 else None
-        windows = WindowDecoder(
-            self.model, self.cache, self.spec, sampler, source, self.pipe, self.window_graphs
-        )
-        windows.start(self.cached_tokens)
         t1 = time.perf_counter()
         pending = [sampler.sample(logits[-1], history)]  # decided tokens not yet emitted
         try:
@@ -261,6 +282,7 @@ class Runner:
                 pending = [*w.accepted, w.next_token]
                 yield StepEvent(step, (time.perf_counter() - s0) * 1e3, len(pending))
                 step += 1
+            windows.finish()
         finally:
             windows.close()
         # The KV holds positions the request did not emit when it stopped inside a window's kept drafts.

@@ -12,10 +12,8 @@ The KV cache is then cut back to the last kept token.
   tokens then follow the target distribution p exactly. Drafts copied from earlier context are deterministic: q is
   a point mass, so d is kept with probability p(d) and the residual is p without d.
 
-Draft sources: `SuffixDraft` (copies of earlier context: prompt lookup, `--suffix-draft`) and `DraftLayerSource`,
-the adapter for a model's own draft (MTP / nextn) layer. No model implements `DraftLayerModel` yet (glm4moe loads
-its draft block, but its forward does not keep the hidden states the block reads); one that does is drafted from
-without changes here.
+Draft sources: `SuffixDraft` (copies of earlier context: prompt lookup, `--suffix-draft`) and the model's own
+draft (MTP / nextn) layer (`--mtp`, engine/pipeline/mtp.py); `DraftPicker` chooses between them per window.
 
 `--pipeline-windows 2` on a layer split (`PipelinedStages`): while the last stage verifies window w, the front
 stages already read window w+1 as guessed - every draft of w kept and the bonus token the draft chain predicts.
@@ -30,16 +28,20 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.layers.kv_cache import KVCache
 from engine.pipeline.sampling import Sampler
 
+if TYPE_CHECKING:
+    from engine.pipeline.mtp import DraftLayerSource
+
 log = logging.getLogger("strata.engine")
 
 MAX_SPEC = 32  # drafts per window; beyond this a window costs more than a rejection saves
+MTP_CHOICES = ("auto", "1", "0")  # --mtp: the model's draft layer where it has one, required, off
 
 
 class SpecError(ValueError):
@@ -48,11 +50,12 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """The decode options: `--spec N`, `--suffix-draft`, `--pipeline-windows`."""
+    """The decode options: `--spec N`, `--suffix-draft`, `--mtp`, `--pipeline-windows`."""
 
     n: int = 0  # most drafted tokens per verify window (0: one token per forward, no drafts)
     suffix: bool = True  # drafts copied from earlier context
     draft_layer: bool = True  # the model's own draft layer, where it has one
+    need_draft_layer: bool = False  # --mtp 1: a model without a draft layer is refused
     min_match: int = 2  # shortest suffix of the sequence that counts as seen before
     max_match: int = 16  # longest suffix compared (a longer one matches as well as this)
     strong_match: int = 4  # a suffix match this long is preferred to the draft layer's guess
@@ -68,12 +71,31 @@ class SpecConfig:
                 f"--pipeline-windows {self.pipeline_windows}: use 0 (off) or 2 (the first stages read the next, "
                 "guessed, window while the last verifies); 1 (short prompt reads through the windows) is not offered"
             )
+        if self.need_draft_layer and (self.n == 0 or not self.draft_layer):
+            raise SpecError(
+                "--mtp 1 drafts with the model's draft layer in verify windows: give --spec N as well"
+            )
         if not 1 <= self.min_match <= self.max_match:
             raise SpecError(f"suffix match lengths {self.min_match}..{self.max_match} are not a range")
 
     @property
     def drafting(self) -> bool:
         return self.n > 0 and (self.suffix or self.draft_layer)
+
+    @classmethod
+    def from_flags(cls, n: int, suffix: bool, mtp: str = "auto", pipeline_windows: int = 0) -> SpecConfig:
+        """From the command line: `--spec N`, `--suffix-draft 1|0`, `--mtp auto|1|0`, `--pipeline-windows`."""
+        if mtp not in MTP_CHOICES:
+            raise SpecError(
+                f"--mtp {mtp}: use auto (the model's draft layer where its file has one), 1 (required) or 0 (off)"
+            )
+        return cls(
+            n=n,
+            suffix=suffix,
+            draft_layer=mtp != "0",
+            need_draft_layer=mtp == "1",
+            pipeline_windows=pipeline_windows,
+        )
 
 
 @dataclass
@@ -174,67 +196,6 @@ class SuffixDraft:
         return Draft(out, None, best_len)
 
 
-@runtime_checkable
-class DraftLayerModel(Protocol):
-    """What a model whose file has a draft layer (MTP / nextn tensors, `blk.N.nextn.*`) implements so that
-    `DraftLayerSource` drafts with it. No model does yet.
-
-    `draft_step(token, pos)` reads `token` at position `pos` together with the final hidden state (the one the
-    head reads, as the model's draft block expects it) at `pos - 1` - the target's, kept from its last forward,
-    when pos - 1 was read by the target; otherwise the draft layer's own from its previous step - writes the draft
-    layer's KV at `pos` and returns its logits [V] for the token at pos + 1. A step at `pos` makes any draft state
-    at pos and beyond stale (a rejected chain)."""
-
-    draft_layer_count: int
-
-    def draft_step(self, token: int, pos: int) -> torch.Tensor: ...
-
-
-def draft_layer_of(model: object) -> DraftLayerModel | None:
-    """The model's draft layer, when it loaded one."""
-    if isinstance(model, DraftLayerModel) and int(getattr(model, "draft_layer_count", 0)) > 0:
-        return model
-    return None
-
-
-class DraftLayerSource:
-    """Drafts from a model's draft layer: a chain of `draft_step`s from the token decided last. Greedy requests
-    take the argmax (point masses); sampled ones draw from the draft layer's distribution under the request's
-    temperature and filters, which verification then uses as q."""
-
-    def __init__(self, model: DraftLayerModel, sampler: Sampler) -> None:
-        self.model = model
-        self.sampler = sampler
-        self.committed = 0
-
-    def reset(self, tokens: Sequence[int]) -> None:
-        self.committed = len(tokens)
-
-    def commit(self, tokens: Sequence[int]) -> None:
-        self.committed += len(tokens)
-
-    def propose(self, pending: Sequence[int], n: int) -> Draft:
-        if n <= 0 or not pending:
-            return NO_DRAFT
-        pos = self.committed
-        for i, tok in enumerate(pending[:-1]):  # a guessed window: run the chain through it
-            self.model.draft_step(int(tok), pos + i)
-        tok, pos = int(pending[-1]), pos + len(pending) - 1
-        greedy = self.sampler.p.greedy
-        tokens: list[int] = []
-        qs: list[torch.Tensor] = []
-        for i in range(n):
-            logits = self.model.draft_step(tok, pos + i)  # [V]
-            if greedy:
-                tok = int(torch.argmax(logits))
-            else:
-                q = self.sampler.probs(logits, [])  # [V]; penalties belong to the target, q may be any law
-                tok = self.sampler.draw(q)
-                qs.append(q)
-            tokens.append(tok)
-        return Draft(tokens, torch.stack(qs) if qs else None)
-
-
 class DraftPicker:
     """The draft sources of one request, in the order of preference: a long match in earlier context, then the
     draft layer, then a shorter match."""
@@ -253,6 +214,10 @@ class DraftPicker:
         for s in self.sources:
             s.commit(tokens)
 
+    def finish(self) -> None:
+        if self.layer is not None:
+            self.layer.finish()
+
     def propose(self, pending: Sequence[int], n: int) -> Draft:
         if n <= 0:
             return NO_DRAFT
@@ -264,13 +229,20 @@ class DraftPicker:
         return copy
 
 
-def draft_sources(model: object, cfg: SpecConfig, sampler: Sampler) -> DraftPicker | None:
-    """The sources a request drafts from under `cfg`, or None when it decodes one token per forward."""
+def draft_sources(
+    model: object, cfg: SpecConfig, sampler: Sampler, cache: KVCache | None = None
+) -> DraftPicker | None:
+    """The sources a request drafts from under `cfg`, or None when it decodes one token per forward. The draft
+    layer keeps its KV in `cache` (the runner's), so it drafts only where one is given."""
+    from engine.pipeline.mtp import DraftLayerSource, draft_layer_of
+
     if not cfg.drafting:
         return None
     suffix = SuffixDraft(cfg.min_match, cfg.max_match) if cfg.suffix else None
-    layer_model = draft_layer_of(model) if cfg.draft_layer else None
-    layer = DraftLayerSource(layer_model, sampler) if layer_model is not None else None
+    layer = None
+    if cfg.draft_layer and cache is not None:
+        layer_model = draft_layer_of(model)
+        layer = DraftLayerSource(layer_model, sampler, cache) if layer_model is not None else None
     if suffix is None and layer is None:
         return None
     return DraftPicker(suffix, layer, cfg.strong_match)
@@ -537,8 +509,20 @@ class WindowDecoder:
         self._kept_whole = 0.5  # running share of windows kept whole: the guess estimate
 
     def start(self, committed: Sequence[int]) -> None:
+        """A request begins: `committed` is what the KV cache holds before its prompt is read."""
         if self.sources is not None:
             self.sources.reset(committed)
+
+    def read(self, tokens: Sequence[int]) -> None:
+        """A prompt chunk was read (the last forward): the sources take it as committed."""
+        if self.sources is not None:
+            self.sources.commit(tokens)
+
+    def finish(self) -> None:
+        """The decode ended normally: sources that defer work on kept tokens do it now."""
+        finish = getattr(self.sources, "finish", None)
+        if callable(finish):
+            finish()
 
     def _forward(self, tokens: list[int], pos: int) -> torch.Tensor:
         if self.graphs is not None:

@@ -197,7 +197,7 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.pipeline.spec import SpecConfig, SpecError
 
     try:
-        SpecConfig(n=args.spec, suffix=bool(args.suffix_draft), pipeline_windows=args.pipeline_windows)
+        SpecConfig.from_flags(args.spec, bool(args.suffix_draft), args.mtp, args.pipeline_windows)
     except SpecError as e:
         raise ServeError(str(e)) from None
     model = Path(args.model) if args.model else None
@@ -225,6 +225,7 @@ def _serve(args: argparse.Namespace) -> int:
         threads=args.threads,
         spec=args.spec,
         suffix_draft=bool(args.suffix_draft),
+        mtp=args.mtp,
         pipeline_windows=args.pipeline_windows,
         split=split,
         profile_every_s=args.profile_every,

@@ -74,6 +74,7 @@ class ServeOptions:
     threads: int = 0  # torch intra-op threads; 0: torch's default
     spec: int = 0  # --spec N: drafted tokens per verify window (engine/pipeline/spec.py)
     suffix_draft: bool = True  # --suffix-draft: drafts copied from earlier context
+    mtp: str = "auto"  # --mtp auto|1|0: drafts from the model's own draft layer
     pipeline_windows: int = 0  # --pipeline-windows 2 (a layer split only)
     split: "SplitOptions | None" = None  # the layer-split flags; None: the whole model on `device`
     profile_every_s: float = 300.0  # --profile-every: save the usage profile this often (and at shutdown)
@@ -241,7 +242,7 @@ class EngineService:
                 log.info("prompt cache off: the remote stage keeps its own KV")
                 cache = None
             chunk = prefill_chunk(lm.model, "auto") if o.prefill is None else o.prefill
-            spec = SpecConfig(n=o.spec, suffix=o.suffix_draft, pipeline_windows=o.pipeline_windows)
+            spec = SpecConfig.from_flags(o.spec, o.suffix_draft, o.mtp, o.pipeline_windows)
             runner = Runner(lm.model, lm.tokenizer, o.max_context, kv, chunk, cache, spec=spec)
             slots = stage_layout(lm.model, lm.config.n_layer)
             recorder = _profile_recorder(lm, split, o.profile_every_s)

@@ -3,7 +3,8 @@
 Each writer draws random weights in the original (HF transformers) layout and converts them the way llama.cpp's
 `convert_hf_to_gguf.py` does for that family - names through gguf's own tensor map, gate/up splits, the +1 added to
 Qwen3-Next's zero-centred norms, `ssm_a = -exp(A_log)`, the regrouped `in_proj_qkvz`, MLA's `kv_b` split into
-`k_b` (transposed) and `v_b`, the extra nextn block of GLM-4.5 - then stores matrices in the requested block type
+`k_b` (transposed) and `v_b`, the extra nextn block of GLM-4.5 (`blk.N.nextn.*` after the main layers, with its own
+token table and head unless `nextn_tables=False`) - then stores matrices in the requested block type
 (types gguf cannot quantize get random blocks; rows that do not fit the type's block fall back to Q8_0 or F32, as
 the converter falls back). A few MB each, deterministic by seed.
 """
@@ -208,6 +209,10 @@ def _hf_weights(spec: FamilySpec, vocab: int, seed: int) -> dict[str, np.ndarray
             sd[p + "enorm.weight"] = r.normal((d,), 0.1, 1.0)
             sd[p + "hnorm.weight"] = r.normal((d,), 0.1, 1.0)
             sd[p + "shared_head.norm.weight"] = r.normal((d,), 0.1, 1.0)
+            # GLM-4.5 files carry the block's own token table and head; GLM-4.6 files do not
+            if h.get("nextn_tables", True):
+                sd[p + "embed_tokens.weight"] = r.normal((vocab, d), 0.5)
+                sd[p + "shared_head.head.weight"] = r.normal((vocab, d), d**-0.5)
     return sd
 
 

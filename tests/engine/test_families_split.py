@@ -7,14 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.gguf.reader import GGUFFile
 from engine.loader import load_model
 from engine.models.gated_delta import RecurrentCache
-from engine.models.registry import config_for, model_class
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.sampling import GREEDY
-from engine.pipeline.stages import LocalStage, SplitModel
+from engine.pipeline.stages import SplitModel
 from engine.testing.tiny_families import FAMILIES, write_tiny_family
+from tests.engine.spec.toys import family_split
 
 PROMPT = [1, 17, 42, 99, 150, 7, 300, 12, 5, 64, 128, 256, 33, 71, 200, 11, 90, 45, 13, 180]
 PIECE = 4
@@ -29,15 +28,7 @@ def _one_thread() -> Iterator[None]:
 
 
 def _split(path: Path, k: int) -> SplitModel:
-    gf = GGUFFile.open(path)
-    cfg = config_for(gf.architecture, gf.metadata, gf.tensors["token_embd.weight"].shape[0])
-    cls = model_class(gf.architecture)
-    assert cls is not None
-    first = cls(cfg, gf, layers=range(0, k), embed=True, head=False)
-    last = cls(cfg, gf, layers=range(k, cfg.n_layer), embed=False, head=True)
-    return SplitModel(
-        cfg, [LocalStage(first, "CPU"), LocalStage(last, "CPU")], pipeline=True, pipe_chunk=PIECE
-    )
+    return family_split(path, k, pipeline=True, pipe_chunk=PIECE)
 
 
 def _cache(model: object) -> object:

@@ -148,7 +148,8 @@ def test_glm4moe_nextn_draft_block_matches_transformers_layers(tmp_path: Path) -
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.from_numpy(t[w])
 
         b = f"blk.{n}.nextn."
-        emb = rms(hf.model.embed_tokens(ids[1:]), b + "enorm.weight")
+        assert b + "embed_tokens.weight" in t and b + "shared_head_head.weight" in t  # GLM-4.5's own tables
+        emb = rms(torch.from_numpy(t[b + "embed_tokens.weight"])[ids[1:]], b + "enorm.weight")
         x = (
             torch.cat((emb, rms(ref_hidden[:-1], b + "hnorm.weight")), -1)
             @ torch.from_numpy(t[b + "eh_proj.weight"]).T
@@ -159,7 +160,7 @@ def test_glm4moe_nextn_draft_block_matches_transformers_layers(tmp_path: Path) -
         pe = hf.model.rotary_emb(x[None], pos)
         y = hf.model.layers[n](x[None], attention_mask=mask, position_ids=pos, position_embeddings=pe)
         y = y[0] if isinstance(y, tuple) else y
-        ref = hf.lm_head(rms(y[0], b + "shared_head_norm.weight"))
+        ref = rms(y[0], b + "shared_head_norm.weight") @ torch.from_numpy(t[b + "shared_head_head.weight"]).T
     del out
     assert _cos(logits, ref) >= 0.9999
     assert (logits - ref).abs().max().item() <= 1e-3

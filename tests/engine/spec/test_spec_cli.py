@@ -40,6 +40,17 @@ def test_generate_with_spec(tiny_models: dict[str, Path]) -> None:
     assert "drafts kept" in err4 and "drafts kept" not in err0
 
 
+def test_generate_with_the_draft_layer(tiny_models: dict[str, Path]) -> None:
+    """`--mtp` (alone: required) drafts from GLM's nextn layer: the same text, and drafts were proposed."""
+    _, plain, _ = _generate(tiny_models["glm4moe"])
+    rc, drafted, err = _generate(tiny_models["glm4moe"], "--spec", "4", "--suffix-draft", "0", "--mtp")
+    assert rc == 0 and drafted == plain
+    proposed = int(err.split("drafts kept ")[1].split(" of ")[1].split(",")[0])
+    assert proposed > 0
+    rc, _, err = _generate(tiny_models["qwen2"], "--spec", "4", "--mtp")
+    assert rc == 1 and "--mtp 1: the model has no draft layer" in err
+
+
 def test_generate_refuses_bad_window_options(tiny_models: dict[str, Path]) -> None:
     rc, _, err = _generate(tiny_models["qwen2"], "--spec", "4", "--pipeline-windows", "1")
     assert rc == 1 and "--pipeline-windows 1: use 0 (off) or 2" in err
@@ -51,23 +62,33 @@ def test_serve_refuses_bad_spec(capsys: pytest.CaptureFixture[str]) -> None:
     args = build_parser().parse_args(["serve", "--spec", "99"])
     assert cmd_serve(args) == 2
     assert "--spec 99: give the drafted tokens per window, 0 (off) to 32" in capsys.readouterr().err
-    args = build_parser().parse_args(
-        ["serve", "--spec", "4", "--suffix-draft", "0", "--pipeline-windows", "2"]
+    args = build_parser().parse_args(["serve", "--mtp", "1"])
+    assert cmd_serve(args) == 2
+    assert (
+        "--mtp 1 drafts with the model's draft layer in verify windows: give --spec N"
+        in capsys.readouterr().err
     )
-    assert (args.spec, args.suffix_draft, args.pipeline_windows) == (4, 0, 2)
+    args = build_parser().parse_args(
+        ["serve", "--spec", "4", "--suffix-draft", "0", "--pipeline-windows", "2", "--mtp", "0"]
+    )
+    assert (args.spec, args.suffix_draft, args.pipeline_windows, args.mtp) == (4, 0, 2, "0")
 
 
-def test_serve_with_spec(tiny_models: dict[str, Path]) -> None:
+@pytest.mark.parametrize(
+    ("arch", "flags"),
+    [("qwen2", ("--spec", "4")), ("glm4moe", ("--spec", "4", "--suffix-draft", "0", "--mtp", "1"))],
+)
+def test_serve_with_spec(tiny_models: dict[str, Path], arch: str, flags: tuple[str, ...]) -> None:
     """A server started with --spec 4 answers greedy completions with the tokens of decoding without drafts, and
-    reports the drafts in its timings."""
+    reports the drafts in its timings (GLM: drafts from its draft layer only)."""
     prompt = "one two three four, one two three four, one two three"
-    lm = load_model(tiny_models["qwen2"], "cpu", "f32")
+    lm = load_model(tiny_models[arch], "cpu", "f32")
     ids = lm.tokenizer.encode(prompt, add_special=True, parse_special=True)
     req = GenerationRequest(ids, max_tokens=16, sampling=GREEDY, ignore_eos=True)
     plain = [e for e in Runner(lm.model, lm.tokenizer, 256, "f32").generate(req) if isinstance(e, DoneEvent)]
-    srv = start_server(tiny_models["qwen2"], "--device", "cpu", "--threads", "1", "--spec", "4")
+    srv = start_server(tiny_models[arch], "--device", "cpu", "--threads", "1", *flags)
     try:
-        body = {"model": "qwen2", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        body = {"model": arch, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
         r = srv.post("/v1/completions", body)
         assert r.status_code == 200, r.text
         out = r.json()
@@ -77,3 +98,5 @@ def test_serve_with_spec(tiny_models: dict[str, Path]) -> None:
     t = out["timings"]
     assert 0 <= t["draft_n_accepted"] <= t["draft_n"]
     assert t["predicted_n"] == 16
+    if "--mtp" in flags:
+        assert t["draft_n"] > 0

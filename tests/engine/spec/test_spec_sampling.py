@@ -8,8 +8,9 @@ import numpy as np
 import torch
 
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.mtp import draft_layer_of
 from engine.pipeline.sampling import Sampler, SamplingParams
-from engine.pipeline.spec import Draft, DraftLayerSource, SpecConfig, draft_layer_of, verify
+from engine.pipeline.spec import Draft, SpecConfig, verify
 from engine.testing.tokenizer_fixture import tiny_bpe_metadata
 from engine.tokenizer import Tokenizer
 from tests.engine.spec.toys import BigramToy
@@ -98,17 +99,3 @@ def test_sequences_through_runner_keep_the_law() -> None:
         accepted += done.timings.drafts_accepted
     assert _chi2_pvalue(counts, expected) > ALPHA
     assert 0 < accepted < proposed  # the draft law differs: some drafts kept, some not
-
-
-def test_draft_layer_chain_positions() -> None:
-    """The draft layer reads the token decided last at its own position and chains from there; a pending guessed
-    window is read through first."""
-    toy = BigramToy(torch.zeros(4, 4), torch.eye(4)[[1, 2, 3, 0]] * 5)  # the draft layer predicts t+1 mod 4
-    src = DraftLayerSource(toy, Sampler(SamplingParams(temperature=0.0)))
-    src.reset([0, 1, 2])
-    assert src.propose([3], 3) == Draft([0, 1, 2])
-    assert toy.draft_calls == [(3, 3), (0, 4), (1, 5)]
-    src.commit([3, 0])
-    toy.draft_calls.clear()
-    assert src.propose([1, 2], 2).tokens == [3, 0]
-    assert toy.draft_calls == [(1, 5), (2, 6), (3, 7)]

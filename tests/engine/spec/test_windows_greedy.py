@@ -9,19 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.gguf.reader import GGUFFile
 from engine.loader import load_model
-from engine.models.registry import config_for, model_class
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.sampling import GREEDY, Sampler
 from engine.pipeline.spec import DraftSource, SpecConfig
-from engine.pipeline.split import SplitOptions, load_split_model
-from engine.pipeline.stages import LocalStage, SplitModel
-from engine.testing.tiny_models import ARCHITECTURES
 from engine.testing.tokenizer_fixture import tiny_bpe_metadata
 from engine.tokenizer import Tokenizer
 from tests.engine.spec.conftest import EVERY_ARCHITECTURE
-from tests.engine.spec.toys import BigramToy, ScriptedDraft, reference_greedy
+from tests.engine.spec.toys import BigramToy, ScriptedDraft, reference_greedy, two_stage_split
 
 BASE = [5, 9, 33, 71, 120, 200, 7, 64, 3, 11]
 REPETITIVE = BASE * 2  # the lookup finds the prompt's own tail earlier in it
@@ -50,21 +45,6 @@ def _lookup_must_draft(truth: list[int], start: int) -> bool:
 
 def _scripted(truth: list[int], vocab: int, wrong_every: int) -> Drafts:
     return lambda sampler: ScriptedDraft(truth, vocab, wrong_every)
-
-
-def _split(path: Path, arch: str, k: int) -> SplitModel:
-    """Two CPU stages: through the split loader for the shared decoder, from the family's own class otherwise."""
-    if arch in ARCHITECTURES:
-        model = load_split_model(path, SplitOptions(device="cpu", layer_split=(k,)), CTX, "f32", "f32").model
-        assert isinstance(model, SplitModel)
-        return model
-    gf = GGUFFile.open(path)
-    cfg = config_for(gf.architecture, gf.metadata, gf.tensors["token_embd.weight"].shape[0])
-    cls = model_class(gf.architecture)
-    assert cls is not None
-    first = cls(cfg, gf, layers=range(0, k), embed=True, head=False)
-    last = cls(cfg, gf, layers=range(k, cfg.n_layer), embed=False, head=True)
-    return SplitModel(cfg, [LocalStage(first, "CPU"), LocalStage(last, "CPU")])
 
 
 @pytest.mark.parametrize("arch", EVERY_ARCHITECTURE)
@@ -99,7 +79,7 @@ def test_two_stage_split(tiny_models: dict[str, Path], arch: str) -> None:
     ref_model = load_model(path, "cpu", "f32")
     ref = reference_greedy(ref_model.model, REPETITIVE, N, CTX)
     truth = REPETITIVE + ref
-    sm = _split(path, arch, ref_model.config.n_layer // 2)
+    sm = two_stage_split(path, arch, ref_model.config.n_layer // 2, CTX)
     assert len(sm.stages) == 2
     tok = ref_model.tokenizer
     vocab = ref_model.config.n_vocab
