@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.node.keys import write_private_text
+from engine.private_file import write_private_text
 
 if TYPE_CHECKING:
     from engine.gguf.reader import GGUFFile

@@ -9,15 +9,15 @@ import base64
 import hashlib
 import hmac
 import json
-import os
 import secrets
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.utils.z85
+
+from engine.private_file import write_private_text
 
 # Pairing codes avoid characters that read alike (0/O, 1/I/L).
 CODE_ALPHABET = "23456789ABCDEFGHJKMNPQRSTUVWXYZ"
@@ -88,23 +88,6 @@ def codes_equal(expected: str, given: str) -> bool:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Files
-
-
-def write_private_text(path: Path, text: str) -> None:
-    """Replace `path` atomically with text readable by this user only (0600 where the OS has modes)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        if hasattr(os, "fchmod"):
-            os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_certificate(path: Path, keys: KeyPair, note: str = "PolyStrata key") -> Path:
