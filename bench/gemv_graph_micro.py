@@ -117,9 +117,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--tuned", help="write the best launch per type and class (gemv_tuned.json format)")
+    ap.add_argument("--shapes", help="comma-separated subset of: " + ", ".join(s[0] for s in SHAPES))
     a = ap.parse_args()
     rows: list[dict] = []
     for shape in SHAPES:
+        if a.shapes and shape[0] not in a.shapes.split(","):
+            continue
         rows += _measure(*shape)
         torch.cuda.empty_cache()
     best: dict[str, dict] = {}

@@ -54,7 +54,7 @@ class ModelIdentity:
 
     @classmethod
     def of(cls, gf: GGUFFile, cfg: ModelConfig) -> ModelIdentity:
-        from engine.link.remote import header_digest
+        from engine.gguf.digest import header_digest
 
         return cls(cfg.arch, cfg.n_layer, cfg.n_expert, header_digest(gf))
 

@@ -12,8 +12,8 @@ import torch
 
 from engine.cli import main
 from engine.experts.profile import load_profile, profile_location
+from engine.gguf.digest import header_digest
 from engine.gguf.reader import GGUFFile
-from engine.link.remote import header_digest
 from engine.models.registry import config_for
 from engine.pipeline import split as split_mod
 from engine.pipeline.split import SplitOptions, load_split_model

@@ -4,8 +4,8 @@ with --profile-every 0; the next start reads it back."""
 import json
 from pathlib import Path
 
+from engine.gguf.digest import header_digest
 from engine.gguf.reader import GGUFFile
-from engine.link.remote import header_digest
 from tests.engine.serve.harness import start_server
 
 TOP_K, LAYERS = 2, 2  # the tiny qwen3moe model's
