@@ -33,7 +33,7 @@ def measure_prompt(model, n: int, reps: int, chunk: int) -> float:
         _sync()
         t = time.perf_counter()
         for s in range(0, n, chunk):
-            model.forward(ids[s : s + chunk], cache, s)
+            model.forward(ids[s : s + chunk], cache, s, last_only=True)  # as the Runner reads a prompt
         _sync()
         best = max(best, n / (time.perf_counter() - t))
         del cache

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.kernels.gemv import KERNEL_TYPES, gemv, moe_down_combine, moe_gemv
 
 LAYERS, E, TOPK, D, F = 48, 128, 8, 2048, 768
-VARIANTS = {"Q4_K": (0,), "Q6_K": (1,), "F32": (6,)}
+VARIANTS = {"Q4_K": (0, 5), "Q6_K": (1,), "F32": (6,)}
 SHAPES = [  # name, type, rows, cols, kind
     ("qkv", "Q4_K", 5120, 2048, "dense"),
     ("o", "Q4_K", 2048, 4096, "dense"),
@@ -61,7 +61,9 @@ def _graph_us(fn: Callable[[int], object], layers: int) -> float:
     return start.elapsed_time(end) * 1e3 / (10 * layers)
 
 
-def _measure(name: str, tname: str, n: int, k: int, kind: str) -> list[dict]:
+def _measure(
+    name: str, tname: str, n: int, k: int, kind: str, variants: set[int] | None = None, quick: bool = False
+) -> list[dict]:
     """Every variant and launch shape of one matrix shape."""
     rows: list[dict] = []
     qt = QT[tname]
@@ -97,8 +99,13 @@ def _measure(name: str, tname: str, n: int, k: int, kind: str) -> list[dict]:
                                 launch=lc, variant=v)  # fmt: skip
             return moe_down_combine(tables[i], qt, rb, ids[i], wts, x, res, n, k, launch=lc, variant=v)
 
+    launches = LAUNCH_HEAD if name == "head" else LAUNCH
+    if quick:
+        launches = [lc for lc in launches if lc[0] > 1 and lc[1] > 2]
     for v in VARIANTS[tname]:
-        for lc in LAUNCH_HEAD if name == "head" else LAUNCH:
+        if variants is not None and v not in variants:
+            continue
+        for lc in launches:
             row = {"shape": name, "type": tname, "kind": kind, "variant": v, "launch": list(lc)}
             try:
                 us = _graph_us(lambda i, lc=lc, v=v: call(i, lc, v), layers)
@@ -118,12 +125,17 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--tuned", help="write the best launch per type and class (gemv_tuned.json format)")
     ap.add_argument("--shapes", help="comma-separated subset of: " + ", ".join(s[0] for s in SHAPES))
+    ap.add_argument(
+        "--variants", help="comma-separated kernel variants to measure (default: all of the type's)"
+    )
+    ap.add_argument("--quick", action="store_true", help="fewer launch shapes (12 a variant)")
     a = ap.parse_args()
     rows: list[dict] = []
     for shape in SHAPES:
         if a.shapes and shape[0] not in a.shapes.split(","):
             continue
-        rows += _measure(*shape)
+        chosen = {int(v) for v in a.variants.split(",")} if a.variants else None
+        rows += _measure(*shape, variants=chosen, quick=a.quick)
         torch.cuda.empty_cache()
     best: dict[str, dict] = {}
     for r in rows:

@@ -28,7 +28,19 @@ KERNEL_TYPES: dict[QT, tuple[int, int, int]] = {
 
 
 # Other kernel bodies for a block type, chosen per launch class by the tuning file.
-_VARIANTS: dict[QT, tuple[int, ...]] = {QT.Q4_K: (0,), QT.Q6_K: (1,), QT.F32: (6,)}
+_VARIANTS: dict[QT, tuple[int, ...]] = {QT.Q4_K: (0, 5), QT.Q6_K: (1,), QT.F32: (6,)}
+
+
+@triton.jit
+def k_scales(base, j, mask):
+    """The 6-bit scale and min of sub-block `j` (0..7) of the Q4_K/Q5_K super-blocks at `base` (uint8 pointers;
+    j broadcasts against them), as float32."""
+    a = tl.load(base + 4 + j, mask=mask, other=0).to(tl.int32)
+    b = tl.load(base + 8 + j, mask=mask, other=0).to(tl.int32)
+    c = tl.load(base + 4 + tl.where(j >= 4, j - 4, j), mask=mask, other=0).to(tl.int32)
+    sc = tl.where(j < 4, a & 63, (b & 15) | ((c >> 6) << 4))
+    mn = tl.where(j < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
@@ -58,18 +70,40 @@ def _row_dot(w_rows, x_rows, K, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexp
             base = w4 + sbi * 144
             d = tl.load((base).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
             dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
-            a = tl.load(base + 4 + j4, mask=bm, other=0).to(tl.int32)
-            b = tl.load(base + 8 + j4, mask=bm, other=0).to(tl.int32)
-            c = tl.load(base + 4 + tl.where(j4 >= 4, j4 - 4, j4), mask=bm, other=0).to(tl.int32)
-            sc = tl.where(j4 < 4, a & 63, (b & 15) | ((c >> 6) << 4))
-            mn = tl.where(j4 < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
+            sc, mn = k_scales(base, j4, bm)
             qb = tl.load(base + 16 + 32 * (j4 // 2) + l4, mask=bm, other=0).to(tl.int32)
             q = tl.where(j4 % 2 == 1, qb >> 4, qb & 15)
-            w = d * sc.to(tl.float32) * q.to(tl.float32) - dmin * mn.to(tl.float32)
+            w = d * sc * q.to(tl.float32) - dmin * mn
             x = tl.load(x_rows[:, :, :, None] + sbi * 256 + j4 * 32 + l4, mask=sbi < nsb, other=0.0).to(
                 tl.float32
             )
             acc += tl.sum(tl.sum(tl.sum(w * x, axis=3), axis=2), axis=1)
+    elif QTYPE == 5:  # Q4_K reading each byte once: low nibbles are sub-block 2c, high nibbles 2c + 1
+        s4 = tl.arange(0, SB)[None, :, None, None]
+        c4 = tl.arange(0, 4)[None, None, :, None]
+        l4 = tl.arange(0, 32)[None, None, None, :]
+        m4 = nmask[:, None, None, None]
+        w4 = w_rows[:, :, :, None]
+        x4 = x_rows[:, :, :, None]
+        nsb = K // 256
+        for step in range(0, tl.cdiv(nsb, SB)):
+            sbi = step * SB + s4
+            bm = m4 & (sbi < nsb)
+            base = w4 + sbi * 144  # [BN, SB, 1, 1]
+            d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+            dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+            sc_lo, mn_lo = k_scales(base, 2 * c4, bm)  # [BN, SB, 4, 1]
+            sc_hi, mn_hi = k_scales(base, 2 * c4 + 1, bm)
+            qb = tl.load(base + 16 + 32 * c4 + l4, mask=bm, other=0).to(tl.int32)  # [BN, SB, 4, 32]
+            xm = sbi < nsb
+            xl = tl.load(x4 + sbi * 256 + 64 * c4 + l4, mask=xm, other=0.0).to(tl.float32)
+            xh = tl.load(x4 + sbi * 256 + 64 * c4 + 32 + l4, mask=xm, other=0.0).to(tl.float32)
+            dot_lo = tl.sum((qb & 15).to(tl.float32) * xl, axis=3)[:, :, :, None]
+            dot_hi = tl.sum((qb >> 4).to(tl.float32) * xh, axis=3)[:, :, :, None]
+            sum_lo = tl.sum(xl, axis=3)[:, :, :, None]
+            sum_hi = tl.sum(xh, axis=3)[:, :, :, None]
+            part = d * (sc_lo * dot_lo + sc_hi * dot_hi) - dmin * (mn_lo * sum_lo + mn_hi * sum_hi)
+            acc += tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
     elif QTYPE == 6:  # float32 rows (the MoE router)
         k3 = tl.arange(0, 256 * SB)[None, None, :]
         m3k = nmask[:, None, None]
@@ -108,15 +142,11 @@ def _row_dot(w_rows, x_rows, K, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexp
             base = w_rows + sb * 176
             d = tl.load((base).to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
             dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
-            a = tl.load(base + 4 + j, mask=m3, other=0).to(tl.int32)
-            b = tl.load(base + 8 + j, mask=m3, other=0).to(tl.int32)
-            c = tl.load(base + 4 + tl.where(j >= 4, j - 4, j), mask=m3, other=0).to(tl.int32)
-            sc = tl.where(j < 4, a & 63, (b & 15) | ((c >> 6) << 4))
-            mn = tl.where(j < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
+            sc, mn = k_scales(base, j, m3)
             qb = tl.load(base + 48 + 32 * (j // 2) + l32, mask=m3, other=0).to(tl.int32)
             qh = tl.load(base + 16 + l32, mask=m3, other=0).to(tl.int32)
             q = tl.where(j % 2 == 1, qb >> 4, qb & 15) + (((qh >> j) & 1) << 4)
-            w = d * sc.to(tl.float32) * q.to(tl.float32) - dmin * mn.to(tl.float32)
+            w = d * sc * q.to(tl.float32) - dmin * mn
             x = tl.load(x_rows + sb * 256 + j * 32 + l32).to(tl.float32)
             acc += tl.sum(tl.sum(w * x, axis=2), axis=1)
     elif QTYPE == 2:  # Q8_0: d (f16) + 32 int8, eight blocks a step
@@ -262,9 +292,9 @@ def _moe_gemv_combine_kernel(
 
 
 _BLOCK_N = 16
-# Launch shapes per block type and size class ("small": up to 8192 rows, "large": more), measured by
-# bench/gemv_micro.py on the GPU and kept in gemv_tuned.json beside this file: [rows a program, Q4_K super-blocks
-# a step, warps]. STRATA_GEMV_TUNED names another file.
+# Launch shapes per block type and class (see _config), measured by bench/gemv_graph_micro.py on the GPU and kept in
+# gemv_tuned.json beside this file: [rows a program, super-blocks a step, warps, kernel variant].
+# STRATA_GEMV_TUNED names another file.
 _TUNED_FILE = Path(os.environ.get("STRATA_GEMV_TUNED") or Path(__file__).with_name("gemv_tuned.json"))
 
 

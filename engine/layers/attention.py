@@ -32,6 +32,9 @@ def causal_mask(q_pos: torch.Tensor, k_len: int, window: int) -> torch.Tensor:
     return allowed
 
 
+_SCORE_ELEMS = 1 << 27  # 512 MB of float32 scores
+
+
 def attention(
     q: torch.Tensor,  # [T, H, Dk]
     k: torch.Tensor,  # [S, Hkv, Dk]
@@ -40,8 +43,15 @@ def attention(
     scale: float,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """-> [T, H, Dv]"""
-    n_head, n_kv = q.shape[1], k.shape[1]
+    """-> [T, H, Dv]. Long prompt chunks go in slices of query rows, so that a kernel that materialises the
+    [H, T, S] scores (the masked, grouped case) holds at most ~_SCORE_ELEMS of them at once."""
+    t, n_head, s = q.shape[0], q.shape[1], k.shape[0]
+    rows = max(1, _SCORE_ELEMS // (n_head * s))
+    if t > rows:
+        return torch.cat(
+            [attention(q[a : a + rows], k, v, mask[a : a + rows], scale, softcap) for a in range(0, t, rows)]
+        )
+    n_kv = k.shape[1]
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, S, D]
     if softcap <= 0:
         out = F.scaled_dot_product_attention(

@@ -107,7 +107,8 @@ def moe_forward_cached(
     counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE block with the experts of an `ExpertCache` (CUDA). Decode-sized inputs run two fused kernels that
-    read each selected expert wherever the cache's table says it is; prompt chunks run expert by expert."""
+    read each selected expert wherever the cache's table says it is; prompt chunks run grouped matrix multiplies on
+    tensor cores through the same tables (block types without a tile kernel: expert by expert)."""
     le = cache.layers[layer]
     w, ids = route_and_count(x, le.router, k, norm, counts)  # [T, k]
     t, d = x.shape
@@ -118,6 +119,17 @@ def moe_forward_cached(
 
         h = moe_gemv(le.gate.table, g.qtype, g.raw.shape[-1], ids, x, f, d, k, up_table=le.up.table, act=act)
         y = moe_gemv(le.down.table, dn.qtype, dn.raw.shape[-1], ids, h, d, f, k, x_per_slot=True)  # [T*k, D]
+        return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
+    if _grouped_ok(g.qtype, u.qtype, dn.qtype, d, f):  # a prompt chunk: one grouped launch a projection
+        from engine.kernels.moe_gemm import Blocks, moe_gemm
+
+        blocks = Blocks(ids, le.router.shape[0])
+        s = t * k
+        h = moe_gemm(blocks, le.gate.table, g.qtype, g.raw.shape[-1], x, f, d, k, s, up_table=le.up.table, act=act,
+                     out_dtype=x.dtype)  # fmt: skip
+        y = moe_gemm(
+            blocks, le.down.table, dn.qtype, dn.raw.shape[-1], h, d, f, k, s, x_per_slot=True
+        )  # [S, D]
         return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
     experts: dict[int, ExpertWeights] = {}
 
@@ -130,6 +142,14 @@ def moe_forward_cached(
 
 
 _FUSED_MAX_ROWS = 8
+
+
+def _grouped_ok(gate: QT, up: QT, down: QT, d: int, f: int) -> bool:
+    try:
+        from engine.kernels.moe_gemm import supports
+    except ImportError:
+        return False
+    return gate == up and supports(gate, d) and supports(down, f)
 
 
 def _fused_ok(gate: QT, up: QT, down: QT, d: int, f: int) -> bool:

@@ -328,10 +328,10 @@ class FamilyLM:
         h = self.token_embd.rows(tokens, torch.float32)
         return h * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else h
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """hidden [T, D] -> logits [T, V] float32"""
+    def head(self, h: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """hidden [T, D] -> logits [T, V] float32 ([1, V], the last row's, with `last_only`)"""
         assert self.output is not None and self.output_norm is not None
-        x = self.norm(h.float(), self.output_norm, self.dtype)
+        x = self.norm(h[-1:].float() if last_only else h.float(), self.output_norm, self.dtype)
         return self.output.linear(x).float()
 
     def layer(self, i: int, h: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
@@ -339,26 +339,33 @@ class FamilyLM:
         pos = torch.arange(start, start + h.shape[0], device=h.device)
         return self.layer_at(i, h, cache, pos, start + h.shape[0])
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        """A whole-model step: tokens [T] -> logits [T, V]; the cache then holds start+T positions."""
-        logits = self._step(tokens, cache, start)
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache, start: int, last_only: bool = False
+    ) -> torch.Tensor:
+        """A whole-model step: tokens [T] -> logits [T, V] ([1, V] with `last_only`); the cache then holds
+        start+T positions."""
+        logits = self._step(tokens, cache, start, last_only)
         cache.length = start + tokens.shape[0]
         return logits
 
-    def _step(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+    def _step(
+        self, tokens: torch.Tensor, cache: KVCache, start: int, last_only: bool = False
+    ) -> torch.Tensor:
         t = tokens.shape[0]
         if t == 1 and self.graphs is not None and self.graphs.usable:
             return self.graphs.step(tokens, cache, start)
         pos = torch.arange(start, start + t, device=self.device)
-        return self.forward_at(tokens.to(self.device), cache, pos, start + t)
+        return self.forward_at(tokens.to(self.device), cache, pos, start + t, last_only)
 
-    def forward_at(self, tokens: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int) -> torch.Tensor:
+    def forward_at(
+        self, tokens: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int, last_only: bool = False
+    ) -> torch.Tensor:
         """tokens [T] at device positions `pos` -> logits [T, V]; capturable in a CUDA graph."""
         h = self.embed(tokens)
         masks = {w: causal_mask(pos, span, w) for w in self._windows()}
         for i in self.layer_range:
             h = self.layer_at(i, h, cache, pos, span, masks)
-        return self.head(h)
+        return self.head(h, last_only)
 
     def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
         c = self.cfg

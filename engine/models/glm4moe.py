@@ -205,7 +205,7 @@ class Glm4MoeLM(FamilyLM):
     def draft_layer_count(self) -> int:
         return len(self.nextn)
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
+    def head(self, h: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """hidden [T, D] -> logits [T, V] float32; with a draft block, the normed rows are kept for it."""
         assert self.output is not None and self.output_norm is not None
         x = self.norm(h.float(), self.output_norm, self.dtype)  # [T, D]
@@ -216,7 +216,7 @@ class Glm4MoeLM(FamilyLM):
                 if sum(r.shape[0] for r in self._rows) + x.shape[0] > _MAX_KEPT:
                     self._rows.clear()  # forwards outside a request's decode, which nobody took
                 self._rows.append(x)
-        return self.output.linear(x).float()
+        return self.output.linear(x[-1:] if last_only else x).float()  # the draft block kept every row
 
     def take_head_rows(self, n: int) -> torch.Tensor:
         """The first n rows the head read since the last take (after the output norm, what it multiplies), float32

@@ -293,18 +293,20 @@ class Qwen3NextLM(FamilyLM):
 
     # ---- the sequence ----
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        """tokens [T] at positions start.. -> logits [T, V]. Positions the recurrent state lost to a truncation
-        (see RecurrentCache) are read again first."""
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache, start: int, last_only: bool = False
+    ) -> torch.Tensor:
+        """tokens [T] at positions start.. -> logits [T, V] ([1, V] with `last_only`). Positions the recurrent
+        state lost to a truncation (see RecurrentCache) are read again first."""
         if not isinstance(cache, RecurrentCache):
             raise TypeError("qwen3next needs the RecurrentCache its new_cache makes")
         replay = cache.replay_from(start)
         at = cache.state_pos
         for a in range(0, len(replay), REPLAY_CHUNK):
             part = replay[a : a + REPLAY_CHUNK]
-            self._step(torch.tensor(part, dtype=torch.long), cache, at + a)
+            self._step(torch.tensor(part, dtype=torch.long), cache, at + a, last_only=True)
             cache.advance(at + a, part)
-        logits = self._step(tokens, cache, start)
+        logits = self._step(tokens, cache, start, last_only)
         cache.advance(start, [int(x) for x in tokens.tolist()])
         if tokens.shape[0] > 1:
             cache.checkpoint()

@@ -1,5 +1,6 @@
 """The one generation stream: a generator of typed events that the server, the CLI and the worker all consume."""
 
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -149,6 +150,8 @@ class Runner:
         drafts: Callable[[Sampler], DraftSource | None] | None = None,
     ) -> None:
         self.model = model
+        # A prompt chunk needs only its last row's logits; models that can skip the others say so.
+        self._last_only = "last_only" in inspect.signature(model.forward).parameters
         self.spec = spec or SpecConfig()
         # A request's draft source; by default the ones `spec` names (earlier context, the model's draft layer).
         self.drafts = drafts or (lambda sampler: draft_sources(model, self.spec, sampler, self.cache))
@@ -236,7 +239,9 @@ class Runner:
         while pos < len(prompt):
             chunk = prompt[pos : pos + self.prefill_chunk]
             c0 = time.perf_counter()
-            logits = self.model.forward(torch.tensor(chunk, dtype=torch.long), self.cache, pos)  # type: ignore[attr-defined]
+            ids = torch.tensor(chunk, dtype=torch.long)
+            kw = {"last_only": True} if self._last_only else {}
+            logits = self.model.forward(ids, self.cache, pos, **kw)  # type: ignore[attr-defined]
             windows.read(chunk)  # a draft layer takes the chunk's hidden states now, before the next forward
             self._sync()
             self.cached_tokens.extend(chunk)

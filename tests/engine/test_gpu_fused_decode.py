@@ -140,7 +140,7 @@ def test_fused_decode_gives_the_general_paths_tokens(tmp_path: Path, arch: str, 
     assert _cos(bf, bg) >= 0.999
 
 
-@pytest.mark.parametrize("qtype,variant", [("Q4_K", 0), ("Q6_K", 1), ("F32", 6)])
+@pytest.mark.parametrize("qtype,variant", [("Q4_K", 0), ("Q4_K", 5), ("Q6_K", 1), ("F32", 6)])
 @pytest.mark.parametrize("sb", [1, 2, 4])
 def test_every_kernel_body_matches_dequantize(qtype: str, variant: int, sb: int) -> None:
     """The tuning file may pick any body for a block type: each must compute the same product, dense and routed."""
@@ -174,3 +174,36 @@ def test_every_kernel_body_matches_dequantize(qtype: str, variant: int, sb: int)
     want = torch.stack([r[t] + sum(wt[t, j] * (xs[2 * t + j] @ deq[int(ids[t, j])].T) for j in range(2))
                         for t in range(2)])  # fmt: skip
     assert _cos(got, want) >= 0.99999
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_expert_gemm_matches_dequantize(qtype: str, dtype: torch.dtype) -> None:
+    """The prompt path's grouped kernel: every slot's expert product, experts in VRAM and in pinned host memory,
+    uneven expert loads (one expert with more rows than a block, others with none)."""
+    from engine.kernels.moe_gemm import Blocks, moe_gemm
+
+    qt = QT[qtype]
+    n, k, e, t, topk = 200, 768, 6, 90, 3
+    gs = [torch.from_numpy(random_blocks(qt, n, k, seed=60 + i)) for i in range(e)]
+    us = [torch.from_numpy(random_blocks(qt, n, k, seed=70 + i)) for i in range(e)]
+    gs = [w.cuda() if i % 2 else w.pin_memory() for i, w in enumerate(gs)]
+    us = [w.cuda() for w in us]
+    gt = torch.tensor([w.data_ptr() for w in gs], device="cuda")
+    ut = torch.tensor([w.data_ptr() for w in us], device="cuda")
+    ids = torch.stack([torch.tensor([0, 1 + i % 2, 3]) for i in range(t)]).cuda()  # 2, 4 and 5 unused
+    x = torch.randn(t, k, device="cuda").to(dtype)
+    blocks = Blocks(ids, e)
+    y = moe_gemm(blocks, gt, qt, gs[0].shape[1], x, n, k, topk, t * topk, up_table=ut, act="silu")
+    dg = [dequantize(w.cuda(), qt) for w in gs]
+    du = [dequantize(w, qt) for w in us]
+    xf = x.float()
+    ref = torch.stack([torch.nn.functional.silu(xf[i] @ dg[j].T) * (xf[i] @ du[j].T)
+                       for i in range(t) for j in ids[i].tolist()])  # fmt: skip
+    assert _cos(y, ref) >= (0.99999 if dtype == torch.float32 else 0.999)
+    xs = torch.randn(t * topk, k, device="cuda").to(dtype)
+    y2 = moe_gemm(blocks, gt, qt, gs[0].shape[1], xs, n, k, topk, t * topk, x_per_slot=True)
+    ref2 = torch.stack(
+        [xs[i * topk + j].float() @ dg[int(ids[i, j])].T for i in range(t) for j in range(topk)]
+    )
+    assert _cos(y2, ref2) >= (0.99999 if dtype == torch.float32 else 0.999)

@@ -42,8 +42,8 @@ def _script_reply(service: EngineService, monkeypatch: pytest.MonkeyPatch) -> li
     assert tok.token_id("<|im_end|>") is None  # the marker is text here, not an end-of-generation token
     real, steps = model.forward, {"n": 0}
 
-    def scripted(tokens: torch.Tensor, cache: object, start: int) -> torch.Tensor:
-        logits = real(tokens, cache, start)
+    def scripted(tokens: torch.Tensor, cache: object, start: int, **kw: bool) -> torch.Tensor:
+        logits = real(tokens, cache, start, **kw)
         if tokens.shape[0] == 1:
             steps["n"] += 1
         out = torch.full_like(logits, -1e4)

@@ -1,0 +1,190 @@
+"""Grouped MoE matrix multiply for prompt chunks: every routed expert of a layer in one launch per projection, on
+tensor cores, dequantizing each expert's GGUF blocks tile by tile in registers.
+
+The (token, slot) pairs of a chunk are sorted by expert on the device and cut into blocks of BLOCK_M rows of one
+expert; each program multiplies one block by one BLOCK_N-row tile of that expert's weight, reading the weight
+through the expert cache's address table (a VRAM slot, or pinned host memory over PCIe). No host synchronisation
+and no dequantized copy of any expert: the chunk's routing decides the work on the device."""
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType as QT
+
+from engine.kernels.gemv import k_scales
+
+# Block types with a tile dequantizer here (K a multiple of 256): id as in engine.kernels.gemv.
+TILE_TYPES = {QT.Q4_K: 0, QT.Q6_K: 1, QT.Q8_0: 2, QT.Q4_0: 3, QT.Q5_K: 4}
+
+
+@triton.jit
+def _deq_tile(w_rows, sb, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Elements sb*256 .. sb*256+255 of the BLOCK_N rows at uint8 pointers `w_rows` [BLOCK_N, 1, 1] -> float32
+    [BLOCK_N, 256] (rows off `nmask` read as zero)."""
+    m3 = nmask[:, None, None]
+    j = tl.arange(0, 8)[None, :, None]  # 32-element sub-block (or Q8_0/Q4_0 block) within the 256
+    l32 = tl.arange(0, 32)[None, None, :]
+    if QTYPE == 0:  # Q4_K
+        base = w_rows + sb * 144
+        d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
+        dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
+        sc, mn = k_scales(base, j, m3)
+        qb = tl.load(base + 16 + 32 * (j // 2) + l32, mask=m3, other=0).to(tl.int32)
+        q = tl.where(j % 2 == 1, qb >> 4, qb & 15).to(tl.float32)
+        w = d * sc * q - dmin * mn
+    elif QTYPE == 4:  # Q5_K: Q4_K plus a high bit per element
+        base = w_rows + sb * 176
+        d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
+        dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
+        sc, mn = k_scales(base, j, m3)
+        qb = tl.load(base + 48 + 32 * (j // 2) + l32, mask=m3, other=0).to(tl.int32)
+        qh = tl.load(base + 16 + l32, mask=m3, other=0).to(tl.int32)
+        q = (tl.where(j % 2 == 1, qb >> 4, qb & 15) + (((qh >> j) & 1) << 4)).to(tl.float32)
+        w = d * sc * q - dmin * mn
+    elif QTYPE == 1:  # Q6_K: element 128h + 32qq + l
+        h4 = tl.arange(0, 2)[None, :, None, None]
+        q4 = tl.arange(0, 4)[None, None, :, None]
+        l4 = tl.arange(0, 32)[None, None, None, :]
+        base = w_rows[:, :, :, None] + sb * 210
+        m4 = nmask[:, None, None, None]
+        d = tl.load((base + 208).to(tl.pointer_type(tl.float16)), mask=m4, other=0.0).to(tl.float32)
+        ql = tl.load(base + 64 * h4 + 32 * (q4 % 2) + l4, mask=m4, other=0).to(tl.int32)
+        qh = tl.load(base + 128 + 32 * h4 + l4, mask=m4, other=0).to(tl.int32)
+        lo = tl.where(q4 >= 2, ql >> 4, ql & 15)
+        q = ((lo | (((qh >> (2 * q4)) & 3) << 4)) - 32).to(tl.float32)
+        s8 = tl.load((base + 192 + 8 * h4 + l4 // 16 + 2 * q4).to(tl.pointer_type(tl.int8)), mask=m4, other=0)
+        w = d * s8.to(tl.float32) * q
+    elif QTYPE == 2:  # Q8_0: eight 34-byte blocks
+        base = w_rows + (sb * 8 + j) * 34
+        d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
+        q = tl.load((base + 2 + l32).to(tl.pointer_type(tl.int8)), mask=m3, other=0).to(tl.float32)
+        w = d * q
+    else:  # Q4_0: eight 18-byte blocks
+        base = w_rows + (sb * 8 + j) * 18
+        d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
+        qb = tl.load(base + 2 + (l32 % 16), mask=m3, other=0).to(tl.int32)
+        w = d * (tl.where(l32 >= 16, qb >> 4, qb & 15) - 8).to(tl.float32)
+    return tl.reshape(w, [BLOCK_N, 256])
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    table_ptr,  # int64 [E]: address of each expert's first row
+    table2_ptr,  # int64 [E]: the up projection's (GLU)
+    row_bytes,
+    x_ptr,  # [T, K] (slots read their token's row) or [S, K] (X_PER_SLOT)
+    order_ptr,  # int64 [S]: slots sorted by expert
+    blk_expert_ptr,  # int64 [MAXB]
+    blk_start_ptr,  # int64 [MAXB]: first sorted position of the block
+    blk_end_ptr,  # int64 [MAXB]: one past its last
+    nblocks_ptr,  # int64 [1]: blocks in use
+    y_ptr,  # [S, N]
+    N,
+    K,
+    TOPK,
+    QTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    X_PER_SLOT: tl.constexpr,
+    GLU: tl.constexpr,  # 0: plain, 1: silu(gate) * up, 2: gelu_tanh(gate) * up
+    IEEE: tl.constexpr,  # float32 activations: no TF32 rounding
+):
+    b = tl.program_id(0)
+    pn = tl.program_id(1)
+    if b < tl.load(nblocks_ptr):
+        e = tl.load(blk_expert_ptr + b)
+        m = tl.load(blk_start_ptr + b) + tl.arange(0, BLOCK_M)
+        mm = m < tl.load(blk_end_ptr + b)
+        slot = tl.load(order_ptr + m, mask=mm, other=0)  # [BLOCK_M]
+        xrow = slot if X_PER_SLOT else slot // TOPK
+        n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < N
+        w_rows = (tl.load(table_ptr + e).to(tl.pointer_type(tl.uint8)) + n.to(tl.int64) * row_bytes)[
+            :, None, None
+        ]
+        u_rows = (tl.load(table2_ptr + e).to(tl.pointer_type(tl.uint8)) + n.to(tl.int64) * row_bytes)[
+            :, None, None
+        ]
+        k256 = tl.arange(0, 256)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for sb in range(0, K // 256):
+            xt = tl.load(
+                x_ptr + xrow[:, None].to(tl.int64) * K + sb * 256 + k256[None, :], mask=mm[:, None], other=0.0
+            )
+            wt = _deq_tile(w_rows, sb, nm, QTYPE, BLOCK_N)
+            if IEEE:
+                acc += tl.dot(xt, tl.trans(wt), input_precision="ieee")
+            else:
+                acc += tl.dot(xt, tl.trans(wt.to(xt.dtype)))
+            if GLU != 0:
+                ut = _deq_tile(u_rows, sb, nm, QTYPE, BLOCK_N)
+                if IEEE:
+                    acc2 += tl.dot(xt, tl.trans(ut), input_precision="ieee")
+                else:
+                    acc2 += tl.dot(xt, tl.trans(ut.to(xt.dtype)))
+        if GLU == 1:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc2
+        elif GLU == 2:
+            inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            acc = 0.5 * acc * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0)) * acc2
+        out = y_ptr + slot[:, None].to(tl.int64) * N + n[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+BLOCK_M, BLOCK_N = 64, 64
+
+
+def supports(qtype: QT, k: int) -> bool:
+    return qtype in TILE_TYPES and k % 256 == 0
+
+
+class Blocks:
+    """The chunk's (token, slot) pairs sorted by expert and cut into blocks of BLOCK_M rows of one expert: computed
+    on the device once per layer and used by the gate/up and the down launches."""
+
+    def __init__(self, ids: torch.Tensor, n_expert: int) -> None:
+        flat = ids.reshape(-1)  # [S]
+        s = flat.numel()
+        self.order = torch.argsort(flat, stable=True)  # [S]
+        counts = torch.bincount(flat, minlength=n_expert)  # [E]
+        nblk = (counts + BLOCK_M - 1) // BLOCK_M
+        cum_blk = torch.cumsum(nblk, 0)
+        cnt_first = torch.cumsum(counts, 0) - counts
+        self.max_blocks = triton.cdiv(s, BLOCK_M) + n_expert  # a bound known on the host: the launch grid
+        b = torch.arange(self.max_blocks, device=ids.device)
+        ex = torch.searchsorted(cum_blk, b, right=True).clamp_max(n_expert - 1)  # [MAXB]
+        self.expert = ex
+        self.start = cnt_first[ex] + (b - (cum_blk - nblk)[ex]) * BLOCK_M
+        self.end = torch.minimum(self.start + BLOCK_M, cnt_first[ex] + counts[ex])
+        self.nblocks = cum_blk[-1:]
+
+
+def moe_gemm(
+    blocks: Blocks,
+    table: torch.Tensor,
+    qtype: QT,
+    row_bytes: int,
+    x: torch.Tensor,
+    n: int,
+    k: int,
+    topk: int,
+    slots: int,
+    x_per_slot: bool = False,
+    up_table: torch.Tensor | None = None,
+    act: str | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """For every (token, slot) s with expert e: y[s] = W_e . x (or act(W_e . x) * U_e . x with `up_table`).
+    x [T, k] (or [S, k] with x_per_slot) -> [S, n] in out_dtype, S = `slots`."""
+    x = x.contiguous()
+    y = torch.empty(slots, n, dtype=out_dtype, device=x.device)
+    glu = {"silu": 1, "gelu_tanh": 2}[act] if up_table is not None and act is not None else 0
+    grid = (blocks.max_blocks, triton.cdiv(n, BLOCK_N))
+    _moe_gemm_kernel[grid](
+        table, up_table if up_table is not None else table, row_bytes, x, blocks.order, blocks.expert,
+        blocks.start, blocks.end, blocks.nblocks, y, n, k, topk,
+        QTYPE=TILE_TYPES[qtype], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, X_PER_SLOT=int(x_per_slot), GLU=glu,
+        IEEE=x.dtype == torch.float32, num_warps=8,
+    )  # fmt: skip
+    return y
