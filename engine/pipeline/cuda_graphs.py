@@ -5,9 +5,11 @@ batch-1 decode. Positions are device tensors and the span of cache positions a s
 bucket, so one graph serves every position of its bucket. The same machinery serves a whole model (token in,
 logits out) and a pipeline stage (hidden state in, hidden state or logits out)."""
 
+import gc
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,20 @@ MAX_GRAPHS = 48
 
 # body(inp, cache, pos, span) -> out: one step from a static input buffer, capturable
 StepBody = Callable[[torch.Tensor, KVCache, torch.Tensor, int], torch.Tensor]
+
+
+@contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: tuple | None) -> Iterator[None]:
+    """`torch.cuda.graph` with no garbage collection inside: a dead model in a reference cycle (an earlier load)
+    would otherwise free its pinned host memory in the middle of the capture, a CUDA call that a capturing stream
+    forbids, and the capture would fail."""
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        gc.enable()
 
 
 @dataclass
@@ -75,7 +91,7 @@ class StepGraphs:
                 self.body(buf, cache, pos, span)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with capturing(graph, self.pool):
             out = self.body(buf, cache, pos, span)
         self.pool = graph.pool()
         if saved is not None and self.counts is not None:

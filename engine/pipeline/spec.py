@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engine.layers.kv_cache import KVCache
+from engine.pipeline.cuda_graphs import capturing
 from engine.pipeline.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -468,7 +469,7 @@ class WindowGraphs:
                 m.forward_at(tok, cache, pos, span)  # type: ignore[attr-defined]
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with capturing(graph, self.pool):
             out = m.forward_at(tok, cache, pos, span)  # type: ignore[attr-defined]
         self.pool = graph.pool()
         if saved is not None and counts is not None:
