@@ -28,12 +28,15 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument(
+        "--cpu-weights-mib", type=int, help="0: weights stay in blocks (default: automatic budget)"
+    )
     ap.add_argument("--out")
     a = ap.parse_args()
     path = Path(a.model) if a.model else default_model_path()
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
-    lm = load_model(path, device=a.device)
+    lm = load_model(path, device=a.device, cpu_weights_mib=a.cpu_weights_mib)
     kv = resolve = "f32" if lm.model.dtype == torch.float32 else "bf16"
     runner = Runner(lm.model, lm.tokenizer, a.max_context, resolve)
     ids = lm.tokenizer.encode("The capital of France is the city of", add_special=True, parse_special=False)
@@ -50,6 +53,7 @@ def main() -> None:
         "file_bytes": file_size,
         "kv_bytes": runner.cache.nbytes,
         "kv_type": kv,
+        "cpu_weights_mib": a.cpu_weights_mib,
         "rss_before_load": rss0,
         "rss_after": proc.memory_info().rss,
         "decode_tok_s": done.timings.generated_per_second,

@@ -10,6 +10,7 @@ import torch
 from engine.experts.policy import ExpertPolicy
 from engine.gguf import names
 from engine.gguf.reader import GGUFFile
+from engine.layers import cpu_weights
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderLM
 from engine.models.registry import config_for, model_class
@@ -63,6 +64,7 @@ def load_model(
     dtype: str = "auto",
     experts: ExpertPolicy | None = None,
     cuda_graphs: bool = True,
+    cpu_weights_mib: int | None = None,
 ) -> LoadedModel:
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -73,6 +75,7 @@ def load_model(
     cfg = config_for(gf.architecture, gf.metadata, n_vocab=embd.shape[0] if embd else tok.vocab_size)
     cls = model_class(gf.architecture) or DecoderLM
     model = cls(cfg, gf, device=dev, dtype=dt, experts=experts, cuda_graphs=cuda_graphs)
+    cpu_weights.attach(model, cpu_weights_mib)
     chat = ChatFormatter.from_metadata(gf.metadata)
     if chat.is_fallback:
         log.warning("%s has no chat template: using the ChatML fallback template", Path(path).name)

@@ -33,6 +33,7 @@ from engine.experts.placement import (
 from engine.experts.policy import WORKSPACE_BYTES, ExpertPolicy
 from engine.gguf import names
 from engine.gguf.reader import GGUFFile, block_index
+from engine.layers import cpu_weights
 from engine.layers.kv_cache import resolve_kv_type
 from engine.loader import LoadedModel, resolve_dtype
 from engine.models.config import ModelConfig
@@ -73,6 +74,7 @@ class SplitOptions:
     remote_stall_s: float = 3.0
     expert_slots: int | None = None  # --expert-cache N: routed experts in VRAM on each card
     vram_budget_mib: int | None = None  # --vram-budget-mib: each card behaves as one of this size
+    cpu_weights_mib: int | None = None  # --cpu-weights-mib: float copies of CPU layers' weights (None: auto)
     profile: str | None = None  # --profile PATH: the usage profile to read (default: the data dir's)
     use_profile: bool = True  # --no-profile: fill the caches and place the layers without one
 
@@ -504,6 +506,7 @@ def load_split_model(
         )
     else:
         model = build_model(gf, cfg, sp, dt, ordinals, opts, max_context, kv_type, profile)
+    cpu_weights.attach(model, opts.cpu_weights_mib)
     chat = ChatFormatter.from_metadata(gf.metadata)
     if chat.is_fallback:
         log.warning("%s has no chat template: using the ChatML fallback template", Path(path).name)

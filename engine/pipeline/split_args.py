@@ -79,6 +79,15 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="neither read nor save a usage profile (caches filled in expert order)",
     )
+    c = p.add_argument_group("CPU")
+    c.add_argument(
+        "--cpu-weights-mib",
+        type=int,
+        metavar="MIB",
+        help="RAM for float copies of the weights of layers on the CPU, made at first use (a CPU spends most of a "
+        "token dequantizing blocks otherwise); 0: keep every weight in blocks; default: a quarter of the RAM, "
+        "at most 8 GiB",
+    )
     r = p.add_argument_group("several PCs (remote stage)")
     r.add_argument(
         "--remote-stage",
@@ -104,13 +113,15 @@ def options_from_args(args: argparse.Namespace) -> SplitOptions:
     if later is not None and later < 0:
         raise PlacementError(f"--vram-reserve-later-mib must be 0 or more, not {later}")
     for flag, value in (("--expert-cache", getattr(args, "expert_cache", None)),
-                        ("--vram-budget-mib", getattr(args, "vram_budget_mib", None))):  # fmt: skip
+                        ("--vram-budget-mib", getattr(args, "vram_budget_mib", None)),
+                        ("--cpu-weights-mib", getattr(args, "cpu_weights_mib", None))):  # fmt: skip
         if value is not None and value < 0:
             raise PlacementError(f"{flag} must be 0 or more, not {value}")
     gpus = getattr(args, "gpus", None)
     return SplitOptions(
         expert_slots=getattr(args, "expert_cache", None),
         vram_budget_mib=getattr(args, "vram_budget_mib", None),
+        cpu_weights_mib=getattr(args, "cpu_weights_mib", None),
         device=getattr(args, "device", "auto"),
         gpu=getattr(args, "gpu", None),
         gpus=parse_gpus(gpus) if gpus else None,

@@ -1,0 +1,40 @@
+"""Float copies of the weights a CPU model reads every token, up to a RAM budget (`--cpu-weights-mib`)."""
+
+import logging
+
+import psutil
+
+from engine.layers.qtensor import FloatCache, QTensor
+
+log = logging.getLogger("strata.engine")
+MiB = 1 << 20
+# Default budget: a quarter of the RAM, at most 8 GiB (a small default model fits whole; a big one partly).
+AUTO_FRACTION, AUTO_CAP = 0.25, 8 << 30
+
+
+def budget_bytes(mib: int | None) -> int:
+    """`--cpu-weights-mib`: None for the automatic budget, 0 to keep every weight in blocks."""
+    if mib is not None:
+        return max(0, mib) * MiB
+    return int(min(AUTO_CAP, psutil.virtual_memory().total * AUTO_FRACTION))
+
+
+def attach(model: object, mib: int | None) -> FloatCache | None:
+    """Give the 2-D weights of `model`'s CPU parts (the whole model, or each CPU stage of a split) a shared budget
+    for float copies. Returns the budget, or None when nothing runs on the CPU or the budget is 0."""
+    budget = budget_bytes(mib)
+    models = model._models() if hasattr(model, "_models") else [model]  # type: ignore[attr-defined]
+    cpu = [m for m in models if getattr(getattr(m, "device", None), "type", None) == "cpu"]
+    if budget <= 0 or not cpu:
+        return None
+    cache = FloatCache(budget)
+    for m in cpu:
+        layers = [getattr(lw, "__dict__", {}) for lw in m.layers.values()]
+        parts = [getattr(m, "output", None), *[v for d in layers for v in d.values()]]
+        for qt in parts:
+            if isinstance(qt, QTensor) and len(qt.shape) == 2:
+                qt.cache = cache
+    log.info(
+        "CPU: up to %d MiB of weights kept as floats after their first use (--cpu-weights-mib)", budget // MiB
+    )
+    return cache
