@@ -93,6 +93,11 @@ def _ksigns(device: torch.device) -> torch.Tensor:
 
 
 @functools.cache
+def code_values(qtype: GGMLQuantizationType, device: torch.device) -> torch.Tensor:
+    """float32 [16] code values of a lookup-table block type (IQ4_NL, MXFP4, ...) on `device`, from gguf's tables."""
+    return _kvalues(qtype, device)
+
+
 def _kvalues(qtype: GGMLQuantizationType, device: torch.device) -> torch.Tensor:
     values = np.array(_grid_class(qtype).kvalues, dtype=np.int8).astype(np.float32)
     return torch.from_numpy(values).to(device)  # [16]

@@ -24,7 +24,20 @@ KERNEL_TYPES: dict[QT, tuple[int, int, int]] = {
     QT.Q4_0: (3, 32, 18),
     QT.Q5_K: (4, 256, 176),
     QT.F32: (6, 1, 4),  # the MoE router's float32 rows
+    QT.MXFP4: (8, 32, 17),
+    QT.IQ4_XS: (9, 256, 136),
 }
+# Bodies written and checked against gguf's dequantizers in Triton's interpreter, not yet on a GPU: models use them
+# only with STRATA_UNVERIFIED_KERNELS=1 (their GPU tests call them directly).
+UNVERIFIED = {QT.MXFP4, QT.IQ4_XS}
+
+
+@functools.cache
+def lut(qtype: QT, device: torch.device) -> torch.Tensor:
+    """float32 [16] code values of a lookup-table block type on `device` (a placeholder for the others)."""
+    from engine.gguf.quants import code_values
+
+    return code_values(QT.IQ4_NL if qtype == QT.IQ4_XS else QT.MXFP4, device).contiguous()
 
 
 # Other kernel bodies for a block type, chosen per launch class by the tuning file.
@@ -49,7 +62,7 @@ def _f16_at(p):
 
 
 @triton.jit
-def _row_dot(w_rows, x_rows, K, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+def _row_dot(w_rows, x_rows, K, nmask, lut, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
     """sum_k W[n, k] * x[k] for the BLOCK_N rows starting at the uint8 pointers `w_rows` [BLOCK_N, 1, 1]."""
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     j = tl.arange(0, 8)[None, :, None]  # sub-block (or 32-element block) within a 256-element step
@@ -149,6 +162,32 @@ def _row_dot(w_rows, x_rows, K, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexp
             w = d * sc * q.to(tl.float32) - dmin * mn
             x = tl.load(x_rows + sb * 256 + j * 32 + l32).to(tl.float32)
             acc += tl.sum(tl.sum(w * x, axis=2), axis=1)
+    elif QTYPE == 8:  # MXFP4: an e8m0 scale byte + 16 bytes of 4-bit codes (lo_hi order), eight blocks a step
+        nblk = K // 32
+        for step in range(0, tl.cdiv(nblk, 8)):
+            blk = step * 8 + j
+            bm = m3 & (blk < nblk)
+            base = w_rows + blk * 17
+            e = tl.load(base, mask=bm, other=0).to(tl.int32)
+            # 2^(e - 128), the code values being doubled; e < 2 gives the subnormals gguf's dequantizer gives
+            d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+            qb = tl.load(base + 1 + (l32 % 16), mask=bm, other=0).to(tl.int32)
+            q = tl.load(lut + tl.where(l32 >= 16, qb >> 4, qb & 15))
+            x = tl.load(x_rows + blk * 32 + l32, mask=blk < nblk, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.sum(d * q * x, axis=2), axis=1)
+    elif QTYPE == 9:  # IQ4_XS: d, 2 + 4 bytes of 6-bit sub-block scales, 128 bytes of IQ4_NL codes
+        for sb in range(0, K // 256):
+            base = w_rows + sb * 136
+            d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
+            sh = tl.load(base + 2, mask=m3, other=0).to(tl.int32) | (
+                tl.load(base + 3, mask=m3, other=0).to(tl.int32) << 8
+            )
+            sl = (tl.load(base + 4 + j // 2, mask=m3, other=0).to(tl.int32) >> (4 * (j % 2))) & 15
+            ls = sl | (((sh >> (2 * j)) & 3) << 4)  # [BN, 8, 1]
+            qb = tl.load(base + 8 + 16 * j + (l32 % 16), mask=m3, other=0).to(tl.int32)
+            q = tl.load(lut + tl.where(l32 >= 16, qb >> 4, qb & 15))
+            x = tl.load(x_rows + sb * 256 + 32 * j + l32).to(tl.float32)
+            acc += tl.sum(tl.sum(d * (ls - 32).to(tl.float32) * q * x, axis=2), axis=1)
     elif QTYPE == 2:  # Q8_0: d (f16) + 32 int8, eight blocks a step
         nblk = K // 32
         for step in range(0, tl.cdiv(nblk, 8)):
@@ -180,6 +219,7 @@ def _gemv_kernel(
     x_ptr,
     y_ptr,
     r_ptr,  # [T, N] residual added to the output (HAS_RES)
+    lut_ptr,  # float32 [16]: the code values of the lookup-table types (MXFP4, IQ4_XS)
     N,
     K,
     QTYPE: tl.constexpr,
@@ -194,7 +234,7 @@ def _gemv_kernel(
     nmask = offs < N
     w_rows = (w_ptr + offs.to(tl.int64) * row_bytes)[:, None, None]
     x_rows = (x_ptr + t * K + tl.zeros([1], dtype=tl.int32))[:, None, None]  # one activation row for all
-    acc = _row_dot(w_rows, x_rows, K, nmask, QTYPE, BLOCK_N, SB)
+    acc = _row_dot(w_rows, x_rows, K, nmask, lut_ptr, QTYPE, BLOCK_N, SB)
     if HAS_RES:
         acc += tl.load(r_ptr + t * N + offs, mask=nmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + t * N + offs, acc.to(y_ptr.dtype.element_ty), mask=nmask)
@@ -208,6 +248,7 @@ def _moe_gemv_kernel(
     ids_ptr,  # int [S]: expert id of each (token, slot), S = T * k
     x_ptr,  # [T, K] (X_PER_SLOT == 0) or [S, K]
     y_ptr,  # [S, N] float32
+    lut_ptr,
     N,
     K,
     TOPK,
@@ -229,7 +270,7 @@ def _moe_gemv_kernel(
     if FUSE_GLU == 0:
         offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs < N
-        acc = _row_dot((w_base + offs.to(tl.int64) * row_bytes)[:, None, None], x_rows, K, nmask, QTYPE,
+        acc = _row_dot((w_base + offs.to(tl.int64) * row_bytes)[:, None, None], x_rows, K, nmask, lut_ptr, QTYPE,
                        BLOCK_N, SB)  # fmt: skip
         tl.store(y_ptr + s * N + offs, acc.to(y_ptr.dtype.element_ty), mask=nmask)
     else:
@@ -238,7 +279,7 @@ def _moe_gemv_kernel(
         r = tl.arange(0, 2 * BLOCK_N)
         offs2 = pid_n * BLOCK_N + r % BLOCK_N
         base = tl.where(r < BLOCK_N, w_base, u_base)
-        both = _row_dot((base + offs2.to(tl.int64) * row_bytes)[:, None, None], x_rows, K, offs2 < N, QTYPE,
+        both = _row_dot((base + offs2.to(tl.int64) * row_bytes)[:, None, None], x_rows, K, offs2 < N, lut_ptr, QTYPE,
                         2 * BLOCK_N, SB)  # fmt: skip
         gate, up = tl.split(tl.permute(tl.reshape(both, [2, BLOCK_N]), [1, 0]))  # [BLOCK_N] each
         if FUSE_GLU == 1:
@@ -259,6 +300,7 @@ def _moe_gemv_combine_kernel(
     x_ptr,  # [T * TOPK, K]: each slot's activation
     r_ptr,  # [T, N] float32 residual
     y_ptr,  # [T, N] float32
+    lut_ptr,
     N,
     K,
     TOPK: tl.constexpr,
@@ -281,7 +323,7 @@ def _moe_gemv_combine_kernel(
     e = tl.load(ids_ptr + s).to(tl.int64)
     base = tl.load(table_ptr + e).to(tl.pointer_type(tl.uint8))  # [SLOTS * BLOCK_N]
     x_rows = (x_ptr + s.to(tl.int64) * K)[:, None, None]
-    part = _row_dot((base + offs.to(tl.int64) * row_bytes)[:, None, None], x_rows, K, rmask, QTYPE,
+    part = _row_dot((base + offs.to(tl.int64) * row_bytes)[:, None, None], x_rows, K, rmask, lut_ptr, QTYPE,
                     SLOTS * BLOCK_N, SB)  # fmt: skip
     wt = tl.where(j < TOPK, tl.load(w_ptr + s), 0.0)
     acc = tl.sum(tl.reshape(part * wt, [SLOTS, BLOCK_N]), axis=0)  # [BLOCK_N]
@@ -323,6 +365,8 @@ _GLU = {"silu": 1, "gelu_tanh": 2}
 def supports(qtype: QT, k: int) -> bool:
     if qtype not in KERNEL_TYPES:
         return False
+    if qtype in UNVERIFIED and os.environ.get("STRATA_UNVERIFIED_KERNELS") != "1":
+        return False
     elems = KERNEL_TYPES[qtype][1]
     return k % elems == 0
 
@@ -351,7 +395,7 @@ def gemv(
     qid = tuned_variant if variant is None else variant
     res = residual.contiguous() if residual is not None else y
     _gemv_kernel[grid](
-        raw, raw.shape[-1], x, y, res, n, k,
+        raw, raw.shape[-1], x, y, res, lut(qtype, x.device), n, k,
         QTYPE=qid, BLOCK_N=block_n, SB=sb, HAS_RES=residual is not None, num_warps=num_warps,
     )  # fmt: skip
     return y
@@ -390,6 +434,7 @@ def moe_gemv(
         flat,
         x,
         y,
+        lut(qtype, x.device),
         n,
         k,
         topk,
@@ -425,7 +470,7 @@ def moe_down_combine(
         block_n, sb, warps = launch
     qid = tuned_variant if variant is None else variant
     _moe_gemv_combine_kernel[(triton.cdiv(n, block_n), t)](
-        table, row_bytes, ids.contiguous(), weights.contiguous(), x.contiguous(), residual.contiguous(), y, n, k,
-        TOPK=topk, SLOTS=triton.next_power_of_2(topk), QTYPE=qid, BLOCK_N=block_n, SB=sb, num_warps=warps,
+        table, row_bytes, ids.contiguous(), weights.contiguous(), x.contiguous(), residual.contiguous(), y,
+        lut(qtype, x.device), n, k, TOPK=topk, SLOTS=triton.next_power_of_2(topk), QTYPE=qid, BLOCK_N=block_n, SB=sb, num_warps=warps,
     )  # fmt: skip
     return y

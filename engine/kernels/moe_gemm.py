@@ -6,21 +6,25 @@ expert; each program multiplies one block by one BLOCK_N-row tile of that expert
 through the expert cache's address table (a VRAM slot, or pinned host memory over PCIe). No host synchronisation
 and no dequantized copy of any expert: the chunk's routing decides the work on the device."""
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QT
 
-from engine.kernels.gemv import k_scales
+from engine.kernels.gemv import UNVERIFIED, k_scales, lut
 
 # Block types with a tile dequantizer here (K a multiple of 256): id as in engine.kernels.gemv.
-TILE_TYPES = {QT.Q4_K: 0, QT.Q6_K: 1, QT.Q8_0: 2, QT.Q4_0: 3, QT.Q5_K: 4}
+TILE_TYPES = {QT.Q4_K: 0, QT.Q6_K: 1, QT.Q8_0: 2, QT.Q4_0: 3, QT.Q5_K: 4, QT.MXFP4: 8, QT.IQ4_XS: 9}
+_BLOCK32 = {QT.Q8_0, QT.Q4_0, QT.MXFP4}  # 32-element blocks: any K that is a multiple of 32
 
 
 @triton.jit
-def _deq_tile(w_rows, sb, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _deq_tile(w_rows, sb, nmask, lut, K, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Elements sb*256 .. sb*256+255 of the BLOCK_N rows at uint8 pointers `w_rows` [BLOCK_N, 1, 1] -> float32
-    [BLOCK_N, 256] (rows off `nmask` read as zero)."""
+    [BLOCK_N, 256] (rows off `nmask`, and 32-element blocks past K, read as zero). `lut`: code values of the
+    lookup-table types."""
     m3 = nmask[:, None, None]
     j = tl.arange(0, 8)[None, :, None]  # 32-element sub-block (or Q8_0/Q4_0 block) within the 256
     l32 = tl.arange(0, 32)[None, None, :]
@@ -54,15 +58,34 @@ def _deq_tile(w_rows, sb, nmask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
         q = ((lo | (((qh >> (2 * q4)) & 3) << 4)) - 32).to(tl.float32)
         s8 = tl.load((base + 192 + 8 * h4 + l4 // 16 + 2 * q4).to(tl.pointer_type(tl.int8)), mask=m4, other=0)
         w = d * s8.to(tl.float32) * q
+    elif QTYPE == 9:  # IQ4_XS: 6-bit sub-block scales, IQ4_NL codes
+        base = w_rows + sb * 136
+        d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
+        sh = tl.load(base + 2, mask=m3, other=0).to(tl.int32) | (
+            tl.load(base + 3, mask=m3, other=0).to(tl.int32) << 8
+        )
+        sl = (tl.load(base + 4 + j // 2, mask=m3, other=0).to(tl.int32) >> (4 * (j % 2))) & 15
+        ls = sl | (((sh >> (2 * j)) & 3) << 4)
+        qb = tl.load(base + 8 + 16 * j + (l32 % 16), mask=m3, other=0).to(tl.int32)
+        w = d * (ls - 32).to(tl.float32) * tl.load(lut + tl.where(l32 >= 16, qb >> 4, qb & 15))
     elif QTYPE == 2:  # Q8_0: eight 34-byte blocks
+        bm = m3 & (sb * 8 + j < K // 32)
         base = w_rows + (sb * 8 + j) * 34
-        d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
-        q = tl.load((base + 2 + l32).to(tl.pointer_type(tl.int8)), mask=m3, other=0).to(tl.float32)
+        d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+        q = tl.load((base + 2 + l32).to(tl.pointer_type(tl.int8)), mask=bm, other=0).to(tl.float32)
         w = d * q
+    elif QTYPE == 8:  # MXFP4: eight 17-byte blocks, e8m0 scales
+        bm = m3 & (sb * 8 + j < K // 32)
+        base = w_rows + (sb * 8 + j) * 17
+        e = tl.load(base, mask=bm, other=0).to(tl.int32)
+        d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+        qb = tl.load(base + 1 + (l32 % 16), mask=bm, other=0).to(tl.int32)
+        w = tl.where(bm, d * tl.load(lut + tl.where(l32 >= 16, qb >> 4, qb & 15)), 0.0)
     else:  # Q4_0: eight 18-byte blocks
+        bm = m3 & (sb * 8 + j < K // 32)
         base = w_rows + (sb * 8 + j) * 18
-        d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)
-        qb = tl.load(base + 2 + (l32 % 16), mask=m3, other=0).to(tl.int32)
+        d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+        qb = tl.load(base + 2 + (l32 % 16), mask=bm, other=0).to(tl.int32)
         w = d * (tl.where(l32 >= 16, qb >> 4, qb & 15) - 8).to(tl.float32)
     return tl.reshape(w, [BLOCK_N, 256])
 
@@ -79,6 +102,7 @@ def _moe_gemm_kernel(
     blk_end_ptr,  # int64 [MAXB]: one past its last
     nblocks_ptr,  # int64 [1]: blocks in use
     y_ptr,  # [S, N]
+    lut_ptr,  # float32 [16]: code values of the lookup-table types
     N,
     K,
     TOPK,
@@ -108,17 +132,16 @@ def _moe_gemm_kernel(
         k256 = tl.arange(0, 256)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for sb in range(0, K // 256):
-            xt = tl.load(
-                x_ptr + xrow[:, None].to(tl.int64) * K + sb * 256 + k256[None, :], mask=mm[:, None], other=0.0
-            )
-            wt = _deq_tile(w_rows, sb, nm, QTYPE, BLOCK_N)
+        for sb in range(0, tl.cdiv(K, 256)):
+            kk = sb * 256 + k256[None, :]
+            xt = tl.load(x_ptr + xrow[:, None].to(tl.int64) * K + kk, mask=mm[:, None] & (kk < K), other=0.0)
+            wt = _deq_tile(w_rows, sb, nm, lut_ptr, K, QTYPE, BLOCK_N)
             if IEEE:
                 acc += tl.dot(xt, tl.trans(wt), input_precision="ieee")
             else:
                 acc += tl.dot(xt, tl.trans(wt.to(xt.dtype)))
             if GLU != 0:
-                ut = _deq_tile(u_rows, sb, nm, QTYPE, BLOCK_N)
+                ut = _deq_tile(u_rows, sb, nm, lut_ptr, K, QTYPE, BLOCK_N)
                 if IEEE:
                     acc2 += tl.dot(xt, tl.trans(ut), input_precision="ieee")
                 else:
@@ -136,7 +159,11 @@ BLOCK_M, BLOCK_N = 64, 64
 
 
 def supports(qtype: QT, k: int) -> bool:
-    return qtype in TILE_TYPES and k % 256 == 0
+    if qtype not in TILE_TYPES or (
+        qtype in UNVERIFIED and os.environ.get("STRATA_UNVERIFIED_KERNELS") != "1"
+    ):
+        return False
+    return k % (32 if qtype in _BLOCK32 else 256) == 0
 
 
 class Blocks:
@@ -183,7 +210,7 @@ def moe_gemm(
     grid = (blocks.max_blocks, triton.cdiv(n, BLOCK_N))
     _moe_gemm_kernel[grid](
         table, up_table if up_table is not None else table, row_bytes, x, blocks.order, blocks.expert,
-        blocks.start, blocks.end, blocks.nblocks, y, n, k, topk,
+        blocks.start, blocks.end, blocks.nblocks, y, lut(qtype, x.device), n, k, topk,
         QTYPE=TILE_TYPES[qtype], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, X_PER_SLOT=int(x_per_slot), GLU=glu,
         IEEE=x.dtype == torch.float32, num_warps=8,
     )  # fmt: skip

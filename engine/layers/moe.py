@@ -3,6 +3,7 @@
 `moe_forward` touches only the experts a token selected (their blocks are dequantized tile by tile);
 `moe_reference` is the plain dense einsum over every expert that the tests check it against."""
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -14,7 +15,9 @@ from gguf import GGMLQuantizationType as QT
 from engine.layers.qtensor import QTensor
 
 if TYPE_CHECKING:
-    from engine.experts.cache import ExpertCache
+    from engine.experts.cache import ExpertCache, LayerExperts
+
+log = logging.getLogger("strata.engine")
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -120,17 +123,16 @@ def moe_forward_cached(
         h = moe_gemv(le.gate.table, g.qtype, g.raw.shape[-1], ids, x, f, d, k, up_table=le.up.table, act=act)
         y = moe_gemv(le.down.table, dn.qtype, dn.raw.shape[-1], ids, h, d, f, k, x_per_slot=True)  # [T*k, D]
         return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
-    if _grouped_ok(g.qtype, u.qtype, dn.qtype, d, f):  # a prompt chunk: one grouped launch a projection
-        from engine.kernels.moe_gemm import Blocks, moe_gemm
-
-        blocks = Blocks(ids, le.router.shape[0])
-        s = t * k
-        h = moe_gemm(blocks, le.gate.table, g.qtype, g.raw.shape[-1], x, f, d, k, s, up_table=le.up.table, act=act,
-                     out_dtype=x.dtype)  # fmt: skip
-        y = moe_gemm(
-            blocks, le.down.table, dn.qtype, dn.raw.shape[-1], h, d, f, k, s, x_per_slot=True
-        )  # [S, D]
-        return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
+    key = (g.qtype, dn.qtype, d, f)
+    if key not in _GROUPED_FAILED and _grouped_ok(g.qtype, u.qtype, dn.qtype, d, f):  # a prompt chunk
+        try:
+            return _grouped(x, le, w, ids, k, act)
+        except Exception as e:  # a kernel this GPU or Triton cannot build: the per-expert path, said once
+            if not _is_build_error(e):
+                raise
+            _GROUPED_FAILED.add(key)
+            log.warning("grouped expert kernel unavailable for %s/%s experts (%s): experts run one by one",
+                        g.qtype.name, dn.qtype.name, str(e).splitlines()[0][:160])  # fmt: skip
     experts: dict[int, ExpertWeights] = {}
 
     def get(e: int) -> ExpertWeights:
@@ -142,6 +144,36 @@ def moe_forward_cached(
 
 
 _FUSED_MAX_ROWS = 8
+
+
+_GROUPED_FAILED: set[tuple[QT, QT, int, int]] = set()
+
+
+def _is_build_error(e: Exception) -> bool:
+    try:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+    except ImportError:
+        return False
+    return isinstance(e, CompilationError | OutOfResources)
+
+
+def _grouped(
+    x: torch.Tensor, le: "LayerExperts", w: torch.Tensor, ids: torch.Tensor, k: int, act: str
+) -> torch.Tensor:
+    """All the chunk's routed experts as two grouped launches (gate/up with the activation, down), then the
+    weighted combine."""
+    from engine.kernels.moe_gemm import Blocks, moe_gemm
+
+    g, dn = le.gate.host, le.down.host
+    t, d = x.shape
+    f = g.shape[1]
+    blocks = Blocks(ids, le.router.shape[0])
+    s = t * k
+    h = moe_gemm(blocks, le.gate.table, g.qtype, g.raw.shape[-1], x, f, d, k, s, up_table=le.up.table, act=act,
+                 out_dtype=x.dtype)  # fmt: skip
+    y = moe_gemm(blocks, le.down.table, dn.qtype, dn.raw.shape[-1], h, d, f, k, s, x_per_slot=True)  # [S, D]
+    return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
 
 
 def _grouped_ok(gate: QT, up: QT, down: QT, d: int, f: int) -> bool:

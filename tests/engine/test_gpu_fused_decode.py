@@ -140,7 +140,9 @@ def test_fused_decode_gives_the_general_paths_tokens(tmp_path: Path, arch: str, 
     assert _cos(bf, bg) >= 0.999
 
 
-@pytest.mark.parametrize("qtype,variant", [("Q4_K", 0), ("Q4_K", 5), ("Q6_K", 1), ("F32", 6)])
+@pytest.mark.parametrize(
+    "qtype,variant", [("Q4_K", 0), ("Q4_K", 5), ("Q6_K", 1), ("F32", 6), ("MXFP4", 8), ("IQ4_XS", 9)]
+)
 @pytest.mark.parametrize("sb", [1, 2, 4])
 def test_every_kernel_body_matches_dequantize(qtype: str, variant: int, sb: int) -> None:
     """The tuning file may pick any body for a block type: each must compute the same product, dense and routed."""
@@ -176,15 +178,16 @@ def test_every_kernel_body_matches_dequantize(qtype: str, variant: int, sb: int)
     assert _cos(got, want) >= 0.99999
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4", "IQ4_XS"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_expert_gemm_matches_dequantize(qtype: str, dtype: torch.dtype) -> None:
     """The prompt path's grouped kernel: every slot's expert product, experts in VRAM and in pinned host memory,
-    uneven expert loads (one expert with more rows than a block, others with none)."""
+    uneven expert loads (one expert with more rows than a block, others with none); 32-element block types with a
+    row length that ends part-way through a 256-wide step."""
     from engine.kernels.moe_gemm import Blocks, moe_gemm
 
     qt = QT[qtype]
-    n, k, e, t, topk = 200, 768, 6, 90, 3
+    n, k, e, t, topk = 200, 800 if qtype in ("Q8_0", "Q4_0", "MXFP4") else 768, 6, 90, 3
     gs = [torch.from_numpy(random_blocks(qt, n, k, seed=60 + i)) for i in range(e)]
     us = [torch.from_numpy(random_blocks(qt, n, k, seed=70 + i)) for i in range(e)]
     gs = [w.cuda() if i % 2 else w.pin_memory() for i, w in enumerate(gs)]
