@@ -33,11 +33,13 @@ def _config(model_path: str) -> ModelConfig:
     return config_for(gf.architecture, gf.metadata, n_vocab=gf.tensors["token_embd.weight"].shape[0])
 
 
-def curve_point(model_path: str, fraction: float, decode: int) -> dict:
+def curve_point(model_path: str, fraction: float, decode: int, misses: str = "direct") -> dict:
     _free()
     c = _config(model_path)
     slots = round(fraction * c.n_layer * c.n_expert)
-    lm = load_model(model_path, device="cuda", dtype="bf16", experts=ExpertPolicy(slots=slots))
+    lm = load_model(
+        model_path, device="cuda", dtype="bf16", experts=ExpertPolicy(slots=slots, miss_path=misses)
+    )
     cache = lm.model.expert_cache
     before = cache.stats()
     tok_s = measure_decode(lm.model, decode, 1)
@@ -45,6 +47,7 @@ def curve_point(model_path: str, fraction: float, decode: int) -> dict:
     hits, misses = after.hits - before.hits, after.misses - before.misses
     out = {
         "fraction": fraction,
+        "misses": misses,
         "experts_in_vram": after.experts_in_vram,
         "experts_total": after.experts_total,
         "decode_tok_s": round(tok_s, 2),
@@ -89,11 +92,12 @@ def main() -> None:
     ap.add_argument("--budgets", default="10240,16384,24576")
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--misses", default="direct", help="comma-separated --expert-misses paths to measure")
     ap.add_argument("--out")
     a = ap.parse_args()
     res: dict = {"model": Path(a.model).name, "curve": [], "budgets": []}
-    for f in [float(x) for x in a.fractions.split(",") if x]:
-        res["curve"].append(curve_point(a.model, f, a.decode))
+    for f, m in [(float(x), m) for x in a.fractions.split(",") if x for m in a.misses.split(",")]:
+        res["curve"].append(curve_point(a.model, f, a.decode, m))
         print(json.dumps(res["curve"][-1]), flush=True)
     for b in [int(x) for x in a.budgets.split(",") if x]:
         res["budgets"].append(budget_point(a.model, b, a.prompt, a.decode))

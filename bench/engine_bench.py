@@ -115,6 +115,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--expert-slots", type=int, default=None)
+    ap.add_argument("--expert-misses", choices=("direct", "copy"), default="direct")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-graphs", action="store_true")
@@ -125,13 +126,14 @@ def main() -> None:
         a.model,
         device="cuda",
         dtype="bf16",
-        experts=ExpertPolicy(slots=a.expert_slots),
+        experts=ExpertPolicy(slots=a.expert_slots, miss_path=a.expert_misses),
         cuda_graphs=not a.no_graphs,
     )
     res: dict = {
         "model": Path(a.model).name,
         "load_s": time.perf_counter() - t0,
         "expert_slots": a.expert_slots,
+        "expert_misses": a.expert_misses,
     }
     if lm.model.expert_cache is not None:
         st = lm.model.expert_cache.stats()

@@ -8,11 +8,15 @@ slot on a side stream and then rewrite its table entry; a step never waits for t
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.layers.moe import ExpertWeights
 from engine.layers.qtensor import QTensor
+
+if TYPE_CHECKING:
+    from engine.kernels.stage_copy import Stager
 
 log = logging.getLogger("strata.engine")
 GiB = 1 << 30
@@ -52,6 +56,11 @@ class LayerExperts:
     expert_in: list[int]  # slot -> expert
     resident: torch.Tensor  # bool [E] on the device
     side_stream: "torch.cuda.Stream | None" = None
+    tables: torch.Tensor | None = None  # int64 [3, E]: the projections' tables (theirs are views of it)
+    host_tables: torch.Tensor | None = (
+        None  # int64 [3, E]: every expert's host address (layers not all in VRAM)
+    )
+    nbytes: torch.Tensor | None = None  # int64 [3]: bytes of one expert per projection
     # Hits and misses are derived from the model's selection counts (no extra kernels in a step): the counts
     # since the last residency change split by the residency then, plus what earlier periods added up to.
     counts_base: torch.Tensor | None = None
@@ -148,8 +157,13 @@ class ExpertCache:
         capacity: Mapping[int, int],
         profile: torch.Tensor | None = None,
         device_label: str = "",
+        miss_path: str = "direct",
     ) -> None:
         self.device = device
+        self.miss_path = (
+            miss_path  # "direct": kernels read missed experts from host memory; "copy": staged first
+        )
+        self.stager: Stager | None = None
         self.layers: dict[int, LayerExperts] = {}
         self.counts: torch.Tensor | None = None
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -163,13 +177,14 @@ class ExpertCache:
             full = cap == n_e
             if full:  # every expert in VRAM, in expert order: no pinned copy is needed
                 order = list(range(n_e))
-            for q in (ew.gate, ew.up, ew.down):
+            tables = torch.empty(3, n_e, dtype=torch.int64, device=device)
+            for j, q in enumerate((ew.gate, ew.up, ew.down)):
                 if full:
                     host, slots = q, q.raw.to(device)
                 else:
                     host = QTensor(_pin(q.raw), q.qtype, q.shape)
                     slots = torch.empty((cap, *q.raw.shape[1:]), dtype=torch.uint8, device=device)
-                projs.append(_Proj(host, slots, torch.empty(n_e, dtype=torch.int64, device=device)))
+                projs.append(_Proj(host, slots, tables[j]))
             slot_of = [-1] * n_e
             expert_in = order[:cap]
             for c, e in enumerate(expert_in):
@@ -187,7 +202,13 @@ class ExpertCache:
                 expert_in=expert_in,
                 resident=torch.zeros(n_e, dtype=torch.bool, device=device),
                 side_stream=self.side,
+                tables=tables,
             )
+            if not full:
+                le.host_tables = torch.tensor(
+                    [[p.host_addr(e) for e in range(n_e)] for p in projs], dtype=torch.int64, device=device
+                )
+                le.nbytes = torch.tensor([p.expert_bytes for p in projs], dtype=torch.int64, device=device)
             self._write_tables(le)
             self.layers[li] = le
         if device.type == "cuda":
@@ -210,6 +231,21 @@ class ExpertCache:
             addrs = [p.slot_addr(c) if c >= 0 else p.host_addr(e) for e, c in enumerate(le.slot_of)]
             p.table.copy_(torch.tensor(addrs, dtype=torch.int64))
         le.resident.copy_(torch.tensor([c >= 0 for c in le.slot_of]))
+
+    def staged_tables(self, li: int, ids: torch.Tensor) -> torch.Tensor | None:
+        """With `--expert-misses copy`, for a one-token step of layer li that has experts in host memory: stage
+        the missed ones in VRAM and return the per-slot tables [3, k] (read with `Stager.identity` as ids);
+        None where the kernels read the cache's own tables."""
+        le = self.layers[li]
+        if self.miss_path != "copy" or le.host_tables is None or ids.shape[0] != 1:
+            return None
+        if self.stager is None or self.stager.slots != ids.numel():
+            from engine.kernels.stage_copy import Stager
+
+            stride = max(p.expert_bytes for lx in self.layers.values() for p in lx.projections)
+            self.stager = Stager(self.device, ids.numel(), stride)
+        assert le.tables is not None and le.nbytes is not None
+        return self.stager.stage(ids, le.tables, le.host_tables, le.nbytes)
 
     def attach_counts(self, counts: torch.Tensor) -> None:
         """The model's selection counts [n_layer, E]; hits and misses are read from them."""

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("strata.engine")
 MiB = 1 << 20
+MISS_PATHS = ("direct", "copy")
 # Room kept for activations, the dequantized tiles of prompt chunks and CUDA graphs.
 WORKSPACE_BYTES = 768 * MiB
 
@@ -24,6 +25,9 @@ class ExpertPolicy:
     reserve_mib: int = 512  # --vram-reserve-mib: left free for the desktop and other programs
     kv_bytes: int = 0  # the KV cache still to be allocated
     profile: torch.Tensor | None = None  # usage counts [n_layer, n_expert] to fill the cache hottest first
+    miss_path: str = (
+        "direct"  # --expert-misses: "direct" (kernels read host memory) or "copy" (staged in VRAM)
+    )
 
 
 def expert_budget(device: torch.device, policy: ExpertPolicy) -> int:
@@ -49,7 +53,16 @@ def build_expert_cache(model: "DecoderLM", policy: ExpertPolicy) -> ExpertCache:
             model.device,
             budget / MiB,
         )
-    return ExpertCache(experts, model.device, capacity, policy.profile, device_label=_label(model.device))
+    if policy.miss_path not in MISS_PATHS:
+        raise ValueError(f"--expert-misses {policy.miss_path!r}: use one of {', '.join(MISS_PATHS)}")
+    return ExpertCache(
+        experts,
+        model.device,
+        capacity,
+        policy.profile,
+        device_label=_label(model.device),
+        miss_path=policy.miss_path,
+    )
 
 
 def _label(device: torch.device) -> str:

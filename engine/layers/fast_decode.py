@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.layers.kv_cache import KVCache, KVCacheError
-from engine.layers.moe import ACTIVATIONS, route_and_count
+from engine.layers.moe import ACTIVATIONS, expert_tables, route_and_count
 
 if TYPE_CHECKING:
     from engine.models.decoder import DecoderLM
@@ -106,8 +106,8 @@ def layer(
     w, ids = route_and_count(x32, le.router, c.n_expert_used, c.expert_weights_norm, counts)  # [T, k]
     g, dn = le.gate.host, le.down.host
     f, d = g.shape[1], c.n_embd
-    hid = moe_gemv(le.gate.table, g.qtype, g.raw.shape[-1], ids, x, f, d, c.n_expert_used,
-                   up_table=le.up.table, act=c.activation)  # fmt: skip
+    gt, ut, dt, sid = expert_tables(model.expert_cache, i, ids)
+    hid = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, x, f, d, c.n_expert_used, up_table=ut, act=c.activation)
     if lw.shexp_gate is not None:  # the shared expert joins the residual first; the routed ones add to that
         assert lw.shexp_up is not None and lw.shexp_down is not None
         act = ACTIVATIONS[c.activation]
@@ -115,4 +115,4 @@ def layer(
         if lw.shexp_gate_inp is not None:
             s = s * torch.sigmoid(x32 @ lw.shexp_gate_inp).unsqueeze(-1)  # [T, 1]
         h = h + s
-    return moe_down_combine(le.down.table, dn.qtype, dn.raw.shape[-1], ids, w, hid, h, d, f)
+    return moe_down_combine(dt, dn.qtype, dn.raw.shape[-1], sid, w, hid, h, d, f)

@@ -120,8 +120,9 @@ def moe_forward_cached(
     if t <= _FUSED_MAX_ROWS and _fused_ok(g.qtype, u.qtype, dn.qtype, d, f):
         from engine.kernels.gemv import moe_gemv
 
-        h = moe_gemv(le.gate.table, g.qtype, g.raw.shape[-1], ids, x, f, d, k, up_table=le.up.table, act=act)
-        y = moe_gemv(le.down.table, dn.qtype, dn.raw.shape[-1], ids, h, d, f, k, x_per_slot=True)  # [T*k, D]
+        gt, ut, dt, sid = expert_tables(cache, layer, ids)
+        h = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, x, f, d, k, up_table=ut, act=act)
+        y = moe_gemv(dt, dn.qtype, dn.raw.shape[-1], sid, h, d, f, k, x_per_slot=True)  # [T*k, D]
         return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
     key = (g.qtype, dn.qtype, d, f)
     if key not in _GROUPED_FAILED and _grouped_ok(g.qtype, u.qtype, dn.qtype, d, f):  # a prompt chunk
@@ -144,6 +145,20 @@ def moe_forward_cached(
 
 
 _FUSED_MAX_ROWS = 8
+
+
+def expert_tables(
+    cache: "ExpertCache", layer: int, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gate, up and down address tables a decode step's expert kernels read, and the ids to read them with:
+    the cache's own tables and the experts' ids, or (with `--expert-misses copy`) per-slot tables with the missed
+    experts staged in VRAM, read with the identity."""
+    staged = cache.staged_tables(layer, ids)
+    if staged is not None:
+        assert cache.stager is not None
+        return staged[0], staged[1], staged[2], cache.stager.identity
+    le = cache.layers[layer]
+    return le.gate.table, le.up.table, le.down.table, ids
 
 
 _GROUPED_FAILED: set[tuple[QT, QT, int, int]] = set()

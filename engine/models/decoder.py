@@ -8,11 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.experts.cache import ExpertCache
-from engine.experts.policy import ExpertPolicy, build_expert_cache
 from engine.gguf import names
-from engine.gguf.quants import SUPPORTED_TYPES
-from engine.gguf.reader import GGUFError, GGUFFile
+from engine.gguf.reader import GGUFFile
 from engine.layers import fast_decode
 from engine.layers.attention import attention, causal_mask, project_qkv
 from engine.layers.kv_cache import KVCache
@@ -20,8 +17,7 @@ from engine.layers.moe import ACTIVATIONS, ExpertWeights, moe_forward, moe_forwa
 from engine.layers.norm import rms_norm
 from engine.layers.qtensor import QTensor
 from engine.layers.rope import Rope
-from engine.models.config import ModelConfig
-from engine.pipeline.cuda_graphs import DecodeGraphs
+from engine.models.family_base import FamilyLM, Weights
 
 
 @dataclass
@@ -51,112 +47,25 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None = None  # [qd + kd + vd] where the family has biases
 
 
-class _Loader:
-    def __init__(self, gf: GGUFFile, device: torch.device) -> None:
-        self.gf = gf
-        self.device = device
+class DecoderLM(FamilyLM):
+    """Layers `layers` of a decoder model on `device`, computing in `dtype`: the families whose differences are flags
+    of `ModelConfig` (the stage surface - embed, layers, head, forward, CUDA graphs - is `FamilyLM`'s)."""
 
-    def has(self, name: str) -> bool:
-        return name in self.gf.tensors
+    fast = False  # the fused decode path (engine/layers/fast_decode.py), decided once loaded
 
-    def q(self, name: str, host: bool = False) -> QTensor:
-        info = self.gf.tensors.get(name)
-        if info is None:
-            raise GGUFError(
-                self.gf.path,
-                f"tensor {name} is missing",
-                "the file is not a complete model of its architecture",
-            )
-        if info.qtype not in SUPPORTED_TYPES:
-            supported = ", ".join(t.name for t in SUPPORTED_TYPES)
-            raise GGUFError(
-                f"{self.gf.path}: tensor {name} has block type {info.qtype.name}, supported: {supported}"
-            )
-        raw = self.gf.tensor_bytes(name)
-        if self.device.type != "cpu" and not host:
-            raw = raw.to(self.device)
-        return QTensor(raw, info.qtype, info.shape)
+    def _before_layers(self, gf: GGUFFile) -> None:
+        freq_factors = Weights(gf, torch.device("cpu")).opt_f(
+            names.ROPE_FREQS
+        )  # the tables are set up on the host
+        self.rope = Rope(self.cfg.rope, freq_factors)
+        base_swa = self.cfg.rope.base_swa
+        self.rope_swa = Rope(self.cfg.rope, freq_factors, base=base_swa) if base_swa else self.rope
 
-    def f(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        t = self.q(name).dequant(torch.float32)
-        if shape is not None and tuple(t.shape) != shape:
-            raise GGUFError(self.gf.path, f"tensor {name} has shape {tuple(t.shape)}, expected {shape}", "")
-        return t
-
-    def opt_f(self, name: str) -> torch.Tensor | None:
-        return self.f(name) if self.has(name) else None
-
-    def opt_q(self, name: str) -> QTensor | None:
-        return self.q(name) if self.has(name) else None
-
-
-def _check_shape(gf: GGUFFile, qt: QTensor, name: str, shape: tuple[int, ...]) -> QTensor:
-    if qt.shape != shape:
-        raise GGUFError(
-            gf.path, f"tensor {name} has shape {qt.shape}, expected {shape} from the metadata", ""
-        )
-    return qt
-
-
-class DecoderLM:
-    """Layers `layers` of a decoder model on `device`, computing in `dtype`."""
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        gf: GGUFFile,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        layers: range | None = None,
-        embed: bool = True,
-        head: bool = True,
-        experts: ExpertPolicy | None = None,
-        cuda_graphs: bool = True,
-    ) -> None:
-        self.cfg = cfg
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.layer_range = layers if layers is not None else range(cfg.n_layer)
-        ld = _Loader(gf, self.device)
-        d = cfg.n_embd
-        self.token_embd = (
-            _check_shape(gf, ld.q(names.TOKEN_EMBD), names.TOKEN_EMBD, (cfg.n_vocab, d))
-            if embed or (head and not ld.has(names.OUTPUT))
-            else None
-        )
-        self.has_embed = embed
-        self.has_head = head
-        self.output_norm = ld.f(names.OUTPUT_NORM, (d,)).to(self.device) if head else None
-        self.output: QTensor | None = None
-        if head:
-            if ld.has(names.OUTPUT):
-                self.output = _check_shape(gf, ld.q(names.OUTPUT), names.OUTPUT, (cfg.n_vocab, d))
-            else:
-                self.output = self.token_embd  # tied embeddings
-        freq_factors = ld.opt_f(names.ROPE_FREQS)
-        self.rope = Rope(cfg.rope, freq_factors)
-        self.rope_swa = (
-            Rope(cfg.rope, freq_factors, base=cfg.rope.base_swa) if cfg.rope.base_swa else self.rope
-        )
-        # On CUDA the routed experts stay on the host here; the expert cache decides which go to VRAM.
-        self._experts_on_host = self.device.type == "cuda" and cfg.is_moe
-        self.layers = {i: self._load_layer(ld, gf, i) for i in self.layer_range}
-        self.expert_cache: ExpertCache | None = None
-        if self._experts_on_host:
-            self.expert_cache = build_expert_cache(self, experts or ExpertPolicy())
-        self.graphs = DecodeGraphs(self) if cuda_graphs and self.device.type == "cuda" else None
-        # Expert selections per (layer, expert) since load: the usage profile's raw counts.
-        self.expert_counts = (
-            torch.zeros(cfg.n_layer, cfg.n_expert, dtype=torch.int64, device=self.device)
-            if cfg.is_moe
-            else None
-        )
-        if self.expert_cache is not None and self.expert_counts is not None:
-            self.expert_cache.attach_counts(self.expert_counts)
+    def _after_load(self) -> None:
         self.fast = fast_decode.available(self)
         if self.fast:
             for lw in self.layers.values():
-                self._fuse_qkv(lw)
+                self._fuse_qkv(lw)  # type: ignore[arg-type]
 
     def _fuse_qkv(self, lw: LayerWeights) -> None:
         fused = fast_decode.fuse_qkv(lw.q, lw.k, lw.v)
@@ -169,21 +78,19 @@ class DecoderLM:
             ]
             lw.qkv_bias = torch.cat(parts).to(self.dtype)
 
-    def _load_layer(self, ld: _Loader, gf: GGUFFile, i: int) -> LayerWeights:
+    def _load_layer(self, w: Weights, i: int) -> LayerWeights:
         c = self.cfg
         n = names.blk
         qd, kd, vd = c.n_head * c.head_dim_k, c.n_head_kv * c.head_dim_k, c.n_head_kv * c.head_dim_v
-        dev = self.device
 
         def f(part: str, shape: tuple[int, ...]) -> torch.Tensor:
-            return ld.f(n(i, part), shape).to(dev)
+            return w.f(n(i, part), shape)
 
         def opt(part: str, suffix: str) -> torch.Tensor | None:
-            t = ld.opt_f(n(i, part, suffix))
-            return t.to(dev) if t is not None else None
+            return w.opt_f(n(i, part, suffix))
 
         def q(part: str, shape: tuple[int, ...]) -> QTensor:
-            return _check_shape(gf, ld.q(n(i, part)), n(i, part), shape)
+            return w.q(n(i, part), shape)
 
         lw = LayerWeights(
             attn_norm=f("attn_norm", (c.n_embd,)),
@@ -206,7 +113,7 @@ class DecoderLM:
             host = self._experts_on_host
 
             def qe(part: str, shape: tuple[int, ...]) -> QTensor:
-                return _check_shape(gf, ld.q(n(i, part), host=host), n(i, part), shape)
+                return w.q(n(i, part), shape, host=host)
 
             lw.experts = ExpertWeights(
                 router=q("ffn_gate_inp", (e, c.n_embd)),
@@ -229,29 +136,15 @@ class DecoderLM:
 
     # ---- forward pieces (a pipeline stage calls the ones it owns) ----
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [T] -> hidden [T, D]"""
-        assert self.token_embd is not None
-        h = self.token_embd.rows(tokens, torch.float32)
-        if self.cfg.embed_scale != 1.0:
-            h = h * self.cfg.embed_scale
-        return h  # the residual stream stays float32; matmuls run in self.dtype
-
     def head(self, h: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """hidden [T, D] -> logits [T, V] (float32); [1, V] for the last row only with `last_only` (a prompt
-        chunk, whose other rows' logits nobody reads: 2.5 GB of them for 4,096 tokens of a 152k vocabulary)."""
-        assert self.output is not None and self.output_norm is not None
-        x = rms_norm(h[-1:] if last_only else h.float(), self.output_norm, self.cfg.rms_eps, self.dtype)
-        logits = self.output.linear(x).float()
+        """hidden [T, D] -> logits [T, V] (float32), soft-capped where the family caps them; [1, V] for the last row
+        only with `last_only` (a prompt chunk, whose other rows' logits nobody reads)."""
+        logits = super().head(h, last_only)
         cap = self.cfg.final_softcap
-        if cap > 0:
-            logits = cap * torch.tanh(logits / cap)
-        return logits
+        return cap * torch.tanh(logits / cap) if cap > 0 else logits
 
-    def layer(self, i: int, h: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        """hidden [T, D] at positions start..start+T -> hidden [T, D]"""
-        pos = torch.arange(start, start + h.shape[0], device=h.device)
-        return self.layer_at(i, h, cache, pos, start + h.shape[0])
+    def _windows(self) -> set[int]:
+        return {0, self.cfg.sliding_window}
 
     def layer_at(
         self,
@@ -312,34 +205,3 @@ class DecoderLM:
                 s = s * torch.sigmoid(x.float() @ lw.shexp_gate_inp).unsqueeze(-1).to(s.dtype)  # [T, 1]
             y = y + s
         return y
-
-    def forward(
-        self, tokens: torch.Tensor, cache: KVCache, start: int, last_only: bool = False
-    ) -> torch.Tensor:
-        """A whole-model step: tokens [T] -> logits [T, V] ([1, V] with `last_only`); the cache then holds
-        start+T positions."""
-        t = tokens.shape[0]
-        if t == 1 and self.graphs is not None and self.graphs.usable:
-            logits = self.graphs.step(tokens, cache, start)
-        else:
-            pos = torch.arange(start, start + t, device=self.device)
-            logits = self.forward_at(tokens.to(self.device), cache, pos, start + t, last_only)
-        cache.length = start + t
-        return logits
-
-    def forward_at(
-        self, tokens: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int, last_only: bool = False
-    ) -> torch.Tensor:
-        """tokens [T] at positions `pos` (device) -> logits [T, V]; capturable in a CUDA graph."""
-        h = self.embed(tokens)
-        # One mask per window size for the whole step, not one per layer.
-        masks = {w: causal_mask(pos, span, w) for w in {0, self.cfg.sliding_window}}
-        for i in self.layer_range:
-            h = self.layer_at(i, h, cache, pos, span, masks)
-        return self.head(h, last_only)
-
-    def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
-        c = self.cfg
-        return KVCache(
-            self.layer_range, max_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, kv_type, self.device
-        )

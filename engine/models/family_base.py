@@ -265,6 +265,7 @@ class FamilyLM:
             self.output = w.q(names.OUTPUT, (cfg.n_vocab, d)) if w.has(names.OUTPUT) else self.token_embd
         # On CUDA the routed experts stay in host memory here; the expert cache decides which go to VRAM.
         self._experts_on_host = self.device.type == "cuda" and cfg.is_moe
+        self._before_layers(gf)
         self.layers = {i: self._load_layer(w, i) for i in self.layer_range}
         self.expert_cache: ExpertCache | None = None
         if self._experts_on_host and any(
@@ -282,8 +283,15 @@ class FamilyLM:
         self.graphs = self._decode_graphs() if cuda_graphs and self.device.type == "cuda" else None
         if self.graphs is not None and hasattr(self.graphs, "counts"):
             self.graphs.counts = self.expert_counts  # put back after the warm-up runs of a capture
+        self._after_load()
 
     # ---- for the families ----
+
+    def _before_layers(self, gf: GGUFFile) -> None:
+        """Set-up the layers' loading or running needs (the shared decoder's RoPE tables)."""
+
+    def _after_load(self) -> None:
+        """Once everything is loaded and placed (the shared decoder's fused decode path)."""
 
     def _load_layer(self, w: Weights, i: int) -> object:
         raise NotImplementedError

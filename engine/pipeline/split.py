@@ -74,6 +74,9 @@ class SplitOptions:
     remote_stall_s: float = 3.0
     expert_slots: int | None = None  # --expert-cache N: routed experts in VRAM on each card
     vram_budget_mib: int | None = None  # --vram-budget-mib: each card behaves as one of this size
+    expert_misses: str = (
+        "direct"  # --expert-misses direct|copy: how a decode step reads experts in host memory
+    )
     cpu_weights_mib: int | None = None  # --cpu-weights-mib: float copies of CPU layers' weights (None: auto)
     profile: str | None = None  # --profile PATH: the usage profile to read (default: the data dir's)
     use_profile: bool = True  # --no-profile: fill the caches and place the layers without one
@@ -420,6 +423,7 @@ def _policies(
                 reserve_mib=opts.reserve_mib if j == 0 else later,
                 kv_bytes=kv[j] + keep,
                 profile=prof,
+                miss_path=opts.expert_misses,
             )
         )
     return out

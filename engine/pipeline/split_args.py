@@ -69,6 +69,13 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
         help="use at most this much of each card, as if it were that small (a shared card, or tests)",
     )
     e.add_argument(
+        "--expert-misses",
+        choices=("direct", "copy"),
+        default="direct",
+        help="how a decode step reads experts that are in host RAM: direct (the expert kernels read them over "
+        "PCIe) or copy (they are first copied into VRAM with wide loads, one kernel a layer)",
+    )
+    e.add_argument(
         "--profile",
         metavar="PATH",
         help="the usage profile that fills the caches and weighs --layer-split auto (default: the one saved for "
@@ -122,6 +129,7 @@ def options_from_args(args: argparse.Namespace) -> SplitOptions:
         expert_slots=getattr(args, "expert_cache", None),
         vram_budget_mib=getattr(args, "vram_budget_mib", None),
         cpu_weights_mib=getattr(args, "cpu_weights_mib", None),
+        expert_misses=getattr(args, "expert_misses", "direct"),
         device=getattr(args, "device", "auto"),
         gpu=getattr(args, "gpu", None),
         gpus=parse_gpus(gpus) if gpus else None,

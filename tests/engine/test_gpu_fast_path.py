@@ -164,3 +164,15 @@ def test_q4k_launch_shapes_agree(sb: int, block_n: int) -> None:
     ref = x @ dequantize(raw, QT.Q4_K).T
     y = gemv(raw, QT.Q4_K, n, k, x, block_n=block_n, sb=sb)
     assert (y - ref).abs().max().item() <= 1e-4 * ref.abs().max().item() + 1e-5
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.25])
+def test_staged_misses_give_identical_tokens(moe_q4k: Path, fraction: float) -> None:
+    """--expert-misses copy: missed experts copied into VRAM before the kernels, with CUDA graphs; same tokens."""
+    full, _ = _greedy(moe_q4k)
+    n_pairs = 2 * 8
+    tokens, lm = _greedy(moe_q4k, experts=ExpertPolicy(slots=int(n_pairs * fraction), miss_path="copy"))
+    cache = lm.model.expert_cache
+    assert cache.stager is not None  # the staging path ran
+    assert tokens == full
+    assert cache.stats().misses > 0

@@ -1,0 +1,74 @@
+"""Missed experts copied from pinned host memory into a VRAM staging area before a decode step's expert kernels.
+
+The expert kernels can read a missed expert straight from host memory (the default, `--expert-misses direct`), but
+they do so with the small loads of a matrix-vector product, which PCIe serves poorly. This kernel instead moves each
+missed expert of the step across PCIe with wide 8-byte loads, into one staging slot per (token, slot), and writes
+a per-slot address table (the staging slot for a miss, the VRAM slot for a hit) that the expert kernels then read
+with the identity as their expert ids (`--expert-misses copy`). One launch a layer, no host synchronisation."""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _stage_kernel(
+    ids_ptr,  # int64 [S]: expert of each (token, slot)
+    tab_ptr,  # int64 [3, E]: the cache's tables (gate, up, down): VRAM slot or host address per expert
+    host_ptr,  # int64 [3, E]: each expert's address in pinned host memory
+    nbytes_ptr,  # int64 [3]: bytes of one expert per projection
+    out_ptr,  # int64 [3, S]: address each slot's kernels read
+    stage_addr,  # address of the staging area [3, S, STRIDE] bytes
+    E,
+    S,
+    STRIDE,  # bytes a staging slot holds (a multiple of 8)
+    CHUNK: tl.constexpr,  # 8-byte words a program copies
+    BLOCK: tl.constexpr,
+):
+    s = tl.program_id(0)
+    c = tl.program_id(1)
+    p = tl.program_id(2)
+    e = tl.load(ids_ptr + s)
+    a = tl.load(tab_ptr + p * E + e)
+    h = tl.load(host_ptr + p * E + e)
+    dst = stage_addr + (p * S + s).to(tl.int64) * STRIDE
+    if c == 0:
+        tl.store(out_ptr + p * S + s, tl.where(a == h, dst, a))
+    if a == h:  # a miss: this program's chunk of the expert crosses PCIe in wide loads
+        words = tl.load(nbytes_ptr + p) // 8
+        src_w = h.to(tl.pointer_type(tl.int64))
+        dst_w = dst.to(tl.pointer_type(tl.int64))
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, words)
+        for off in range(lo, hi, BLOCK):
+            k = off + tl.arange(0, BLOCK)
+            m = k < hi
+            tl.store(dst_w + k, tl.load(src_w + k, mask=m), mask=m)
+
+
+CHUNK_WORDS = 8192  # 64 KB a program
+
+
+class Stager:
+    """The staging area and address tables of one expert cache (decode steps of one token: S = k slots)."""
+
+    def __init__(self, device: torch.device, slots: int, stride: int) -> None:
+        self.slots = slots
+        self.stride = -(-stride // 8) * 8
+        self.area = torch.empty(3, slots, self.stride, dtype=torch.uint8, device=device)
+        self.out = torch.empty(3, slots, dtype=torch.int64, device=device)
+        self.identity = torch.arange(slots, dtype=torch.int64, device=device).view(1, slots)
+
+    def stage(
+        self, ids: torch.Tensor, tables: torch.Tensor, host: torch.Tensor, nbytes: torch.Tensor
+    ) -> torch.Tensor:
+        """ids [1, k] -> int64 [3, k]: the address each slot's gate, up and down kernels read."""
+        s = ids.numel()
+        assert s == self.slots
+        words = int(self.stride // 8)
+        grid = (s, triton.cdiv(words, CHUNK_WORDS), 3)
+        _stage_kernel[grid](
+            ids.reshape(-1), tables, host, nbytes, self.out, self.area.data_ptr(), tables.shape[1], s, self.stride,
+            CHUNK=CHUNK_WORDS, BLOCK=1024,
+        )  # fmt: skip
+        return self.out
