@@ -1,0 +1,163 @@
+"""The Triton kernels on the CPU, through Triton's interpreter, against gguf's dequantizers and the torch paths.
+
+Opt-in (a machine without a GPU, Triton installed, TRITON_INTERPRET=1 set before Python starts): a developer
+without a GPU checks a kernel change here first; the GPU tests (tests/engine/test_gpu_*.py) remain the measure.
+Triton 3.5's interpreter converts loop bounds with int() on one-element arrays, which NumPy 2 refuses; the fixture
+below converts them the way NumPy 1 did, for these tests only."""
+
+import os
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.gguf.quants import dequantize
+from engine.gguf.random_blocks import random_blocks
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter (TRITON_INTERPRET=1)"
+)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_loop_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    interp = pytest.importorskip("triton.runtime.interpreter")
+    patch = interp._patch_lang_tensor  # re-applied at every launch: wrap it
+
+    def patched(tensor: type) -> None:
+        patch(tensor)
+        tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
+
+    monkeypatch.setattr(interp, "_patch_lang_tensor", patched)
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def _blocks(qt: QT, n: int, k: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(qt, n, k, seed=seed))
+
+
+@pytest.mark.parametrize(
+    "qtype,variant,k",
+    [("Q4_K", 0, 1280), ("Q4_K", 5, 1280), ("Q5_K", 4, 512), ("Q6_K", 1, 1280), ("Q8_0", 2, 352),
+     ("Q4_0", 3, 352), ("MXFP4", 8, 352), ("IQ4_XS", 9, 512)],
+)  # fmt: skip
+def test_gemv_bodies(qtype: str, variant: int, k: int) -> None:
+    from engine.kernels.gemv import gemv, moe_down_combine, moe_gemv
+
+    qt, n = QT[qtype], 24
+    raws = [_blocks(qt, n, k, 40 + i) for i in range(3)]
+    deq = [dequantize(r, qt) for r in raws]
+    x, r = torch.randn(2, k), torch.randn(2, n)
+    y = gemv(raws[0], qt, n, k, x, block_n=4, sb=2, num_warps=4, variant=variant, residual=r)
+    assert _cos(y, r + x @ deq[0].T) >= 0.99999
+    table = torch.tensor([w.data_ptr() for w in raws])
+    ids = torch.tensor([[2, 0], [1, 2]])
+    h = moe_gemv(table, qt, raws[0].shape[1], ids, x, n, k, 2, up_table=table, act="silu", launch=(4, 2, 4),
+                 variant=variant)  # fmt: skip
+    ref = torch.stack([torch.nn.functional.silu(x[t] @ deq[e].T) * (x[t] @ deq[e].T) for t in range(2)
+                       for e in ids[t].tolist()])  # fmt: skip
+    assert _cos(h, ref) >= 0.99999
+    wt, xs = torch.rand(2, 2), torch.randn(4, k)
+    got = moe_down_combine(
+        table, qt, raws[0].shape[1], ids, wt, xs, r, n, k, launch=(4, 2, 4), variant=variant
+    )
+    want = torch.stack([r[t] + sum(wt[t, j] * (xs[2 * t + j] @ deq[int(ids[t, j])].T) for j in range(2))
+                        for t in range(2)])  # fmt: skip
+    assert _cos(got, want) >= 0.99999
+
+
+@pytest.mark.parametrize(
+    "qtype,k", [("Q4_K", 512), ("Q6_K", 512), ("Q8_0", 352), ("MXFP4", 352), ("IQ4_XS", 512)]
+)
+def test_grouped_expert_tiles(qtype: str, k: int) -> None:
+    from engine.kernels.moe_gemm import Blocks, moe_gemm
+
+    qt, n, e, t, topk = QT[qtype], 40, 4, 9, 2
+    raws = [_blocks(qt, n, k, 60 + i) for i in range(e)]
+    deq = [dequantize(r, qt) for r in raws]
+    table = torch.tensor([w.data_ptr() for w in raws])
+    ids = torch.stack(
+        [torch.randperm(e, generator=torch.Generator().manual_seed(i))[:topk] for i in range(t)]
+    )
+    x = torch.randn(t, k)
+    y = moe_gemm(
+        Blocks(ids, e), table, qt, raws[0].shape[1], x, n, k, topk, t * topk, up_table=table, act="silu"
+    )
+    ref = torch.stack([torch.nn.functional.silu(x[i] @ deq[j].T) * (x[i] @ deq[j].T) for i in range(t)
+                       for j in ids[i].tolist()])  # fmt: skip
+    assert _cos(y, ref) >= 0.99999
+
+
+@pytest.mark.parametrize(
+    "t,h,hkv,d,span,window,chunk", [(1, 8, 2, 64, 40, 0, 512), (2, 8, 2, 64, 130, 20, 64)]
+)
+def test_decode_attention(t: int, h: int, hkv: int, d: int, span: int, window: int, chunk: int) -> None:
+    from engine.kernels.attention import decode_attention
+    from engine.layers.attention import attention, causal_mask
+
+    kc, vc = torch.randn(span + 5, hkv, d), torch.randn(span + 5, hkv, d)
+    pos = torch.arange(span - t, span)
+    q = torch.randn(t, h, d)
+    got = decode_attention(q, kc, vc, pos, span, window, d**-0.5, chunk=chunk)
+    ref = attention(q, kc[:span], vc[:span], causal_mask(pos, span, window), d**-0.5).reshape(t, -1)
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_rope_store(neox: bool) -> None:
+    from engine.kernels.attention import rope_store
+    from engine.layers.rope import Rope
+    from engine.models.config import RopeConfig
+
+    t, h, hkv, d = 2, 4, 2, 32
+    rope = Rope(RopeConfig(dim=d, base=10000.0, neox=neox))
+    qkv = torch.randn(t, (h + 2 * hkv) * d)
+    qn, kn = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+    kc, vc = torch.zeros(10, hkv, d), torch.zeros(10, hkv, d)
+    pos = torch.tensor([3, 7])
+    q, k, v = qkv[:, : h * d], qkv[:, h * d : (h + hkv) * d], qkv[:, (h + hkv) * d :]
+    qo = rope_store(q, k, v, qn, kn, 1e-6, pos, rope.inv_effective(torch.device("cpu")), d, neox, rope.mscale, kc,
+                    vc, h, torch.float32)  # fmt: skip
+    assert (qo - rope.apply_at(q.reshape(t, h, d), pos, qn, 1e-6)).abs().max().item() < 1e-5
+    assert (kc[pos] - rope.apply_at(k.reshape(t, hkv, d), pos, kn, 1e-6)).abs().max().item() < 1e-5
+    assert torch.equal(vc[pos], v.reshape(t, hkv, d))
+
+
+def test_router() -> None:
+    from engine.kernels.fused import route
+
+    logits = torch.randn(5, 128) * 3
+    counts = torch.zeros(128, dtype=torch.int64)
+    w, ids = route(logits, 8, True, counts)
+    rw, rid = torch.topk(torch.softmax(logits, -1), 8)
+    assert torch.equal(ids, rid) and (w - rw / rw.sum(-1, keepdim=True)).abs().max().item() < 1e-6
+    assert torch.equal(counts, torch.bincount(rid.flatten(), minlength=128))
+
+
+def test_missed_experts_are_staged_and_hits_keep_their_slot() -> None:
+    from engine.kernels.stage_copy import Stager
+
+    e_n, k = 6, 3
+    host = [[_blocks(QT.Q4_K, 16, 512, 10 * p + e) for e in range(e_n)] for p in range(3)]
+    vram = {p: {e: host[p][e].clone() for e in (1, 4)} for p in range(3)}
+    tables = torch.tensor(
+        [
+            [vram[p][e].data_ptr() if e in vram[p] else host[p][e].data_ptr() for e in range(e_n)]
+            for p in range(3)
+        ]
+    )
+    host_tables = torch.tensor([[host[p][e].data_ptr() for e in range(e_n)] for p in range(3)])
+    nbytes = torch.tensor([host[p][0].numel() for p in range(3)])
+    st = Stager(torch.device("cpu"), k, int(nbytes.max()))
+    ids = torch.tensor([[4, 0, 5]])
+    out = st.stage(ids, tables, host_tables, nbytes)
+    for p in range(3):
+        for j, e in enumerate(ids[0].tolist()):
+            if e in vram[p]:
+                assert out[p, j].item() == vram[p][e].data_ptr()
+            else:
+                assert out[p, j].item() == st.area[p, j].data_ptr()
+                assert torch.equal(st.area[p, j, : host[p][e].numel()], host[p][e].reshape(-1))
