@@ -124,16 +124,9 @@ def moe_forward_cached(
         h = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, x, f, d, k, up_table=ut, act=act)
         y = moe_gemv(dt, dn.qtype, dn.raw.shape[-1], sid, h, d, f, k, x_per_slot=True)  # [T*k, D]
         return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
-    key = (g.qtype, dn.qtype, d, f)
-    if key not in _GROUPED_FAILED and _grouped_ok(g.qtype, u.qtype, dn.qtype, d, f):  # a prompt chunk
-        try:
-            return _grouped(x, le, w, ids, k, act)
-        except Exception as e:  # a kernel this GPU or Triton cannot build: the per-expert path, said once
-            if not _is_build_error(e):
-                raise
-            _GROUPED_FAILED.add(key)
-            log.warning("grouped expert kernel unavailable for %s/%s experts (%s): experts run one by one",
-                        g.qtype.name, dn.qtype.name, str(e).splitlines()[0][:160])  # fmt: skip
+    grouped = grouped_experts(x, le, w, ids, k, act)  # a prompt chunk
+    if grouped is not None:
+        return grouped
     experts: dict[int, ExpertWeights] = {}
 
     def get(e: int) -> ExpertWeights:
@@ -171,6 +164,27 @@ def _is_build_error(e: Exception) -> bool:
     except ImportError:
         return False
     return isinstance(e, CompilationError | OutOfResources)
+
+
+def grouped_experts(
+    x: torch.Tensor, le: "LayerExperts", w: torch.Tensor, ids: torch.Tensor, k: int, act: str
+) -> torch.Tensor | None:
+    """A prompt chunk's routed experts (x [T, D], weights and ids [T, k]) as grouped launches on CUDA -> float32
+    [T, D]; None where the block types have no tile kernel or the kernel cannot be built here (said once)."""
+    g, u, dn = le.gate.host, le.up.host, le.down.host
+    d, f = x.shape[1], g.shape[1]
+    key = (g.qtype, dn.qtype, d, f)
+    if not x.is_cuda or key in _GROUPED_FAILED or not _grouped_ok(g.qtype, u.qtype, dn.qtype, d, f):
+        return None
+    try:
+        return _grouped(x, le, w, ids, k, act)
+    except Exception as e:  # a kernel this GPU or Triton cannot build: the per-expert path
+        if not _is_build_error(e):
+            raise
+        _GROUPED_FAILED.add(key)
+        log.warning("grouped expert kernel unavailable for %s/%s experts (%s): experts run one by one",
+                    g.qtype.name, dn.qtype.name, str(e).splitlines()[0][:160])  # fmt: skip
+        return None
 
 
 def _grouped(

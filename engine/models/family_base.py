@@ -26,7 +26,7 @@ from engine.gguf.quants import SUPPORTED_TYPES
 from engine.gguf.reader import GGUFError, GGUFFile
 from engine.layers.attention import causal_mask
 from engine.layers.kv_cache import KVCache
-from engine.layers.moe import ExpertWeights, fused_moe_available
+from engine.layers.moe import ExpertWeights, fused_moe_available, grouped_experts
 from engine.layers.norm import rms_norm
 from engine.layers.qtensor import QTensor
 from engine.models.config import ModelConfig
@@ -205,6 +205,10 @@ def expert_mix(
             if biases is not None:
                 y = y + biases.down[flat]
             return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
+        if biases is None and fused_act is not None:  # a prompt chunk: grouped launches where they exist
+            grouped = grouped_experts(x, le, w, ids, k, fused_act)
+            if grouped is not None:
+                return grouped
         loaded: dict[int, ExpertWeights] = {}
 
         def get(e: int) -> ExpertWeights:
