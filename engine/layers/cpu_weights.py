@@ -24,7 +24,12 @@ def attach(model: object, mib: int | None) -> FloatCache | None:
     for float copies. Returns the budget, or None when nothing runs on the CPU or the budget is 0."""
     budget = budget_bytes(mib)
     models = model._models() if hasattr(model, "_models") else [model]  # type: ignore[attr-defined]
-    cpu = [m for m in models if getattr(getattr(m, "device", None), "type", None) == "cpu"]
+    cpu = [
+        m
+        for m in models
+        if getattr(getattr(m, "device", None), "type", None) == "cpu"
+        and isinstance(getattr(m, "layers", None), dict)
+    ]
     if budget <= 0 or not cpu:
         return None
     cache = FloatCache(budget)
