@@ -32,7 +32,7 @@ def causal_mask(q_pos: torch.Tensor, k_len: int, window: int) -> torch.Tensor:
     return allowed
 
 
-_SCORE_ELEMS = 1 << 27  # 512 MB of float32 scores
+_SCORE_ELEMS = 1 << 26  # 256 MB of float32 scores: within the workspace the expert cache leaves (policy.py)
 
 
 def attention(
