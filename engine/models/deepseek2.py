@@ -23,6 +23,7 @@ from gguf import Keys
 
 from engine.experts.cache import ExpertCache
 from engine.gguf import names
+from engine.gguf.reader import GGUFFile
 from engine.layers.attention import attention, causal_mask
 from engine.layers.kv_cache import KVCache
 from engine.layers.moe import ExpertWeights
@@ -198,10 +199,9 @@ class DeepseekLM(FamilyLM):
     cfg: DeepseekConfig
     layers: dict[int, DeepseekLayer]  # type: ignore[assignment]
 
-    def __init__(self, cfg: ModelConfig, *args: Any, **kwargs: Any) -> None:
-        assert isinstance(cfg, DeepseekConfig)
-        self.rope = Rope(cfg.rope)
-        super().__init__(cfg, *args, **kwargs)
+    def _before_layers(self, gf: GGUFFile) -> None:
+        assert isinstance(self.cfg, DeepseekConfig)
+        self.rope = Rope(self.cfg.rope)
 
     def _load_layer(self, w: Weights, i: int) -> DeepseekLayer:
         c = self.cfg

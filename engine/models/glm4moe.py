@@ -28,6 +28,7 @@ import torch
 from gguf import Keys
 
 from engine.gguf import names
+from engine.gguf.reader import GGUFFile
 from engine.layers.attention import attention, causal_mask, project_qkv
 from engine.layers.kv_cache import KVCache
 from engine.layers.moe import ExpertWeights
@@ -105,8 +106,6 @@ class Glm4MoeLM(FamilyLM):
     layers: dict[int, GlmLayer]  # type: ignore[assignment]
 
     def __init__(self, cfg: ModelConfig, gf: Any, *args: Any, with_draft: bool = True, **kwargs: Any) -> None:
-        assert isinstance(cfg, Glm4MoeConfig)
-        self.rope = Rope(cfg.rope)
         super().__init__(cfg, gf, *args, **kwargs)
         # The draft block sits with the head (the last stage); its experts stay here, out of the expert cache.
         self.nextn: dict[int, NextNWeights] = {}
@@ -120,6 +119,10 @@ class Glm4MoeLM(FamilyLM):
         self._graph_rows = torch.zeros(_GRAPH_ROWS, cfg.n_embd, device=self.device) if self.nextn else None
         self._rows: list[torch.Tensor] = []
         self._keeping = False  # from the draft layer's first take on
+
+    def _before_layers(self, gf: GGUFFile) -> None:
+        assert isinstance(self.cfg, Glm4MoeConfig)
+        self.rope = Rope(self.cfg.rope)
 
     def _load_layer(self, w: Weights, i: int) -> GlmLayer:
         c = self.cfg

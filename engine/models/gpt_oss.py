@@ -16,6 +16,7 @@ import torch
 from gguf import Keys
 
 from engine.gguf import names
+from engine.gguf.reader import GGUFFile
 from engine.layers.attention import causal_mask, project_qkv
 from engine.layers.kv_cache import KVCache
 from engine.layers.moe import ExpertWeights
@@ -145,10 +146,9 @@ class GptOssLM(FamilyLM):
     cfg: GptOssConfig
     layers: dict[int, GptOssLayer]  # type: ignore[assignment]
 
-    def __init__(self, cfg: ModelConfig, *args: Any, **kwargs: Any) -> None:
-        assert isinstance(cfg, GptOssConfig)
-        self.rope = UntruncatedYarnRope(cfg.rope)
-        super().__init__(cfg, *args, **kwargs)
+    def _before_layers(self, gf: GGUFFile) -> None:
+        assert isinstance(self.cfg, GptOssConfig)
+        self.rope = UntruncatedYarnRope(self.cfg.rope)
 
     def _windows(self) -> set[int]:
         return {0, self.cfg.sliding_window}

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from gguf import Keys
 
 from engine.gguf import names
+from engine.gguf.reader import GGUFFile
 from engine.layers.attention import attention, causal_mask
 from engine.layers.kv_cache import KVCache
 from engine.layers.moe import ExpertWeights, route
@@ -136,10 +137,9 @@ class Qwen3NextLM(FamilyLM):
     cfg: Qwen3NextConfig
     layers: dict[int, Qwen3NextLayer]  # type: ignore[assignment]
 
-    def __init__(self, cfg: ModelConfig, *args: Any, **kwargs: Any) -> None:
-        assert isinstance(cfg, Qwen3NextConfig)
-        self.rope = Rope(cfg.rope)
-        super().__init__(cfg, *args, **kwargs)
+    def _before_layers(self, gf: GGUFFile) -> None:
+        assert isinstance(self.cfg, Qwen3NextConfig)
+        self.rope = Rope(self.cfg.rope)
 
     def _load_layer(self, w: Weights, i: int) -> Qwen3NextLayer:
         c = self.cfg
