@@ -14,6 +14,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as QT
 
 from engine.kernels.gemv import UNVERIFIED, k_scales, lut
+from engine.kernels.moe_blocks import BLOCK_M, Blocks
 
 # Block types with a tile dequantizer here (K a multiple of 256): id as in engine.kernels.gemv.
 TILE_TYPES = {QT.Q4_K: 0, QT.Q6_K: 1, QT.Q8_0: 2, QT.Q4_0: 3, QT.Q5_K: 4, QT.MXFP4: 8, QT.IQ4_XS: 9}
@@ -155,7 +156,7 @@ def _moe_gemm_kernel(
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
 
-BLOCK_M, BLOCK_N = 64, 64
+BLOCK_N = 64
 
 
 def supports(qtype: QT, k: int) -> bool:
@@ -164,27 +165,6 @@ def supports(qtype: QT, k: int) -> bool:
     ):
         return False
     return k % (32 if qtype in _BLOCK32 else 256) == 0
-
-
-class Blocks:
-    """The chunk's (token, slot) pairs sorted by expert and cut into blocks of BLOCK_M rows of one expert: computed
-    on the device once per layer and used by the gate/up and the down launches."""
-
-    def __init__(self, ids: torch.Tensor, n_expert: int) -> None:
-        flat = ids.reshape(-1)  # [S]
-        s = flat.numel()
-        self.order = torch.argsort(flat, stable=True)  # [S]
-        counts = torch.bincount(flat, minlength=n_expert)  # [E]
-        nblk = (counts + BLOCK_M - 1) // BLOCK_M
-        cum_blk = torch.cumsum(nblk, 0)
-        cnt_first = torch.cumsum(counts, 0) - counts
-        self.max_blocks = triton.cdiv(s, BLOCK_M) + n_expert  # a bound known on the host: the launch grid
-        b = torch.arange(self.max_blocks, device=ids.device)
-        ex = torch.searchsorted(cum_blk, b, right=True).clamp_max(n_expert - 1)  # [MAXB]
-        self.expert = ex
-        self.start = cnt_first[ex] + (b - (cum_blk - nblk)[ex]) * BLOCK_M
-        self.end = torch.minimum(self.start + BLOCK_M, cnt_first[ex] + counts[ex])
-        self.nblocks = cum_blk[-1:]
 
 
 def moe_gemm(
