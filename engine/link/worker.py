@@ -48,6 +48,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--stage-next-key", metavar="KEY", help="the next worker's public key (with --stage-key)")
     g.add_argument("--gpu", type=int, help="the card to run on (nvidia-smi's number)")
+    g.add_argument(
+        "--cpu-weights-mib",
+        type=int,
+        metavar="MIB",
+        help="on the CPU: RAM for float copies of this worker's weights (default: a quarter of the RAM, at most "
+        "8 GiB; 0: keep them in blocks)",
+    )
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -77,6 +84,7 @@ def _build(args: argparse.Namespace) -> object:
     from engine.experts.placement import PlacementError
     from engine.gguf import names
     from engine.gguf.reader import GGUFFile
+    from engine.layers import cpu_weights
     from engine.layers.kv_cache import resolve_kv_type
     from engine.link.keys import client_keys, fingerprint, server_keys
     from engine.link.remote import ModelCompute, stage_info
@@ -146,6 +154,7 @@ def _build(args: argparse.Namespace) -> object:
     model = (model_class(gf.architecture) or DecoderLM)(
         cfg, gf, device=dev, dtype=dtype, layers=range(begin, end), embed=False, head=False, experts=policy
     )
+    cpu_weights.attach(model, getattr(args, "cpu_weights_mib", None))
     info = stage_info(gf, cfg, begin, end, args.max_context, max_tokens, kv)
     timing = (lambda line: log.info("%s", line)) if os.environ.get(TIMING_ENV) == "1" else None
     server = StageServer(
