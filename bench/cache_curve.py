@@ -19,7 +19,8 @@ from engine.experts.policy import ExpertPolicy, MiB
 from engine.gguf.reader import GGUFFile
 from engine.loader import load_model
 from engine.models.config import ModelConfig
-from engine.models.registry import config_for
+from engine.models.registry import file_config
+from engine.tokenizer import Tokenizer
 
 
 def _free() -> None:
@@ -30,7 +31,7 @@ def _free() -> None:
 
 def _config(model_path: str) -> ModelConfig:
     gf = GGUFFile.open(model_path)
-    return config_for(gf.architecture, gf.metadata, n_vocab=gf.tensors["token_embd.weight"].shape[0])
+    return file_config(gf, Tokenizer.from_metadata(gf.metadata).vocab_size)
 
 
 def curve_point(model_path: str, fraction: float, decode: int, misses: str = "direct") -> dict:

@@ -8,12 +8,11 @@ from pathlib import Path
 import torch
 
 from engine.experts.policy import ExpertPolicy
-from engine.gguf import names
 from engine.gguf.reader import GGUFFile
 from engine.layers import cpu_weights
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderLM
-from engine.models.registry import config_for, model_class
+from engine.models.registry import file_config, model_class
 from engine.tokenizer import ChatFormatter, Tokenizer
 
 log = logging.getLogger("strata.engine")
@@ -70,9 +69,7 @@ def load_model(
     dt = resolve_dtype(dtype, dev)
     gf = GGUFFile.open(path)
     tok = Tokenizer.from_metadata(gf.metadata)
-    embd = gf.tensors.get(names.TOKEN_EMBD)
-    # The embedding's rows are the model's vocabulary (files may pad it beyond the tokenizer's).
-    cfg = config_for(gf.architecture, gf.metadata, n_vocab=embd.shape[0] if embd else tok.vocab_size)
+    cfg = file_config(gf, tok.vocab_size)
     cls = model_class(gf.architecture) or DecoderLM
     model = cls(cfg, gf, device=dev, dtype=dt, experts=experts, cuda_graphs=cuda_graphs)
     cpu_weights.attach(model, cpu_weights_mib)

@@ -82,7 +82,6 @@ def _build(args: argparse.Namespace) -> object:
     import torch
 
     from engine.experts.placement import PlacementError
-    from engine.gguf import names
     from engine.gguf.reader import GGUFFile
     from engine.layers import cpu_weights
     from engine.layers.kv_cache import resolve_kv_type
@@ -92,7 +91,7 @@ def _build(args: argparse.Namespace) -> object:
     from engine.link.transport import parse_endpoint
     from engine.loader import resolve_dtype
     from engine.models.decoder import DecoderLM
-    from engine.models.registry import config_for, model_class
+    from engine.models.registry import file_config, model_class
     from engine.pipeline.split import (
         SplitOptions,
         StagePlan,
@@ -107,8 +106,7 @@ def _build(args: argparse.Namespace) -> object:
         raise PlacementError("--model is required: the same .gguf file as the main process")
     gf = GGUFFile.open(args.model)
     tok = Tokenizer.from_metadata(gf.metadata)
-    embd = gf.tensors.get(names.TOKEN_EMBD)
-    cfg = config_for(gf.architecture, gf.metadata, n_vocab=embd.shape[0] if embd else tok.vocab_size)
+    cfg = file_config(gf, tok.vocab_size)
     n = cfg.n_layer
     begin, end = args.stage_begin, args.stage_end if args.stage_end is not None else n
     if not 1 <= begin < n:

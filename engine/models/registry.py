@@ -5,6 +5,8 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
+from engine.gguf import names
+from engine.gguf.reader import GGUFFile
 from engine.models.config import ModelConfig
 
 # architecture -> module under engine.models (one file per family)
@@ -41,3 +43,10 @@ def model_class(arch: str) -> type | None:
 
 def config_for(arch: str, metadata: Mapping[str, Any], n_vocab: int) -> ModelConfig:
     return module_for(arch).config_from_metadata(metadata, n_vocab)
+
+
+def file_config(gf: GGUFFile, tokenizer_vocab: int) -> ModelConfig:
+    """The config of a file's model. Its vocabulary is the embedding's rows (files may pad it beyond the tokenizer's);
+    a file without the embedding (a shard of later layers) takes the tokenizer's size."""
+    embd = gf.tensors.get(names.TOKEN_EMBD)
+    return config_for(gf.architecture, gf.metadata, n_vocab=embd.shape[0] if embd else tokenizer_vocab)

@@ -38,7 +38,7 @@ from engine.layers.kv_cache import resolve_kv_type
 from engine.loader import LoadedModel, resolve_dtype
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderLM
-from engine.models.registry import config_for
+from engine.models.registry import file_config
 from engine.pipeline.handoff import HandoffMode
 from engine.pipeline.stages import LocalStage, SplitModel
 from engine.tokenizer import ChatFormatter, Tokenizer
@@ -480,8 +480,7 @@ def load_split_model(
     engine.experts.profile) unless `opts.use_profile` is off."""
     gf = GGUFFile.open(path)
     tok = Tokenizer.from_metadata(gf.metadata)
-    embd = gf.tensors.get(names.TOKEN_EMBD)
-    cfg = config_for(gf.architecture, gf.metadata, n_vocab=embd.shape[0] if embd else tok.vocab_size)
+    cfg = file_config(gf, tok.vocab_size)
     if opts.remote:
         check_remote_options(opts, cfg.n_layer)
     if profile is None and opts.use_profile and cfg.is_moe:
