@@ -26,7 +26,7 @@ from engine.gguf.quants import SUPPORTED_TYPES
 from engine.gguf.reader import GGUFError, GGUFFile
 from engine.layers.attention import causal_mask
 from engine.layers.kv_cache import KVCache
-from engine.layers.moe import ExpertWeights, fused_moe_available, grouped_experts
+from engine.layers.moe import ExpertWeights, expert_tables, fused_moe_available, grouped_experts
 from engine.layers.norm import rms_norm
 from engine.layers.qtensor import QTensor
 from engine.models.config import ModelConfig
@@ -180,28 +180,18 @@ def expert_mix(
             from engine.kernels.gemv import moe_gemv
 
             flat = ids.reshape(-1)
+            gt, ut, dt, sid = expert_tables(
+                cache, layer, ids
+            )  # sid: the ids the kernels read the tables with
             if biases is None and fused_act is not None:
-                h = moe_gemv(
-                    le.gate.table,
-                    g.qtype,
-                    g.raw.shape[-1],
-                    ids,
-                    x,
-                    f,
-                    d,
-                    k,
-                    up_table=le.up.table,
-                    act=fused_act,
-                )
+                h = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, x, f, d, k, up_table=ut, act=fused_act)
             else:
-                hg = moe_gemv(le.gate.table, g.qtype, g.raw.shape[-1], ids, x, f, d, k)  # [T*k, F]
-                hu = moe_gemv(le.up.table, u.qtype, u.raw.shape[-1], ids, x, f, d, k)
+                hg = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, x, f, d, k)  # [T*k, F]
+                hu = moe_gemv(ut, u.qtype, u.raw.shape[-1], sid, x, f, d, k)
                 if biases is not None:
                     hg, hu = hg + biases.gate[flat], hu + biases.up[flat]
                 h = glu(hg, hu)
-            y = moe_gemv(
-                le.down.table, dn.qtype, dn.raw.shape[-1], ids, h, d, f, k, x_per_slot=True
-            )  # [T*k, D]
+            y = moe_gemv(dt, dn.qtype, dn.raw.shape[-1], sid, h, d, f, k, x_per_slot=True)  # [T*k, D]
             if biases is not None:
                 y = y + biases.down[flat]
             return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
