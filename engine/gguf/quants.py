@@ -95,10 +95,6 @@ def _ksigns(device: torch.device) -> torch.Tensor:
 @functools.cache
 def code_values(qtype: GGMLQuantizationType, device: torch.device) -> torch.Tensor:
     """float32 [16] code values of a lookup-table block type (IQ4_NL, MXFP4, ...) on `device`, from gguf's tables."""
-    return _kvalues(qtype, device)
-
-
-def _kvalues(qtype: GGMLQuantizationType, device: torch.device) -> torch.Tensor:
     values = np.array(_grid_class(qtype).kvalues, dtype=np.int8).astype(np.float32)
     return torch.from_numpy(values).to(device)  # [16]
 
@@ -241,7 +237,7 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     # e8m0 scale halved (the code values below are doubled): 2^(e-128), subnormal for e < 2
     bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
     d = bits.view(torch.float32)  # [N, 1]
-    q = _kvalues(Q.MXFP4, b.device)[_lo_hi(b[:, 1:17]).long()]  # [N, 32]
+    q = code_values(Q.MXFP4, b.device)[_lo_hi(b[:, 1:17]).long()]  # [N, 32]
     return d * q
 
 
@@ -254,7 +250,7 @@ def _nvfp4(b: torch.Tensor) -> torch.Tensor:
     raw = torch.where(exp == 0, man * 2.0**-9, (1.0 + man / 8.0) * pow2)
     d = torch.where((x == 0) | (x == 0x7F), 0.0, raw * 0.5).reshape(n, 4, 1)
     qs = b[:, 4:36].reshape(n, 4, 8)
-    q = _kvalues(Q.NVFP4, b.device)[_lo_hi(qs).long()]  # [N, 4, 16]
+    q = code_values(Q.NVFP4, b.device)[_lo_hi(qs).long()]  # [N, 4, 16]
     return (d * q).reshape(n, 64)
 
 
@@ -354,7 +350,7 @@ def _iq1_m(b: torch.Tensor) -> torch.Tensor:
 
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b, 0)
-    q = _kvalues(Q.IQ4_NL, b.device)[_lo_hi(b[:, 2:18]).long()]  # [N, 32]
+    q = code_values(Q.IQ4_NL, b.device)[_lo_hi(b[:, 2:18]).long()]  # [N, 32]
     return d * q
 
 
@@ -367,7 +363,7 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     sc = ((sl.int() | (hi << 4)) - 32).float()
     dl = (d * sc).reshape(n, 8, 1)
     idx = ((b[:, 8:136].reshape(n, 8, 1, 16) >> _shifts([0, 4], (1, 1, 2, 1), b)) & 0x0F).reshape(n, 8, 32)
-    q = _kvalues(Q.IQ4_NL, b.device)[idx.long()]  # IQ4_XS uses the IQ4_NL code values
+    q = code_values(Q.IQ4_NL, b.device)[idx.long()]  # IQ4_XS uses the IQ4_NL code values
     return (dl * q).reshape(n, QK_K)
 
 

@@ -32,12 +32,12 @@ KERNEL_TYPES: dict[QT, tuple[int, int, int]] = {
 UNVERIFIED = {QT.MXFP4, QT.IQ4_XS}
 
 
-@functools.cache
 def lut(qtype: QT, device: torch.device) -> torch.Tensor:
-    """float32 [16] code values of a lookup-table block type on `device` (a placeholder for the others)."""
+    """float32 [16] code values of a lookup-table block type on `device` (a placeholder for the others; cached
+    per device by code_values, so a captured step copies nothing)."""
     from engine.gguf.quants import code_values
 
-    return code_values(QT.IQ4_NL if qtype == QT.IQ4_XS else QT.MXFP4, device).contiguous()
+    return code_values(QT.IQ4_NL if qtype == QT.IQ4_XS else QT.MXFP4, device)
 
 
 # Other kernel bodies for a block type, chosen per launch class by the tuning file.
