@@ -31,16 +31,11 @@ def available(model: "DecoderLM") -> bool:
     c = model.cfg
     if c.post_norms or c.n_head % c.n_head_kv != 0 or c.rope.dim > c.head_dim_k:
         return False
-    if model.expert_cache is not None:
-        from engine.layers.moe import fused_moe_available
+    if c.is_moe and model.expert_cache is None:
+        return False
+    from engine.pipeline.cuda_graphs import capturable
 
-        return all(
-            fused_moe_available(
-                le.gate.host.qtype, le.up.host.qtype, le.down.host.qtype, c.n_embd, c.n_ff_exp
-            )
-            for le in model.expert_cache.layers.values()
-        )
-    return not c.is_moe
+    return capturable(model)  # the experts' block types have fused kernels
 
 
 def fuse_qkv(q, k, v):  # -> (qkv QTensor, q view, k view, v view), or None where the block types differ
