@@ -34,12 +34,12 @@ def _config(model_path: str) -> ModelConfig:
     return file_config(gf, Tokenizer.from_metadata(gf.metadata).vocab_size)
 
 
-def curve_point(model_path: str, fraction: float, decode: int, misses: str = "direct") -> dict:
+def curve_point(model_path: str, fraction: float, decode: int, misses_path: str = "copy") -> dict:
     _free()
     c = _config(model_path)
     slots = round(fraction * c.n_layer * c.n_expert)
     lm = load_model(
-        model_path, device="cuda", dtype="bf16", experts=ExpertPolicy(slots=slots, miss_path=misses)
+        model_path, device="cuda", dtype="bf16", experts=ExpertPolicy(slots=slots, miss_path=misses_path)
     )
     cache = lm.model.expert_cache
     before = cache.stats()
@@ -48,6 +48,7 @@ def curve_point(model_path: str, fraction: float, decode: int, misses: str = "di
     hits, misses = after.hits - before.hits, after.misses - before.misses
     out = {
         "fraction": fraction,
+        "miss_path": misses_path,
         "misses": misses,
         "experts_in_vram": after.experts_in_vram,
         "experts_total": after.experts_total,
@@ -93,7 +94,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="10240,16384,24576")
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--misses", default="direct", help="comma-separated --expert-misses paths to measure")
+    ap.add_argument("--misses", default="copy", help="comma-separated --expert-misses paths to measure")
     ap.add_argument("--out")
     a = ap.parse_args()
     res: dict = {"model": Path(a.model).name, "curve": [], "budgets": []}

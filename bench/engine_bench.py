@@ -60,7 +60,42 @@ def measure_decode(model, n: int, reps: int) -> float:
     return best
 
 
+def _kernel_table(prof, per: int) -> dict:
+    """CUDA kernel counts and times from a torch profile, per `per` (tokens or chunks), by class and by name."""
+    kinds: Counter = Counter()
+    times: Counter = Counter()
+    by_name: Counter = Counter()
+    n_by_name: Counter = Counter()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name
+            low = name.lower()
+            t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            by_name[name[:80]] += t
+            n_by_name[name[:80]] += 1
+            if "gemv" in name:
+                cls = "gemv"
+            elif any(w in low for w in ("attention", "attn", "flash", "fmha")):
+                cls = "attention"
+            elif "gemm" in low or "matmul" in low:
+                cls = "gemm"
+            else:
+                cls = "elementwise/other"
+            kinds[cls] += 1
+            times[cls] += t
+    return {
+        "kernels": {k: v / per for k, v in kinds.items()},
+        "us": {k: round(v / per, 1) for k, v in times.items()},
+        # the costliest kernels by name: what to fuse or speed up next
+        "top_kernels": [
+            {"name": n, "count": n_by_name[n] / per, "us": round(t / per, 1)}
+            for n, t in by_name.most_common(20)
+        ],
+    }
+
+
 def profile_step(model) -> dict:
+    """Kernels of a decode step (per token)."""
     cache = model.new_cache(128, "bf16")
     model.forward(torch.arange(1, 17), cache, 0)
     tok = torch.tensor([42])
@@ -73,39 +108,23 @@ def profile_step(model) -> dict:
         for p in range(20, 24):
             model.forward(tok, cache, p)
         _sync()
-    kinds: Counter = Counter()
-    times: Counter = Counter()
-    by_name: Counter = Counter()
-    n_by_name: Counter = Counter()
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = ev.name
-            t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-            by_name[name[:80]] += t
-            n_by_name[name[:80]] += 1
-            cls = (
-                "gemv"
-                if "gemv" in name
-                else "attention"
-                if "attention" in name.lower()
-                or "attn" in name.lower()
-                or "flash" in name.lower()
-                or "fmha" in name.lower()
-                else "gemm"
-                if "gemm" in name.lower()
-                else "elementwise/other"
-            )
-            kinds[cls] += 1
-            times[cls] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-    return {
-        "kernels_per_token": {k: v / 4 for k, v in kinds.items()},
-        "us_per_token": {k: v / 4 for k, v in times.items()},
-        # the costliest kernels by name: what to fuse or speed up next
-        "top_kernels": [
-            {"name": n, "per_token": n_by_name[n] / 4, "us_per_token": round(t / 4, 1)}
-            for n, t in by_name.most_common(20)
-        ],
-    }
+    return _kernel_table(prof, 4)
+
+
+def profile_prompt(model, n: int) -> dict:
+    """Kernels of one n-token prompt chunk (per chunk), and its wall time."""
+    ids = torch.randint(100, 10000, (n,), generator=torch.Generator().manual_seed(n))
+    cache = model.new_cache(n + 8, "bf16")
+    model.forward(ids, cache, 0, last_only=True)  # warm: compile and tune first
+    _sync()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        model.forward(ids, cache, 0, last_only=True)
+        _sync()
+        wall = time.perf_counter() - t
+    return {"tokens": n, "wall_ms": round(wall * 1e3, 2), **_kernel_table(prof, 1)}
 
 
 def main() -> None:
@@ -115,7 +134,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--expert-slots", type=int, default=None)
-    ap.add_argument("--expert-misses", choices=("direct", "copy"), default="direct")
+    ap.add_argument("--expert-misses", choices=("direct", "copy"), default="copy")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-graphs", action="store_true")
@@ -145,6 +164,9 @@ def main() -> None:
     res["file_bytes"] = sum(p.stat().st_size for p in lm.gguf.paths)
     if a.profile:
         res["profile"] = profile_step(lm.model)
+        res["prompt_profile"] = profile_prompt(
+            lm.model, min(int(x) for x in a.prompts.split(",") if x) if a.prompts else 512
+        )
     text = json.dumps(res, indent=1)
     print(text)
     if a.out:

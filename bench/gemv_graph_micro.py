@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.kernels.gemv import KERNEL_TYPES, gemv, moe_down_combine, moe_gemv
 
 LAYERS, E, TOPK, D, F = 48, 128, 8, 2048, 768
-VARIANTS = {"Q4_K": (0, 5), "Q6_K": (1,), "F32": (6,)}
+VARIANTS = {"Q4_K": (0, 5, 10), "Q6_K": (1, 11), "F32": (6,)}
 SHAPES = [  # name, type, rows, cols, kind
     ("qkv", "Q4_K", 5120, 2048, "dense"),
     ("o", "Q4_K", 2048, 4096, "dense"),
@@ -101,7 +101,7 @@ def _measure(
 
     launches = LAUNCH_HEAD if name == "head" else LAUNCH
     if quick:
-        launches = [lc for lc in launches if lc[0] > 1 and lc[1] > 2]
+        launches = [lc for lc in launches if lc[1] > 2 and (lc[0] > 1 or kind != "dense")]
     for v in VARIANTS[tname]:
         if variants is not None and v not in variants:
             continue
@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument(
         "--variants", help="comma-separated kernel variants to measure (default: all of the type's)"
     )
-    ap.add_argument("--quick", action="store_true", help="fewer launch shapes (12 a variant)")
+    ap.add_argument("--quick", action="store_true", help="fewer launch shapes (12-16 a variant)")
     a = ap.parse_args()
     rows: list[dict] = []
     for shape in SHAPES:

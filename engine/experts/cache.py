@@ -157,7 +157,7 @@ class ExpertCache:
         capacity: Mapping[int, int],
         profile: torch.Tensor | None = None,
         device_label: str = "",
-        miss_path: str = "direct",
+        miss_path: str = "copy",
     ) -> None:
         self.device = device
         self.miss_path = (

@@ -26,7 +26,7 @@ class ExpertPolicy:
     kv_bytes: int = 0  # the KV cache still to be allocated
     profile: torch.Tensor | None = None  # usage counts [n_layer, n_expert] to fill the cache hottest first
     miss_path: str = (
-        "direct"  # --expert-misses: "direct" (kernels read host memory) or "copy" (staged in VRAM)
+        "copy"  # --expert-misses: "copy" (staged in VRAM first) or "direct" (kernels read host memory)
     )
 
 

@@ -41,7 +41,7 @@ def lut(qtype: QT, device: torch.device) -> torch.Tensor:
 
 
 # Other kernel bodies for a block type, chosen per launch class by the tuning file.
-_VARIANTS: dict[QT, tuple[int, ...]] = {QT.Q4_K: (0, 5), QT.Q6_K: (1,), QT.F32: (6,)}
+_VARIANTS: dict[QT, tuple[int, ...]] = {QT.Q4_K: (0, 5, 10), QT.Q6_K: (1, 11), QT.F32: (6,)}
 
 
 @triton.jit
@@ -117,6 +117,53 @@ def _row_dot(w_rows, x_rows, K, nmask, lut, QTYPE: tl.constexpr, BLOCK_N: tl.con
             sum_hi = tl.sum(xh, axis=3)[:, :, :, None]
             part = d * (sc_lo * dot_lo + sc_hi * dot_hi) - dmin * (mn_lo * sum_lo + mn_hi * sum_hi)
             acc += tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
+    elif (
+        QTYPE == 10
+    ):  # Q4_K with the nibbles read as 32-bit words (wide loads: more bytes in flight per load)
+        # word 8c + w of a super-block's nibbles holds elements 64c + 4w + b (low nibbles, sub-block 2c) and
+        # 64c + 32 + 4w + b (high nibbles, sub-block 2c + 1) in its bytes b = 0..3
+        s4 = tl.arange(0, SB)[None, :, None, None]
+        c4 = tl.arange(0, 4)[None, None, :, None]
+        w4 = tl.arange(0, 8)[None, None, None, :]
+        b5 = tl.arange(0, 4)[None, None, None, None, :]
+        s3 = tl.arange(0, SB)[None, :, None]
+        c3 = tl.arange(0, 4)[None, None, :]
+        m4 = nmask[:, None, None, None]
+        m3s = nmask[:, None, None]
+        r4 = w_rows[:, :, :, None]
+        x5 = x_rows[:, :, :, None, None]
+        nsb = K // 256
+        for step in range(0, tl.cdiv(nsb, SB)):
+            sbi = step * SB + s4
+            words = tl.load(
+                # Q4_K rows and super-blocks start at multiples of 16 bytes (144 = 9 * 16): say so, for vector loads
+                tl.multiple_of((r4 + sbi * 144 + 16).to(tl.pointer_type(tl.int32)), [16, 16, 16, 16])
+                + 8 * c4
+                + w4,
+                mask=m4 & (sbi < nsb),
+                other=0,
+            )[:, :, :, :, None]  # [BN, SB, 4, 8, 1]
+            sh = 8 * b5
+            q_lo = ((words >> sh) & 15).to(tl.float32)
+            q_hi = ((words >> (sh + 4)) & 15).to(tl.float32)
+            sb5 = sbi[:, :, :, :, None]
+            xoff = sb5 * 256 + 64 * c4[:, :, :, :, None] + 4 * w4[:, :, :, :, None] + b5
+            xm = sb5 < nsb
+            x_lo = tl.load(x5 + xoff, mask=xm, other=0.0).to(tl.float32)  # [1, SB, 4, 8, 4]
+            x_hi = tl.load(x5 + xoff + 32, mask=xm, other=0.0).to(tl.float32)
+            dot_lo = tl.sum(tl.sum(q_lo * x_lo, axis=4), axis=3)  # [BN, SB, 4]
+            dot_hi = tl.sum(tl.sum(q_hi * x_hi, axis=4), axis=3)
+            sum_lo = tl.sum(tl.sum(x_lo, axis=4), axis=3)  # [1, SB, 4]
+            sum_hi = tl.sum(tl.sum(x_hi, axis=4), axis=3)
+            sb3 = step * SB + s3
+            bm = m3s & (sb3 < nsb)
+            base = w_rows + sb3 * 144  # [BN, SB, 1]
+            d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+            dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+            sc_lo, mn_lo = k_scales(base, 2 * c3, bm)  # [BN, SB, 4]
+            sc_hi, mn_hi = k_scales(base, 2 * c3 + 1, bm)
+            part = d * (sc_lo * dot_lo + sc_hi * dot_hi) - dmin * (mn_lo * sum_lo + mn_hi * sum_hi)
+            acc += tl.sum(tl.sum(part, axis=2), axis=1)
     elif QTYPE == 6:  # float32 rows (the MoE router)
         k3 = tl.arange(0, 256 * SB)[None, None, :]
         m3k = nmask[:, None, None]
@@ -150,6 +197,39 @@ def _row_dot(w_rows, x_rows, K, nmask, lut, QTYPE: tl.constexpr, BLOCK_N: tl.con
                 x_rows[:, :, :, None, None] + sb5 * 256 + 128 * h5 + 32 * q5 + l5, mask=sb5 < nsb, other=0.0
             ).to(tl.float32)
             acc += tl.sum(tl.sum(tl.sum(tl.sum(w * x, axis=4), axis=3), axis=2), axis=1)
+    elif QTYPE == 11:  # Q6_K with the bits read as 16-bit words (its 210-byte blocks are only 2-byte aligned)
+        # halfword 32h + 16a + w of the low bits holds elements 128h + 32a + 2w + b (low nibbles) and + 64 (high
+        # nibbles) in its bytes b; halfword 16h + w of the high bits holds their top two bits at 2q (q = a or a + 2)
+        s6 = tl.arange(0, SB)[None, :, None, None, None, None]
+        h6 = tl.arange(0, 2)[None, None, :, None, None, None]
+        a6 = tl.arange(0, 2)[None, None, None, :, None, None]
+        w6 = tl.arange(0, 16)[None, None, None, None, :, None]
+        b6 = tl.arange(0, 2)[None, None, None, None, None, :]
+        n6 = nmask[:, None, None, None, None, None]
+        r6 = w_rows[:, :, :, None, None, None]
+        x6 = x_rows[:, :, :, None, None, None]
+        nsb = K // 256
+        for step in range(0, tl.cdiv(nsb, SB)):
+            sbi = step * SB + s6
+            bm = n6 & (sbi < nsb)
+            base = r6 + sbi * 210
+            p16 = base.to(tl.pointer_type(tl.int16))
+            ql = tl.load(p16 + 32 * h6 + 16 * a6 + w6, mask=bm, other=0).to(tl.int32)  # [BN, SB, 2, 2, 16, 1]
+            qh = tl.load(p16 + 64 + 16 * h6 + w6, mask=bm, other=0).to(tl.int32)  # [BN, SB, 2, 1, 16, 1]
+            sh = 8 * b6
+            hb = qh >> (sh + 2 * a6)
+            q_a = (((ql >> sh) & 15) | ((hb & 3) << 4)) - 32
+            q_b = (((ql >> (sh + 4)) & 15) | (((hb >> 4) & 3) << 4)) - 32
+            d = tl.load((base + 208).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+            scp = (base + 192 + 8 * h6 + 2 * a6 + w6 // 8).to(tl.pointer_type(tl.int8))
+            sc_a = tl.load(scp, mask=bm, other=0).to(tl.float32)
+            sc_b = tl.load(scp + 4, mask=bm, other=0).to(tl.float32)
+            xm = sbi < nsb
+            xoff = sbi * 256 + 128 * h6 + 32 * a6 + 2 * w6 + b6
+            x_a = tl.load(x6 + xoff, mask=xm, other=0.0).to(tl.float32)
+            x_b = tl.load(x6 + xoff + 64, mask=xm, other=0.0).to(tl.float32)
+            part = d * (sc_a * q_a.to(tl.float32) * x_a + sc_b * q_b.to(tl.float32) * x_b)
+            acc += tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(part, axis=5), axis=4), axis=3), axis=2), axis=1)
     elif QTYPE == 4:  # Q5_K: as Q4_K plus 32 bytes of high bits before the nibbles
         for sb in range(0, K // 256):
             base = w_rows + sb * 176

@@ -1,10 +1,11 @@
 """Missed experts copied from pinned host memory into a VRAM staging area before a decode step's expert kernels.
 
-The expert kernels can read a missed expert straight from host memory (the default, `--expert-misses direct`), but
-they do so with the small loads of a matrix-vector product, which PCIe serves poorly. This kernel instead moves each
+The expert kernels can read a missed expert straight from host memory (`--expert-misses direct`), but they do so
+with the small loads of a matrix-vector product, which PCIe serves poorly. This kernel instead moves each
 missed expert of the step across PCIe with wide 8-byte loads, into one staging slot per (token, slot), and writes
 a per-slot address table (the staging slot for a miss, the VRAM slot for a hit) that the expert kernels then read
-with the identity as their expert ids (`--expert-misses copy`). One launch a layer, no host synchronisation."""
+with the identity as their expert ids (`--expert-misses copy`, the default: 1.7-1.85x the direct reads' decode
+tokens/s with 0-50% of the experts in VRAM on an H200). One launch a layer, no host synchronisation."""
 
 import torch
 import triton

@@ -74,9 +74,7 @@ class SplitOptions:
     remote_stall_s: float = 3.0
     expert_slots: int | None = None  # --expert-cache N: routed experts in VRAM on each card
     vram_budget_mib: int | None = None  # --vram-budget-mib: each card behaves as one of this size
-    expert_misses: str = (
-        "direct"  # --expert-misses direct|copy: how a decode step reads experts in host memory
-    )
+    expert_misses: str = "copy"  # --expert-misses copy|direct: how a decode step reads experts in host memory
     cpu_weights_mib: int | None = None  # --cpu-weights-mib: float copies of CPU layers' weights (None: auto)
     profile: str | None = None  # --profile PATH: the usage profile to read (default: the data dir's)
     use_profile: bool = True  # --no-profile: fill the caches and place the layers without one

@@ -70,10 +70,10 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
     )
     e.add_argument(
         "--expert-misses",
-        choices=("direct", "copy"),
-        default="direct",
-        help="how a decode step reads experts that are in host RAM: direct (the expert kernels read them over "
-        "PCIe) or copy (they are first copied into VRAM with wide loads, one kernel a layer)",
+        choices=("copy", "direct"),
+        default="copy",
+        help="how a decode step reads experts that are in host RAM: copy (first copied into VRAM with wide loads, "
+        "one kernel a layer; the faster) or direct (the expert kernels read them over PCIe)",
     )
     e.add_argument(
         "--profile",
@@ -129,7 +129,7 @@ def options_from_args(args: argparse.Namespace) -> SplitOptions:
         expert_slots=getattr(args, "expert_cache", None),
         vram_budget_mib=getattr(args, "vram_budget_mib", None),
         cpu_weights_mib=getattr(args, "cpu_weights_mib", None),
-        expert_misses=getattr(args, "expert_misses", "direct"),
+        expert_misses=getattr(args, "expert_misses", "copy"),
         device=getattr(args, "device", "auto"),
         gpu=getattr(args, "gpu", None),
         gpus=parse_gpus(gpus) if gpus else None,

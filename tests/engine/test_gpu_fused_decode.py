@@ -141,7 +141,17 @@ def test_fused_decode_gives_the_general_paths_tokens(tmp_path: Path, arch: str, 
 
 
 @pytest.mark.parametrize(
-    "qtype,variant", [("Q4_K", 0), ("Q4_K", 5), ("Q6_K", 1), ("F32", 6), ("MXFP4", 8), ("IQ4_XS", 9)]
+    "qtype,variant",
+    [
+        ("Q4_K", 0),
+        ("Q4_K", 5),
+        ("Q4_K", 10),
+        ("Q6_K", 1),
+        ("Q6_K", 11),
+        ("F32", 6),
+        ("MXFP4", 8),
+        ("IQ4_XS", 9),
+    ],
 )
 @pytest.mark.parametrize("sb", [1, 2, 4])
 def test_every_kernel_body_matches_dequantize(qtype: str, variant: int, sb: int) -> None:

@@ -24,8 +24,8 @@ def _interpreter_loop_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     interp = pytest.importorskip("triton.runtime.interpreter")
     patch = interp._patch_lang_tensor  # re-applied at every launch: wrap it
 
-    def patched(tensor: type) -> None:
-        patch(tensor)
+    def patched(tensor: type, *scope: object) -> None:  # 3.9 passes a patch scope too
+        patch(tensor, *scope)
         tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
 
     monkeypatch.setattr(interp, "_patch_lang_tensor", patched)
@@ -41,7 +41,7 @@ def _blocks(qt: QT, n: int, k: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "qtype,variant,k",
-    [("Q4_K", 0, 1280), ("Q4_K", 5, 1280), ("Q5_K", 4, 512), ("Q6_K", 1, 1280), ("Q8_0", 2, 352),
+    [("Q4_K", 0, 1280), ("Q4_K", 5, 1280), ("Q4_K", 10, 1280), ("Q5_K", 4, 512), ("Q6_K", 1, 1280), ("Q6_K", 11, 1280), ("Q8_0", 2, 352),
      ("Q4_0", 3, 352), ("MXFP4", 8, 352), ("IQ4_XS", 9, 512)],
 )  # fmt: skip
 def test_gemv_bodies(qtype: str, variant: int, k: int) -> None:
