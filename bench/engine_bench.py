@@ -21,6 +21,17 @@ from engine.experts.policy import ExpertPolicy
 from engine.loader import load_model
 
 
+def _kv_bytes(model_path: str, ctx: int) -> int:
+    """The bf16 KV cache of the longest prompt measured (allocated after load: the expert budget leaves room)."""
+    from engine.gguf.reader import GGUFFile
+    from engine.models.registry import file_config
+    from engine.tokenizer import Tokenizer
+
+    gf = GGUFFile.open(model_path)
+    c = file_config(gf, Tokenizer.from_metadata(gf.metadata).vocab_size)
+    return c.n_layer * ctx * c.n_head_kv * (c.head_dim_k + c.head_dim_v) * 2
+
+
 def _sync() -> None:
     torch.cuda.synchronize()
 
@@ -135,17 +146,38 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--expert-slots", type=int, default=None)
     ap.add_argument("--expert-misses", choices=("direct", "copy"), default="copy")
+    ap.add_argument("--vram-budget-mib", type=int, default=None, help="the card behaves as one of this size")
+    ap.add_argument(
+        "--vram-process-mib",
+        type=int,
+        default=None,
+        help="VRAM for the whole process as nvidia-smi counts it (another program's figure): the budget is this "
+        "less our CUDA context, measured at start",
+    )
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--out")
     a = ap.parse_args()
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    free, total = torch.cuda.mem_get_info()
+    context_mib = (total - free) // 2**20  # the CUDA context (nothing else allocated yet)
+    if a.vram_process_mib:
+        a.vram_budget_mib = a.vram_process_mib - context_mib
     t0 = time.perf_counter()
     lm = load_model(
         a.model,
         device="cuda",
         dtype="bf16",
-        experts=ExpertPolicy(slots=a.expert_slots, miss_path=a.expert_misses),
+        experts=ExpertPolicy(
+            slots=a.expert_slots,
+            miss_path=a.expert_misses,
+            vram_budget_mib=a.vram_budget_mib,
+            kv_bytes=_kv_bytes(a.model, max(int(x) for x in a.prompts.split(",") if x) + 8)
+            if a.vram_budget_mib
+            else 0,
+        ),
         cuda_graphs=not a.no_graphs,
     )
     res: dict = {
@@ -153,6 +185,9 @@ def main() -> None:
         "load_s": time.perf_counter() - t0,
         "expert_slots": a.expert_slots,
         "expert_misses": a.expert_misses,
+        "vram_budget_mib": a.vram_budget_mib,
+        "vram_process_mib": a.vram_process_mib,
+        "cuda_context_mib": context_mib,
     }
     if lm.model.expert_cache is not None:
         st = lm.model.expert_cache.stats()
@@ -161,6 +196,7 @@ def main() -> None:
     for n in [int(x) for x in a.prompts.split(",") if x]:
         res[f"prompt_{n}_tok_s"] = measure_prompt(lm.model, n, a.reps, a.chunk)
     res["vram_peak_bytes"] = torch.cuda.max_memory_allocated()
+    res["vram_reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
     res["file_bytes"] = sum(p.stat().st_size for p in lm.gguf.paths)
     if a.profile:
         res["profile"] = profile_step(lm.model)

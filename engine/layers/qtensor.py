@@ -18,6 +18,14 @@ def _gemv_for(qtype: QT, n_in: int):  # -> the kernel, or None where it does not
     return kernels.gemv if kernels.supports(qtype, n_in) else None
 
 
+def _deq_kernel_for(qtype: QT, n_in: int):  # -> the GPU decoder, or None where it does not apply
+    try:
+        from engine.kernels import dequant
+    except ImportError:
+        return None
+    return dequant.dequantize_rows if dequant.supports(qtype, n_in) else None
+
+
 class FloatCache:
     """A RAM budget for dequantized copies of weights on the CPU. Dequantizing blocks costs more than the matmul
     itself on a CPU (a 270M-parameter model: ~2.5 s a token, against ~0.1 s from float copies), so weights keep a
@@ -66,6 +74,10 @@ class QTensor:
             return (
                 raw.contiguous().view(_FLOAT_VIEWS[self.qtype]).reshape(*rows_shape, self.shape[-1]).to(dtype)
             )
+        if raw.is_cuda:
+            deq = _deq_kernel_for(self.qtype, self.shape[-1])
+            if deq is not None:  # one launch instead of the torch decoder's many small kernels
+                return deq(raw, self.qtype, self.shape[-1], dtype).reshape(*rows_shape, self.shape[-1])
         return dequantize(raw, self.qtype, dtype=dtype).reshape(*rows_shape, self.shape[-1])
 
     def dequant(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -220,3 +220,35 @@ def test_grouped_expert_gemm_matches_dequantize(qtype: str, dtype: torch.dtype) 
         [xs[i * topk + j].float() @ dg[int(ids[i, j])].T for i in range(t) for j in range(topk)]
     )
     assert _cos(y2, ref2) >= (0.99999 if dtype == torch.float32 else 0.999)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4", "IQ4_XS"])
+def test_dequantize_kernel_matches_the_torch_decoder(qtype: str) -> None:
+    """The one-launch decoder that prompt-chunk matmuls use, against the torch decoder (itself checked against
+    gguf's): the same float32 values, within one rounding."""
+    from engine.kernels.dequant import dequantize_rows
+
+    qt = QT[qtype]
+    k = 352 if qtype in ("Q8_0", "Q4_0", "MXFP4") else 1280
+    raw = torch.from_numpy(random_blocks(qt, 77, k, seed=3)).cuda()
+    want = dequantize(raw, qt)
+    got = dequantize_rows(raw, qt, k, torch.float32)
+    assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item()
+    assert _cos(dequantize_rows(raw, qt, k, torch.bfloat16), want) >= 0.99999
+
+
+def test_prompt_attention_runs_on_the_memory_efficient_kernel() -> None:
+    """Grouped heads with a mask (a prompt chunk after earlier chunks, a sliding window): the memory-efficient
+    kernel must take it (it raises here if it cannot), not torch's float32 math path; same result as that path."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    t, s, h, hkv, d = 300, 700, 16, 4, 128
+    q = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn(s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    mask = causal_mask(torch.arange(s - t, s, device="cuda"), s, 256)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        got = attention(q, kc, vc, mask, d**-0.5)
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = attention(q.float(), kc.float(), vc.float(), mask, d**-0.5)
+    assert _cos(got, want) >= 0.9999

@@ -161,3 +161,15 @@ def test_missed_experts_are_staged_and_hits_keep_their_slot() -> None:
             else:
                 assert out[p, j].item() == st.area[p, j].data_ptr()
                 assert torch.equal(st.area[p, j, : host[p][e].numel()], host[p][e].reshape(-1))
+
+
+@pytest.mark.parametrize(
+    "qtype,k", [("Q4_K", 512), ("Q5_K", 512), ("Q6_K", 512), ("Q8_0", 352), ("Q4_0", 96), ("IQ4_XS", 512)]
+)
+def test_dequantize_rows(qtype: str, k: int) -> None:
+    from engine.kernels.dequant import dequantize_rows
+
+    qt = QT[qtype]
+    raw = _blocks(qt, 19, k, 7).reshape(19, -1)
+    got = dequantize_rows(raw, qt, k, torch.float32)
+    assert (got - dequantize(raw, qt)).abs().max().item() <= 1e-6 * dequantize(raw, qt).abs().max().item()
