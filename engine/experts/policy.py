@@ -41,11 +41,21 @@ def expert_budget(device: torch.device, policy: ExpertPolicy) -> int:
     return room - policy.reserve_mib * MiB - policy.kv_bytes - WORKSPACE_BYTES
 
 
+def stage_bytes(per_expert: dict[int, int], n_expert: int) -> int:
+    """VRAM a prompt chunk's staging area takes at most: one layer's experts (ExpertCache.prompt_tables)."""
+    return max(per_expert.values(), default=0) * n_expert
+
+
 def build_expert_cache(model: "DecoderLM", policy: ExpertPolicy) -> ExpertCache:
     experts = {i: lw.experts for i, lw in model.layers.items() if lw.experts is not None}
     per_expert = {i: sum(q.raw[0].numel() for q in (ew.gate, ew.up, ew.down)) for i, ew in experts.items()}
     budget = expert_budget(model.device, policy)
     n_expert = model.cfg.n_expert
+    all_in = budget >= n_expert * sum(per_expert.values()) and (
+        policy.slots is None or policy.slots >= n_expert * len(per_expert)
+    )
+    if not all_in:  # prompt chunks stage the experts left in host memory: keep their room
+        budget -= stage_bytes(per_expert, n_expert)
     capacity = plan_capacity(per_expert, n_expert, budget, policy.profile, max_pairs=policy.slots)
     if budget <= 0:
         log.warning(

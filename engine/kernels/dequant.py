@@ -8,8 +8,12 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as QT
 
 from engine.kernels.gemv import lut
-from engine.kernels.moe_gemm import TILE_TYPES, _deq_tile
-from engine.kernels.moe_gemm import supports as supports  # the block types and row lengths it decodes
+from engine.kernels.moe_gemm import TILE_TYPES, _deq_tile, decodes
+
+
+def supports(qtype: QT, k: int) -> bool:
+    """Whether rows of k elements of this block type decode here."""
+    return decodes(qtype, k)
 
 
 @triton.jit

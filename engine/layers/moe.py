@@ -124,7 +124,7 @@ def moe_forward_cached(
         h = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, x, f, d, k, up_table=ut, act=act)
         y = moe_gemv(dt, dn.qtype, dn.raw.shape[-1], sid, h, d, f, k, x_per_slot=True)  # [T*k, D]
         return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
-    grouped = grouped_experts(x, le, w, ids, k, act)  # a prompt chunk
+    grouped = grouped_experts(x, le, w, ids, k, act, lambda: cache.prompt_tables(layer))  # a prompt chunk
     if grouped is not None:
         return grouped
     experts: dict[int, ExpertWeights] = {}
@@ -166,18 +166,30 @@ def _is_build_error(e: Exception) -> bool:
     return isinstance(e, CompilationError | OutOfResources)
 
 
+Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def grouped_experts(
-    x: torch.Tensor, le: "LayerExperts", w: torch.Tensor, ids: torch.Tensor, k: int, act: str
+    x: torch.Tensor,
+    le: "LayerExperts",
+    w: torch.Tensor,
+    ids: torch.Tensor,
+    k: int,
+    act: str,
+    tables: Callable[[], Tables] | None = None,
 ) -> torch.Tensor | None:
     """A prompt chunk's routed experts (x [T, D], weights and ids [T, k]) as grouped launches on CUDA -> float32
-    [T, D]; None where the block types have no tile kernel or the kernel cannot be built here (said once)."""
+    [T, D]; None where the block types have no tile kernel or the kernel cannot be built here (said once).
+    `tables` gives the gate, up and down address tables to read (the cache's prompt_tables: experts in host
+    memory streamed into VRAM first); without it the layer's own."""
     g, u, dn = le.gate.host, le.up.host, le.down.host
     d, f = x.shape[1], g.shape[1]
     key = (g.qtype, dn.qtype, d, f)
     if not x.is_cuda or key in _GROUPED_FAILED or not _grouped_ok(g.qtype, u.qtype, dn.qtype, d, f):
         return None
     try:
-        return _grouped(x, le, w, ids, k, act)
+        tabs = tables() if tables is not None else (le.gate.table, le.up.table, le.down.table)
+        return _grouped(x, le, w, ids, k, act, tabs)
     except Exception as e:  # a kernel this GPU or Triton cannot build: the per-expert path
         if not _is_build_error(e):
             raise
@@ -188,7 +200,7 @@ def grouped_experts(
 
 
 def _grouped(
-    x: torch.Tensor, le: "LayerExperts", w: torch.Tensor, ids: torch.Tensor, k: int, act: str
+    x: torch.Tensor, le: "LayerExperts", w: torch.Tensor, ids: torch.Tensor, k: int, act: str, tabs: Tables
 ) -> torch.Tensor:
     """All the chunk's routed experts as two grouped launches (gate/up with the activation, down), then the
     weighted combine."""
@@ -199,9 +211,9 @@ def _grouped(
     f = g.shape[1]
     blocks = Blocks(ids, le.router.shape[0])
     s = t * k
-    h = moe_gemm(blocks, le.gate.table, g.qtype, g.raw.shape[-1], x, f, d, k, s, up_table=le.up.table, act=act,
+    h = moe_gemm(blocks, tabs[0], g.qtype, g.raw.shape[-1], x, f, d, k, s, up_table=tabs[1], act=act,
                  out_dtype=x.dtype)  # fmt: skip
-    y = moe_gemm(blocks, le.down.table, dn.qtype, dn.raw.shape[-1], h, d, f, k, s, x_per_slot=True)  # [S, D]
+    y = moe_gemm(blocks, tabs[2], dn.qtype, dn.raw.shape[-1], h, d, f, k, s, x_per_slot=True)  # [S, D]
     return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
 
 

@@ -196,7 +196,9 @@ def expert_mix(
                 y = y + biases.down[flat]
             return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
         if biases is None and fused_act is not None:  # a prompt chunk: grouped launches where they exist
-            grouped = grouped_experts(x, le, w, ids, k, fused_act)
+            prompt_tables = getattr(cache, "prompt_tables", None)
+            tables = (lambda: prompt_tables(layer)) if prompt_tables is not None else None
+            grouped = grouped_experts(x, le, w, ids, k, fused_act, tables)
             if grouped is not None:
                 return grouped
         loaded: dict[int, ExpertWeights] = {}

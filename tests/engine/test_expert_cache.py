@@ -31,3 +31,25 @@ def test_hits_and_misses_come_from_the_selection_counts() -> None:
     st = cache.stats()
     assert (st.hits, st.misses) == (6, 5)
     assert st.experts_in_vram == 2 and st.experts_total == 4
+
+
+def test_prompt_tables_point_at_slots_and_at_the_staged_copies_of_the_rest() -> None:
+    n_e = 6
+    raws = [torch.randint(0, 256, (n_e, 2, 34), dtype=torch.uint8) for _ in range(3)]
+    qs = [QTensor(r, QT.Q8_0, (n_e, 2, 32)) for r in raws]
+    router = QTensor(torch.zeros(n_e, 32 * 4, dtype=torch.uint8), QT.F32, (n_e, 32))
+    profile = torch.tensor([[0, 9, 0, 0, 8, 0]])  # experts 1 and 4 in slots; 0, 2-3 and 5 staged (two runs)
+    cache = ExpertCache({0: ExpertWeights(router, *qs)}, torch.device("cpu"), {0: 2}, profile=profile)
+    le = cache.layers[0]
+    tables = cache.prompt_tables(0)
+    assert cache.prompt_area is not None
+    for j, (p, raw, table) in enumerate(zip(le.projections, raws, tables, strict=True)):
+        area = cache.prompt_area[j]
+        for e in range(n_e):
+            addr = int(table[e])
+            if le.slot_of[e] >= 0:
+                assert addr == p.slot_addr(le.slot_of[e])
+            else:
+                i = next(i for i in range(area.shape[0]) if area[i].data_ptr() == addr)
+                assert torch.equal(area[i], raw[e])
+    assert le.bytes_moved == 4 * 3 * 2 * 34
