@@ -7,11 +7,12 @@ logits out) and a pipeline stage (hidden state in, hidden state or logits out)."
 
 import gc
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("strata.engine")
 SPAN_BUCKET = 256
 MAX_GRAPHS = 48
+G = TypeVar("G")
 
 # body(inp, cache, pos, span) -> out: one step from a static input buffer, capturable
 StepBody = Callable[[torch.Tensor, KVCache, torch.Tensor, int], torch.Tensor]
@@ -42,6 +44,38 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: tuple | None) -> Iterator[None]
         gc.enable()
 
 
+class GraphTable(Generic[G]):
+    """Captured graphs by (KV cache, span bucket), the least recently used dropped past MAX_GRAPHS. A cache's graphs
+    go when the cache does: they write into its tensors, and a later cache could be given the same id()."""
+
+    def __init__(self) -> None:
+        self.graphs: OrderedDict[tuple[int, int], G] = OrderedDict()
+        self._watched: set[int] = set()
+
+    def get(self, cache: KVCache, span: int) -> G | None:
+        g = self.graphs.get((id(cache), span))
+        if g is not None:
+            self.graphs.move_to_end((id(cache), span))
+        return g
+
+    def put(self, cache: KVCache, span: int, g: G) -> None:
+        cid = id(cache)
+        if cid not in self._watched:
+            self._watched.add(cid)
+            weakref.finalize(cache, self._forget, cid)
+        self.graphs[(cid, span)] = g
+        while len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+
+    def _forget(self, cid: int) -> None:
+        self._watched.discard(cid)
+        for key in [k for k in self.graphs if k[0] == cid]:
+            del self.graphs[key]
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -58,20 +92,16 @@ class StepGraphs:
         self.body = body
         self.device = device
         self.counts = counts
-        self.graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
+        self.graphs: GraphTable[_Graph] = GraphTable()
         self.pool: tuple | None = None
 
     def step(self, inp: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         span = min(cache.max_ctx, -(-(start + 1) // SPAN_BUCKET) * SPAN_BUCKET)
-        key = (id(cache), span)
-        g = self.graphs.get(key)
+        g = self.graphs.get(cache, span)
         if g is None:
             g = self._capture(inp, cache, start, span)
-            self.graphs[key] = g
-            while len(self.graphs) > MAX_GRAPHS:
-                self.graphs.popitem(last=False)
+            self.graphs.put(cache, span, g)
         else:
-            self.graphs.move_to_end(key)
             g.inp.copy_(inp.view(g.inp.shape), non_blocking=True)
             g.pos.fill_(start)
         g.graph.replay()

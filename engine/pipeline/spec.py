@@ -24,7 +24,6 @@ KV positions lie beyond the kept length and are written again before anything re
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -413,7 +412,9 @@ class WindowGraphs:
     def __init__(self, model: object, rows: int) -> None:
         self.model = model
         self.rows = rows
-        self.graphs: OrderedDict[tuple[int, int], _WindowGraph] = OrderedDict()
+        from engine.pipeline.cuda_graphs import GraphTable
+
+        self.graphs: GraphTable[_WindowGraph] = GraphTable()
         self.pool: tuple[int, int] | None = None
 
     @staticmethod
@@ -430,7 +431,7 @@ class WindowGraphs:
 
     def forward(self, tokens: list[int], cache: KVCache, start: int) -> torch.Tensor:
         """tokens at start.. -> logits [len(tokens), V]; the cache then holds start + len(tokens) positions."""
-        from engine.pipeline.cuda_graphs import MAX_GRAPHS, SPAN_BUCKET
+        from engine.pipeline.cuda_graphs import SPAN_BUCKET
 
         t, r = len(tokens), self.rows
         m = self.model
@@ -438,15 +439,11 @@ class WindowGraphs:
             return m.forward(torch.tensor(tokens, dtype=torch.long), cache, start)  # type: ignore[attr-defined]
         padded = torch.tensor(tokens + [tokens[-1]] * (r - t), dtype=torch.long)
         span = min(cache.max_ctx, -(-(start + r) // SPAN_BUCKET) * SPAN_BUCKET)
-        key = (id(cache), span)
-        g = self.graphs.get(key)
+        g = self.graphs.get(cache, span)
         if g is None:
             g = self._capture(padded, cache, start, span)
-            self.graphs[key] = g
-            while len(self.graphs) > MAX_GRAPHS:
-                self.graphs.popitem(last=False)
+            self.graphs.put(cache, span, g)
         else:
-            self.graphs.move_to_end(key)
             g.tok.copy_(padded, non_blocking=True)
             torch.add(g.offsets, start, out=g.pos)
         g.graph.replay()
