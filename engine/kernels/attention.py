@@ -6,6 +6,8 @@ positions, one launch for what took seven (two norm+rope kernels, casts, two ind
 graph replays it for every position of its bucket), split over the span and merged by a small second kernel when
 the span is long; the GQA group of query heads shares each key/value block it loads."""
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -232,8 +234,26 @@ def _merge_kernel(
     tl.store(o_ptr + r * Dv + dv, out.to(o_ptr.dtype.element_ty), mask=dv < Dv)
 
 
-# Positions one program covers before the span is split over more programs (a second, merging launch).
-SPLIT_CHUNK = 512
+# Spans up to this many positions go in one launch; longer ones are split over enough programs to fill the GPU
+# (at least SPLIT_MIN positions each), with a second, merging launch. With one program per key head a long span
+# was read by a handful of programs, one block after the other.
+SPLIT_FROM = 256
+SPLIT_MIN = 128
+
+
+@functools.cache
+def _programs_wanted(device: torch.device) -> int:
+    """Two programs per multiprocessor."""
+    if device.type != "cuda":
+        return 128
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _splits(t: int, hkv: int, span: int, device: torch.device) -> int:
+    if span <= SPLIT_FROM:
+        return 1
+    want = max(1, _programs_wanted(device) // (t * hkv))
+    return triton.next_power_of_2(max(1, min(want, span // SPLIT_MIN)))
 
 
 def decode_attention(
@@ -245,15 +265,19 @@ def decode_attention(
     window: int,
     scale: float,
     softcap: float = 0.0,
-    chunk: int = SPLIT_CHUNK,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, Dk] at positions `pos` [T] over the cache positions below `span` (each row sees positions <= its
-    own, and within `window` of it when window > 0) -> [T, H*Dv] in q's dtype."""
+    own, and within `window` of it when window > 0) -> [T, H*Dv] in q's dtype. `chunk`: positions a program
+    covers (tests); by default chosen from the span and the GPU's size."""
     t, h, dk = q.shape
     _, hkv, _ = k_cache.shape
     dvv = v_cache.shape[2]
     g = h // hkv
-    splits = triton.next_power_of_2(triton.cdiv(span, chunk))
+    if chunk is None:
+        splits = _splits(t, hkv, span, q.device)
+    else:
+        splits = triton.next_power_of_2(triton.cdiv(span, chunk))
     chunk = triton.cdiv(span, splits)
     out = torch.empty(t, h, dvv, dtype=q.dtype, device=q.device)
     common = dict(

@@ -31,6 +31,17 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
         (1, 32, 4, 128, 3000, 0, torch.bfloat16, 512),  # split over the span, merged
         (4, 8, 2, 64, 300, 0, torch.float32, 64),  # a verify window of 4 rows, causal among them
         (2, 8, 8, 256, 700, 128, torch.float32, 128),  # sliding window, no grouping, head dim 256
+        (
+            1,
+            32,
+            4,
+            128,
+            4096,
+            0,
+            torch.bfloat16,
+            None,
+        ),  # the default split of a long span (32 programs a head)
+        (5, 32, 4, 128, 1000, 0, torch.float32, None),  # a verify window over the default split
     ],
 )
 def test_decode_attention_matches_sdpa(t, h, hkv, d, span, window, dtype, chunk) -> None:

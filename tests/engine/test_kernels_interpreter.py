@@ -173,3 +173,19 @@ def test_dequantize_rows(qtype: str, k: int) -> None:
     raw = _blocks(qt, 19, k, 7).reshape(19, -1)
     got = dequantize_rows(raw, qt, k, torch.float32)
     assert (got - dequantize(raw, qt)).abs().max().item() <= 1e-6 * dequantize(raw, qt).abs().max().item()
+
+
+def test_decode_attention_default_split() -> None:
+    """The default split of a long span (many programs, then the merge) against the plain attention."""
+    from engine.kernels.attention import _splits, decode_attention
+    from engine.layers.attention import attention, causal_mask
+
+    assert _splits(1, 4, 256, torch.device("cpu")) == 1  # short spans: one launch
+    assert _splits(1, 4, 4096, torch.device("cpu")) == 32  # 32 programs a key head, 128 positions each
+    t, h, hkv, d, span = 1, 8, 2, 64, 700
+    kc, vc = torch.randn(span, hkv, d), torch.randn(span, hkv, d)
+    pos = torch.tensor([span - 1])
+    q = torch.randn(t, h, d)
+    got = decode_attention(q, kc, vc, pos, span, 0, d**-0.5)
+    ref = attention(q, kc, vc, causal_mask(pos, span, 0), d**-0.5).reshape(t, -1)
+    assert (got - ref).abs().max().item() < 1e-5
