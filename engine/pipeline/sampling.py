@@ -54,13 +54,16 @@ class Sampler:
             self.gen.seed()
 
     def _penalize(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+        """On the logits' own device (the ids go there, not the logits to the host)."""
         p = self.p
         if p.repeat_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0:
             return logits
         recent = history if p.repeat_last_n == -1 else history[-p.repeat_last_n :] if p.repeat_last_n else []
         if not recent:
             return logits
-        ids, counts = torch.unique(torch.tensor(recent, dtype=torch.long), return_counts=True)
+        ids, counts = torch.unique(
+            torch.tensor(recent, dtype=torch.long).to(logits.device, non_blocking=True), return_counts=True
+        )
         sel = logits[ids]
         if p.repeat_penalty != 1:  # as llama.cpp and HF: shrink positive logits, grow negative ones
             sel = torch.where(sel > 0, sel / p.repeat_penalty, sel * p.repeat_penalty)
@@ -72,32 +75,57 @@ class Sampler:
     def sample(self, logits: torch.Tensor, history: list[int]) -> int:
         """logits [V] (any device) -> token id."""
         if self.p.greedy:
-            return int(torch.argmax(self._penalize(logits.float().cpu(), history)))
-        return self.draw(self.probs(logits, history))
+            return int(torch.argmax(self._penalize(logits.float(), history)))
+        ids, law = self._kept(logits, history)
+        return int(ids[self.draw(law)])
 
     def probs(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
         """The distribution `sample` draws from: logits [V] (any device) -> probabilities [V] (float32, CPU).
         Greedy gives the one-hot of the argmax. Speculative sampling compares drafts against it."""
-        logits = self._penalize(logits.float().cpu(), history)
+        out = torch.zeros(logits.shape[-1], dtype=torch.float32)
+        if self.p.greedy:
+            out[int(torch.argmax(self._penalize(logits.float(), history)))] = 1.0
+            return out
+        ids, law = self._kept(logits, history)
+        out[ids] = law
+        return out
+
+    def _kept(self, logits: torch.Tensor, history: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens the filters keep and their probabilities (both on the CPU): penalties, top-k, top-p, min-p,
+        then temperature, as llama.cpp orders them. The filtering runs where the logits are: on a GPU, only the
+        few kept tokens cross to the host (sorting a 150k vocabulary on the CPU took longer than a decode step)."""
         p = self.p
-        if p.greedy:
-            return torch.zeros_like(logits).scatter_(0, torch.argmax(logits).view(1), 1.0)
-        if p.top_k > 0 and p.top_k < logits.numel():
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
+        x = self._penalize(logits.float(), history)
+        v = x.shape[-1]
+        if 0 < p.top_k < v:
+            vals, ids = torch.topk(x, p.top_k)  # sorted, largest first
+            norm = torch.logsumexp(vals, dim=-1)  # probabilities within the top k
+        elif p.top_p < 1:
+            # No top-k: the nucleus is usually a few dozen tokens, so take the largest in growing batches until
+            # they hold top_p of the mass instead of sorting the whole vocabulary.
+            norm = torch.logsumexp(x, dim=-1)
+            k = 64
+            while True:
+                vals, ids = torch.topk(x, min(k, v))
+                if k >= v or float(torch.exp(vals - norm).sum()) >= p.top_p:
+                    break
+                k *= 8
+        else:
+            vals, ids = x, torch.arange(v, device=x.device)
         if p.top_p < 1:
-            sorted_l, order = torch.sort(logits, descending=True)
-            probs = torch.softmax(sorted_l, dim=-1)
+            pr = torch.exp(vals - norm)
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
-            drop = (probs.cumsum(-1) - probs) >= p.top_p
-            logits = logits.scatter(0, order[drop], float("-inf"))
+            n = max(1, int(((pr.cumsum(-1) - pr) < p.top_p).sum()))
+            vals, ids = vals[:n], ids[:n]
         if p.min_p > 0:
-            probs = torch.softmax(logits, dim=-1)
-            logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-        return torch.softmax(logits / p.temperature, dim=-1)
+            pr = torch.softmax(vals, dim=-1)
+            keep = pr >= p.min_p * pr.max()
+            vals, ids = vals[keep], ids[keep]
+        law = torch.softmax(vals / p.temperature, dim=-1)
+        return ids.cpu(), law.cpu()
 
     def draw(self, probs: torch.Tensor) -> int:
-        """A token from probabilities [V] (CPU; need not sum to 1), with this sampler's generator."""
+        """An index drawn from probabilities (CPU; need not sum to 1), with this sampler's generator."""
         return int(torch.multinomial(probs, 1, generator=self.gen))
 
     def uniform(self) -> float:

@@ -275,7 +275,7 @@ def verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, history: Sequen
         while a < k and best[a] == draft.tokens[a]:
             a += 1
         return Verdict(a, int(best[a]))
-    rows = logits[: k + 1].float().cpu()  # [k+1, V]
+    rows = logits[: k + 1]  # [k+1, V], where the logits are: the sampler filters there
     hist = list(history)
     for j, d in enumerate(draft.tokens):
         if sampler.p.greedy:
