@@ -163,7 +163,14 @@ class DecoderLM(FamilyLM):
             return fast_decode.layer(self, i, h, cache, pos, span)
         h = h.float()
         x = rms_norm(h, lw.attn_norm, c.rms_eps, self.dtype)
-        q, k, v = project_qkv(x, lw.q, lw.k, lw.v, lw.q_bias, lw.k_bias, lw.v_bias)
+        if lw.qkv is not None:  # the fused weight: one decode and one matmul for the three (prompt chunks)
+            qkv = lw.qkv.linear(x)
+            if lw.qkv_bias is not None:
+                qkv = qkv + lw.qkv_bias.to(qkv.dtype)
+            qd, kd = c.n_head * c.head_dim_k, c.n_head_kv * c.head_dim_k
+            q, k, v = qkv[:, :qd], qkv[:, qd : qd + kd], qkv[:, qd + kd :]
+        else:
+            q, k, v = project_qkv(x, lw.q, lw.k, lw.v, lw.q_bias, lw.k_bias, lw.v_bias)
         q = q.view(t, c.n_head, c.head_dim_k)
         k = k.view(t, c.n_head_kv, c.head_dim_k)
         v = v.view(t, c.n_head_kv, c.head_dim_v)

@@ -29,3 +29,21 @@ def test_fused_projection_equals_the_three() -> None:
 
 def test_mixed_block_types_stay_apart() -> None:
     assert fuse_qkv(_w(QT.Q4_K, 64, 256, 1), _w(QT.Q4_K, 32, 256, 2), _w(QT.Q6_K, 32, 256, 3)) is None
+
+
+def test_prompt_path_reads_the_fused_weight_with_the_same_result(tmp_path) -> None:
+    """On CUDA the layers hold the fused weight and prompt chunks project through it; the same done on the CPU
+    (fused by hand) gives the logits of the separate projections. qwen2moe: with q/k/v biases."""
+    from engine.loader import load_model
+    from engine.testing.tiny_models import write_tiny_model
+
+    for arch in ("qwen3moe", "qwen2moe"):
+        path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, qtype="Q8_0")
+        m = load_model(str(path), device="cpu", dtype="f32").model
+        ids = torch.tensor([1, 17, 42, 99, 150, 7, 300, 12, 5, 64, 128, 256])
+        want = m.forward(ids, m.new_cache(32, "f32"), 0)
+        for lw in m.layers.values():
+            m._fuse_qkv(lw)
+            assert lw.qkv is not None
+        got = m.forward(ids, m.new_cache(32, "f32"), 0)
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
