@@ -22,6 +22,31 @@ _BLOCK32 = {QT.Q8_0, QT.Q4_0, QT.MXFP4}  # 32-element blocks: any K that is a mu
 
 
 @triton.jit
+def _code_value(q, QTYPE: tl.constexpr):
+    """The code value of 4-bit codes q (int32) of the lookup-table types, computed rather than gathered from the
+    table (the GEMV bodies gather; gathered values feeding tl.dot failed on an H200): MXFP4's E2M1 doubled (as
+    gguf's table holds it), IQ4_NL's sixteen levels through a tree of selects."""
+    if QTYPE == 8:
+        c = q & 7
+        mag = tl.where(c < 4, c, tl.where(c < 6, 2 * c - 4, 4 * c - 16))
+        v = tl.where((q & 8) != 0, -mag, mag)
+    else:
+        b0, b1, b2 = (q & 1) != 0, (q & 2) != 0, (q & 4) != 0
+        hi = tl.where(
+            b2,
+            tl.where(b1, tl.where(b0, 113, 89), tl.where(b0, 69, 53)),
+            tl.where(b1, tl.where(b0, 38, 25), tl.where(b0, 13, 1)),
+        )
+        lo = tl.where(
+            b2,
+            tl.where(b1, tl.where(b0, -10, -22), tl.where(b0, -35, -49)),
+            tl.where(b1, tl.where(b0, -65, -83), tl.where(b0, -104, -127)),
+        )
+        v = tl.where((q & 8) != 0, hi, lo)
+    return v.to(tl.float32)
+
+
+@triton.jit
 def _deq_tile(w_rows, sb, nmask, lut, K, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Elements sb*256 .. sb*256+255 of the BLOCK_N rows at uint8 pointers `w_rows` [BLOCK_N, 1, 1] -> float32
     [BLOCK_N, 256] (rows off `nmask`, and 32-element blocks past K, read as zero). `lut`: code values of the
@@ -68,7 +93,7 @@ def _deq_tile(w_rows, sb, nmask, lut, K, QTYPE: tl.constexpr, BLOCK_N: tl.conste
         sl = (tl.load(base + 4 + j // 2, mask=m3, other=0).to(tl.int32) >> (4 * (j % 2))) & 15
         ls = sl | (((sh >> (2 * j)) & 3) << 4)
         qb = tl.load(base + 8 + 16 * j + (l32 % 16), mask=m3, other=0).to(tl.int32)
-        w = d * (ls - 32).to(tl.float32) * tl.load(lut + tl.where(l32 >= 16, qb >> 4, qb & 15))
+        w = d * (ls - 32).to(tl.float32) * _code_value(tl.where(l32 >= 16, qb >> 4, qb & 15), QTYPE)
     elif QTYPE == 2:  # Q8_0: eight 34-byte blocks
         bm = m3 & (sb * 8 + j < K // 32)
         base = w_rows + (sb * 8 + j) * 34
@@ -81,7 +106,7 @@ def _deq_tile(w_rows, sb, nmask, lut, K, QTYPE: tl.constexpr, BLOCK_N: tl.conste
         e = tl.load(base, mask=bm, other=0).to(tl.int32)
         d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
         qb = tl.load(base + 1 + (l32 % 16), mask=bm, other=0).to(tl.int32)
-        w = tl.where(bm, d * tl.load(lut + tl.where(l32 >= 16, qb >> 4, qb & 15)), 0.0)
+        w = tl.where(bm, d * _code_value(tl.where(l32 >= 16, qb >> 4, qb & 15), QTYPE), 0.0)
     else:  # Q4_0: eight 18-byte blocks
         bm = m3 & (sb * 8 + j < K // 32)
         base = w_rows + (sb * 8 + j) * 18
@@ -160,8 +185,9 @@ BLOCK_N = 64
 
 
 # Tile types whose grouped kernel has not passed its GPU test (test_grouped_expert_gemm_matches_dequantize: on an
-# H200 MXFP4 and IQ4_XS failed while the same tile decoder passed in engine/kernels/dequant.py): their experts run
-# one by one unless STRATA_UNVERIFIED_KERNELS=1.
+# H200 MXFP4 and IQ4_XS failed while the same tile decoder passed in engine/kernels/dequant.py; their code values
+# were then gathered from a table, now computed by _code_value, not yet run on a GPU): their experts run one by
+# one unless STRATA_UNVERIFIED_KERNELS=1.
 UNVERIFIED = {QT.MXFP4, QT.IQ4_XS}
 
 

@@ -164,7 +164,16 @@ def test_missed_experts_are_staged_and_hits_keep_their_slot() -> None:
 
 
 @pytest.mark.parametrize(
-    "qtype,k", [("Q4_K", 512), ("Q5_K", 512), ("Q6_K", 512), ("Q8_0", 352), ("Q4_0", 96), ("IQ4_XS", 512)]
+    "qtype,k",
+    [
+        ("Q4_K", 512),
+        ("Q5_K", 512),
+        ("Q6_K", 512),
+        ("Q8_0", 352),
+        ("Q4_0", 96),
+        ("IQ4_XS", 512),
+        ("MXFP4", 352),
+    ],
 )
 def test_dequantize_rows(qtype: str, k: int) -> None:
     from engine.kernels.dequant import dequantize_rows
