@@ -148,6 +148,13 @@ def main() -> None:
     ap.add_argument("--expert-misses", choices=("direct", "copy"), default="copy")
     ap.add_argument("--vram-budget-mib", type=int, default=None, help="the card behaves as one of this size")
     ap.add_argument(
+        "--vram-reserve-mib",
+        type=int,
+        default=512,
+        help="VRAM left free for other programs (the engine's --vram-reserve-mib; 0 to match a program that "
+        "keeps none, as llama-bench)",
+    )
+    ap.add_argument(
         "--vram-process-mib",
         type=int,
         default=None,
@@ -174,6 +181,7 @@ def main() -> None:
             slots=a.expert_slots,
             miss_path=a.expert_misses,
             vram_budget_mib=a.vram_budget_mib,
+            reserve_mib=a.vram_reserve_mib,
             kv_bytes=_kv_bytes(a.model, max(int(x) for x in a.prompts.split(",") if x) + 8)
             if a.vram_budget_mib
             else 0,
@@ -187,6 +195,7 @@ def main() -> None:
         "expert_misses": a.expert_misses,
         "vram_budget_mib": a.vram_budget_mib,
         "vram_process_mib": a.vram_process_mib,
+        "vram_reserve_mib": a.vram_reserve_mib,
         "cuda_context_mib": context_mib,
     }
     if lm.model.expert_cache is not None:
