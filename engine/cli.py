@@ -181,9 +181,15 @@ def _runner(args: argparse.Namespace, lm: "LoadedModel", spec: "SpecConfig | Non
     from engine.layers.kv_cache import resolve_kv_type
     from engine.pipeline.generate import Runner
     from engine.pipeline.split import prefill_chunk
+    from engine.pipeline.split_args import options_from_args
 
-    chunk = prefill_chunk(lm.model, args.prefill) if args.prefill == "auto" else _prefill(args.prefill)
     kv = resolve_kv_type(args.kv, lm.model.dtype)
+    if args.prefill == "auto":
+        opts = options_from_args(args)
+        chunk = prefill_chunk(lm.model, "auto", max_ctx=args.max_context, kv_type=kv,
+                              budget_mib=opts.vram_budget_mib, reserve_mib=opts.reserve_mib)  # fmt: skip
+    else:
+        chunk = _prefill(args.prefill)
     return Runner(lm.model, lm.tokenizer, args.max_context, kv, chunk, spec=spec)
 
 

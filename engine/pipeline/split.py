@@ -523,13 +523,26 @@ def load_split_model(
     return LoadedModel(Path(path), gf, cfg, model, tok, chat)  # type: ignore[arg-type]
 
 
-def prefill_chunk(model: object, arg: str = "auto", default: int = 512) -> int:
+def prefill_chunk(
+    model: object,
+    arg: str = "auto",
+    default: int = 512,
+    max_ctx: int | None = None,
+    kv_type: str = "bf16",
+    budget_mib: int | None = None,
+    reserve_mib: int = ExpertPolicy.reserve_mib,
+) -> int:
     """The prompt chunk `Runner` reads per forward for `--prefill auto`: on a pipelined split, several pieces per
-    chunk so that the stages overlap (2 x stages pieces of `pipe_chunk`); otherwise `default`."""
+    chunk so that the stages overlap (2 x stages pieces of `pipe_chunk`); on one card, given `max_ctx`, the largest
+    chunk whose temporaries fit in the VRAM left (engine/pipeline/prefill.py); otherwise `default`."""
     if arg != "auto":
         return int(arg)
     if isinstance(model, SplitModel) and model.pipeline and len(model.stages) > 1:
         return model.pipe_chunk * 2 * len(model.stages)
+    if max_ctx is not None and not isinstance(model, SplitModel):
+        from engine.pipeline.prefill import device_chunk
+
+        return device_chunk(model, max_ctx, kv_type, budget_mib, reserve_mib)
     return default
 
 

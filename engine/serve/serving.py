@@ -241,7 +241,11 @@ class EngineService:
                 # A worker's KV cannot be restored from this process's host memory.
                 log.info("prompt cache off: the remote stage keeps its own KV")
                 cache = None
-            chunk = prefill_chunk(lm.model, "auto") if o.prefill is None else o.prefill
+            if o.prefill is None:
+                chunk = prefill_chunk(lm.model, "auto", max_ctx=o.max_context, kv_type=kv,
+                                      budget_mib=split.vram_budget_mib, reserve_mib=split.reserve_mib)  # fmt: skip
+            else:
+                chunk = o.prefill
             spec = SpecConfig.from_flags(o.spec, o.suffix_draft, o.mtp, o.pipeline_windows)
             runner = Runner(lm.model, lm.tokenizer, o.max_context, kv, chunk, cache, spec=spec)
             slots = stage_layout(lm.model, lm.config.n_layer)

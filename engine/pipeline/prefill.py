@@ -1,0 +1,61 @@
+"""`--prefill auto`: how many prompt tokens a forward reads on one card.
+
+A longer chunk reads the experts' weights once for more tokens (on an H200 a 4,096-token chunk read a prompt at
+11,401 tok/s, 512-token ones at 6,540: bench/results/ours_full.json), but its temporaries grow with it. On a GPU the
+largest of 4096, 2048, 1024 and 512 tokens whose temporaries fit in the VRAM left once the KV cache still to come and
+the reserve for other programs are counted; on a CPU 512. Pure functions of their inputs, and a wrapper that asks the
+device."""
+
+from engine.models.config import ModelConfig
+
+CHUNKS = (4096, 2048, 1024, 512)
+_SLACK = 1.5  # the caching allocator's rounding and fragmentation over the tensors themselves
+
+
+def chunk_bytes(c: ModelConfig, chunk: int, span: int) -> int:
+    """Bytes of temporaries a prompt chunk of `chunk` tokens attending to `span` positions holds at its peak: the
+    routed experts' per-slot outputs (float32) and hidden rows, the residual stream and norms, q/k/v, and attention's
+    keys and values repeated over the query heads; times the allocator's slack."""
+    k = max(1, c.n_expert_used)
+    ff = c.n_ff_exp if c.n_expert_used else c.n_ff
+    qkv = c.n_head * c.head_dim_k + 2 * c.n_head_kv * c.head_dim_k
+    per_token = 4 * k * c.n_embd + 2 * k * ff + 24 * c.n_embd + 4 * qkv + 2 * c.n_head * c.head_dim_v
+    attention = 2 * c.n_head * span * (c.head_dim_k + c.head_dim_v)
+    dense = 2 * c.n_embd * max(qkv, c.n_head * c.head_dim_v, ff if not c.n_expert_used else 0)
+    return int(_SLACK * (chunk * per_token + attention + dense))
+
+
+def auto_chunk(
+    c: ModelConfig,
+    cuda: bool,
+    free_bytes: int,
+    kv_bytes: int,
+    reserve_bytes: int,
+    max_ctx: int = 4096,
+) -> int:
+    """The chunk for `--prefill auto` (see the module's text)."""
+    if not cuda:
+        return CHUNKS[-1]
+    room = free_bytes - kv_bytes - reserve_bytes
+    for chunk in CHUNKS:
+        if chunk_bytes(c, chunk, max_ctx) <= room:
+            return chunk
+    return CHUNKS[-1]
+
+
+def device_chunk(model: object, max_ctx: int, kv_type: str, budget_mib: int | None, reserve_mib: int) -> int:
+    """auto_chunk for a loaded one-card model: the VRAM free now (or left of `budget_mib`, --vram-budget-mib)."""
+    import torch
+
+    dev = getattr(model, "device", None)
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(dev, torch.device) or dev.type != "cuda" or not isinstance(cfg, ModelConfig):
+        return CHUNKS[-1]
+    if budget_mib is not None:
+        free = budget_mib * (1 << 20) - torch.cuda.memory_reserved(dev)
+    else:
+        free = torch.cuda.mem_get_info(dev)[0]
+    layers = len(getattr(model, "layer_range", range(cfg.n_layer)))
+    per = 1 if kv_type == "int8" else 2
+    kv = layers * max_ctx * cfg.n_head_kv * (cfg.head_dim_k + cfg.head_dim_v) * per
+    return auto_chunk(cfg, True, free, kv, reserve_mib << 20, max_ctx)
