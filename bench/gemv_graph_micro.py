@@ -16,10 +16,10 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.kernels.gemv import KERNEL_TYPES, gemv, moe_down_combine, moe_gemv
+from engine.kernels.gemv import APPROXIMATE, KERNEL_TYPES, gemv, moe_down_combine, moe_gemv, quantize_q8
 
 LAYERS, E, TOPK, D, F = 48, 128, 8, 2048, 768
-VARIANTS = {"Q4_K": (0, 5, 10), "Q6_K": (1, 11), "F32": (6,)}
+VARIANTS = {"Q4_K": (0, 5, 10, 12), "Q6_K": (1, 11), "F32": (6,)}  # 12: 8-bit activations (APPROXIMATE)
 SHAPES = [  # name, type, rows, cols, kind
     ("qkv", "Q4_K", 5120, 2048, "dense"),
     ("o", "Q4_K", 2048, 4096, "dense"),
@@ -74,8 +74,15 @@ def _measure(
         x = torch.randn(1, k, device="cuda", dtype=torch.float32 if tname == "F32" else torch.bfloat16)
         nbytes = n * rb
 
+        xq = (
+            quantize_q8(x) if k % 256 == 0 else x
+        )  # the 8-bit bodies' activations, made once (as a step would)
+
         def call(i: int, lc: tuple[int, int, int], v: int) -> object:
-            return gemv(w[i], qt, n, k, x, block_n=lc[0], sb=lc[1], num_warps=lc[2], variant=v)
+            q8 = v in APPROXIMATE
+            return gemv(
+                w[i], qt, n, k, xq if q8 else x, block_n=lc[0], sb=lc[1], num_warps=lc[2], variant=v, q8=q8
+            )
     else:
         # Every expert of every layer, as the cache holds them; the table of each layer points at its own.
         up = kind == "moe"
@@ -93,11 +100,17 @@ def _measure(
         res = torch.randn(1, n, device="cuda")
         nbytes = TOPK * n * rb * (2 if up else 1)
 
+        xq = quantize_q8(x)
+
         def call(i: int, lc: tuple[int, int, int], v: int) -> object:
+            q8 = v in APPROXIMATE
+            xi = xq if q8 else x
             if utables is not None:
-                return moe_gemv(tables[i], qt, rb, ids[i], x, n, k, TOPK, up_table=utables[i], act="silu",
-                                launch=lc, variant=v)  # fmt: skip
-            return moe_down_combine(tables[i], qt, rb, ids[i], wts, x, res, n, k, launch=lc, variant=v)
+                return moe_gemv(tables[i], qt, rb, ids[i], xi, n, k, TOPK, up_table=utables[i], act="silu",
+                                launch=lc, variant=v, q8=q8)  # fmt: skip
+            return moe_down_combine(
+                tables[i], qt, rb, ids[i], wts, xi, res, n, k, launch=lc, variant=v, q8=q8
+            )
 
     launches = LAUNCH_HEAD if name == "head" else LAUNCH
     if quick:
@@ -129,6 +142,12 @@ def main() -> None:
         "--variants", help="comma-separated kernel variants to measure (default: all of the type's)"
     )
     ap.add_argument("--quick", action="store_true", help="fewer launch shapes (12-16 a variant)")
+    ap.add_argument(
+        "--approximate",
+        action="store_true",
+        help="let --tuned pick the 8-bit-activation bodies too (the engine uses them only with "
+        "STRATA_INT8_ACTIVATIONS=1)",
+    )
     a = ap.parse_args()
     rows: list[dict] = []
     for shape in SHAPES:
@@ -161,6 +180,8 @@ def main() -> None:
             "down": "moe_down",
         }
         for r in best.values():
+            if r["variant"] in APPROXIMATE and not a.approximate:
+                continue
             cls = cls_of[r["shape"]]
             cur = tuned.setdefault(r["type"], {}).get(cls)
             if cur is None or r["us"] < cur[1]:

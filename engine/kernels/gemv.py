@@ -41,7 +41,27 @@ def lut(qtype: QT, device: torch.device) -> torch.Tensor:
 
 
 # Other kernel bodies for a block type, chosen per launch class by the tuning file.
-_VARIANTS: dict[QT, tuple[int, ...]] = {QT.Q4_K: (0, 5, 10), QT.Q6_K: (1, 11), QT.F32: (6,)}
+_VARIANTS: dict[QT, tuple[int, ...]] = {QT.Q4_K: (0, 5, 10, 12), QT.Q6_K: (1, 11), QT.F32: (6,)}
+# Bodies on activations rounded to 8 bits (quantize_q8), as llama.cpp's MMVQ computes: not the float product the
+# others give, so a tuning file may pick them only with STRATA_INT8_ACTIVATIONS=1 (an experiment, not a default).
+APPROXIMATE = {12}
+_ASM = os.environ.get("TRITON_INTERPRET") != "1"  # inline PTX where the kernels run on a GPU
+
+
+def quantize_q8(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] -> float32 [T, K] holding, per row, K int8 values (x / scale rounded, a scale per 32) and then
+    (scale, scale * sum of the 32 values) per block: the activations of the 8-bit bodies (APPROXIMATE), laid out so
+    that a row starts K elements after the last, as the kernels index activations."""
+    t, k = x.shape
+    xb = x.float().reshape(t, k // 32, 32)
+    d = xb.abs().amax(dim=-1) / 127.0
+    q = torch.where(d[..., None] > 0, xb / d.clamp_min(1e-30)[..., None], 0.0).round().clamp(-127, 127)
+    out = torch.zeros(t, k, dtype=torch.float32, device=x.device)
+    raw = out.view(torch.uint8)  # [T, 4K] bytes
+    raw[:, :k] = q.to(torch.int8).reshape(t, k).view(torch.uint8)
+    meta = torch.stack((d, d * q.sum(dim=-1)), dim=-1).reshape(t, k // 16)  # float32 pairs
+    raw[:, k : k + k // 4] = meta.contiguous().view(torch.uint8)
+    return out
 
 
 @triton.jit
@@ -57,12 +77,37 @@ def k_scales(base, j, mask):
 
 
 @triton.jit
+def _dp4a(a, b, ASM: tl.constexpr):
+    """Per 32-bit lane: the sum of the four products of a's unsigned bytes and b's signed bytes. The dp4a
+    instruction on a GPU; the same sum spelled out where Triton's interpreter runs the kernel (ASM off)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, tl.zeros_like(a)], dtype=tl.int32, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+    acc = tl.zeros_like(a)
+    for i in tl.static_range(4):
+        acc += ((a >> (8 * i)) & 255) * (((b >> (8 * i)) & 255).to(tl.int8).to(tl.int32))
+    return acc
+
+
+@triton.jit
 def _f16_at(p):
     return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
 
 
 @triton.jit
-def _row_dot(w_rows, x_rows, K, nmask, lut, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+def _row_dot(
+    w_rows,
+    x_rows,
+    K,
+    nmask,
+    lut,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SB: tl.constexpr,
+    ASM: tl.constexpr = True,
+):
     """sum_k W[n, k] * x[k] for the BLOCK_N rows starting at the uint8 pointers `w_rows` [BLOCK_N, 1, 1]."""
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     j = tl.arange(0, 8)[None, :, None]  # sub-block (or 32-element block) within a 256-element step
@@ -163,6 +208,50 @@ def _row_dot(w_rows, x_rows, K, nmask, lut, QTYPE: tl.constexpr, BLOCK_N: tl.con
             sc_lo, mn_lo = k_scales(base, 2 * c3, bm)  # [BN, SB, 4]
             sc_hi, mn_hi = k_scales(base, 2 * c3 + 1, bm)
             part = d * (sc_lo * dot_lo + sc_hi * dot_hi) - dmin * (mn_lo * sum_lo + mn_hi * sum_hi)
+            acc += tl.sum(tl.sum(part, axis=2), axis=1)
+    elif QTYPE == 12:  # Q4_K against 8-bit activations (quantize_q8), four products an instruction (dp4a)
+        # x_rows points at a row packed by quantize_q8: K int8 values, then (scale, scale * sum of q) per 32.
+        s4 = tl.arange(0, SB)[None, :, None, None]
+        c4 = tl.arange(0, 4)[None, None, :, None]
+        w4 = tl.arange(0, 8)[None, None, None, :]
+        s3 = tl.arange(0, SB)[None, :, None]
+        c3 = tl.arange(0, 4)[None, None, :]
+        m4 = nmask[:, None, None, None]
+        m3s = nmask[:, None, None]
+        r4 = w_rows[:, :, :, None]
+        xw = x_rows.to(tl.pointer_type(tl.int32))[:, :, :, None]
+        meta = (x_rows.to(tl.pointer_type(tl.int8)) + K).to(tl.pointer_type(tl.float32))  # [1, 1, 1]
+        nsb = K // 256
+        for step in range(0, tl.cdiv(nsb, SB)):
+            sbi = step * SB + s4
+            words = tl.load(
+                tl.multiple_of((r4 + sbi * 144 + 16).to(tl.pointer_type(tl.int32)), [16, 16, 16, 16])
+                + 8 * c4
+                + w4,
+                mask=m4 & (sbi < nsb),
+                other=0,
+            )  # [BN, SB, 4, 8]: word 8c + w holds elements 4w..4w+3 of sub-blocks 2c (low) and 2c + 1 (high)
+            xm = sbi < nsb
+            x_lo = tl.load(xw + sbi * 64 + 16 * c4 + w4, mask=xm, other=0)  # [1, SB, 4, 8]: 4 int8 each
+            x_hi = tl.load(xw + sbi * 64 + 16 * c4 + 8 + w4, mask=xm, other=0)
+            dot_lo = tl.sum(_dp4a(words & 0x0F0F0F0F, x_lo, ASM), axis=3).to(tl.float32)  # [BN, SB, 4]
+            dot_hi = tl.sum(_dp4a((words >> 4) & 0x0F0F0F0F, x_hi, ASM), axis=3).to(tl.float32)
+            sb3 = step * SB + s3
+            bm = m3s & (sb3 < nsb)
+            blk = (sb3 * 8 + 2 * c3) * 2  # [1, SB, 4]: the low sub-block's (scale, sum) pair
+            mm = sb3 < nsb
+            dx_lo = tl.load(meta + blk, mask=mm, other=0.0)
+            sx_lo = tl.load(meta + blk + 1, mask=mm, other=0.0)
+            dx_hi = tl.load(meta + blk + 2, mask=mm, other=0.0)
+            sx_hi = tl.load(meta + blk + 3, mask=mm, other=0.0)
+            base = w_rows + sb3 * 144  # [BN, SB, 1]
+            d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+            dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+            sc_lo, mn_lo = k_scales(base, 2 * c3, bm)
+            sc_hi, mn_hi = k_scales(base, 2 * c3 + 1, bm)
+            part = d * (sc_lo * dx_lo * dot_lo + sc_hi * dx_hi * dot_hi) - dmin * (
+                mn_lo * sx_lo + mn_hi * sx_hi
+            )
             acc += tl.sum(tl.sum(part, axis=2), axis=1)
     elif QTYPE == 6:  # float32 rows (the MoE router)
         k3 = tl.arange(0, 256 * SB)[None, None, :]
@@ -306,6 +395,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     SB: tl.constexpr,
     HAS_RES: tl.constexpr,
+    ASM: tl.constexpr = True,
 ):
     """y[t, n] = W[n, :] . x[t, :] (+ r[t, n]) for a dense weight."""
     pid_n = tl.program_id(0)
@@ -314,7 +404,7 @@ def _gemv_kernel(
     nmask = offs < N
     w_rows = (w_ptr + offs.to(tl.int64) * row_bytes)[:, None, None]
     x_rows = (x_ptr + t * K + tl.zeros([1], dtype=tl.int32))[:, None, None]  # one activation row for all
-    acc = _row_dot(w_rows, x_rows, K, nmask, lut_ptr, QTYPE, BLOCK_N, SB)
+    acc = _row_dot(w_rows, x_rows, K, nmask, lut_ptr, QTYPE, BLOCK_N, SB, ASM)
     if HAS_RES:
         acc += tl.load(r_ptr + t * N + offs, mask=nmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + t * N + offs, acc.to(y_ptr.dtype.element_ty), mask=nmask)
@@ -337,6 +427,7 @@ def _moe_gemv_kernel(
     SB: tl.constexpr,  # Q4_K super-blocks read per step (more loads in flight)
     X_PER_SLOT: tl.constexpr,
     FUSE_GLU: tl.constexpr,  # 0: plain, 1: silu(gate) * up, 2: gelu_tanh(gate) * up
+    ASM: tl.constexpr = True,
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
@@ -351,7 +442,7 @@ def _moe_gemv_kernel(
         offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs < N
         acc = _row_dot((w_base + offs.to(tl.int64) * row_bytes)[:, None, None], x_rows, K, nmask, lut_ptr, QTYPE,
-                       BLOCK_N, SB)  # fmt: skip
+                       BLOCK_N, SB, ASM)  # fmt: skip
         tl.store(y_ptr + s * N + offs, acc.to(y_ptr.dtype.element_ty), mask=nmask)
     else:
         # The gate rows and the up rows of this block as one set of 2 * BLOCK_N rows: their loads go out together.
@@ -360,7 +451,7 @@ def _moe_gemv_kernel(
         offs2 = pid_n * BLOCK_N + r % BLOCK_N
         base = tl.where(r < BLOCK_N, w_base, u_base)
         both = _row_dot((base + offs2.to(tl.int64) * row_bytes)[:, None, None], x_rows, K, offs2 < N, lut_ptr, QTYPE,
-                        2 * BLOCK_N, SB)  # fmt: skip
+                        2 * BLOCK_N, SB, ASM)  # fmt: skip
         gate, up = tl.split(tl.permute(tl.reshape(both, [2, BLOCK_N]), [1, 0]))  # [BLOCK_N] each
         if FUSE_GLU == 1:
             acc = gate / (1.0 + tl.exp(-gate)) * up
@@ -388,6 +479,7 @@ def _moe_gemv_combine_kernel(
     QTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SB: tl.constexpr,
+    ASM: tl.constexpr = True,
 ):
     """y[t] = r[t] + sum over the token's slots s of w[s] * (W_ids[s] . x[s]): the down projection of every
     selected expert, the weighted combine and the residual add in one launch. The rows of all the slots form one
@@ -404,7 +496,7 @@ def _moe_gemv_combine_kernel(
     base = tl.load(table_ptr + e).to(tl.pointer_type(tl.uint8))  # [SLOTS * BLOCK_N]
     x_rows = (x_ptr + s.to(tl.int64) * K)[:, None, None]
     part = _row_dot((base + offs.to(tl.int64) * row_bytes)[:, None, None], x_rows, K, rmask, lut_ptr, QTYPE,
-                    SLOTS * BLOCK_N, SB)  # fmt: skip
+                    SLOTS * BLOCK_N, SB, ASM)  # fmt: skip
     wt = tl.where(j < TOPK, tl.load(w_ptr + s), 0.0)
     acc = tl.sum(tl.reshape(part * wt, [SLOTS, BLOCK_N]), axis=0)  # [BLOCK_N]
     offs1 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -435,7 +527,10 @@ def _config(qtype: QT, n: int, k: int, kind: str = "dense") -> tuple[int, int, i
     cls = kind if kind != "dense" else "small" if n <= 8192 else "large"
     tuned = _tuned().get(qtype.name, {})
     got = tuned.get(cls) or tuned.get("small" if n <= 8192 else "large") or [_BLOCK_N, 1, 4]
-    variant = got[3] if len(got) > 3 and got[3] in _VARIANTS.get(qtype, ()) else KERNEL_TYPES[qtype][0]
+    allowed = set(_VARIANTS.get(qtype, ()))
+    if os.environ.get("STRATA_INT8_ACTIVATIONS") != "1":
+        allowed -= APPROXIMATE
+    variant = got[3] if len(got) > 3 and got[3] in allowed else KERNEL_TYPES[qtype][0]
     return got[0], got[1], got[2], variant
 
 
@@ -463,9 +558,11 @@ def gemv(
     sb: int | None = None,
     out_dtype: torch.dtype = torch.float32,
     residual: torch.Tensor | None = None,
+    q8: bool = False,
 ) -> torch.Tensor:
     """raw uint8 [n, row_bytes] on CUDA, x [T, k] -> [T, n] in out_dtype (accumulated in float32), plus
-    `residual` [T, n] where given (the residual add of the stream folded into the projection)."""
+    `residual` [T, n] where given (the residual add of the stream folded into the projection). `q8`: x is
+    already quantize_q8's output (for the 8-bit bodies)."""
     x = x.contiguous()
     t = x.shape[0]
     y = torch.empty(t, n, dtype=out_dtype, device=x.device)
@@ -473,10 +570,12 @@ def gemv(
     block_n, sb, num_warps = block_n or bn, sb or step, num_warps or warps
     grid = (triton.cdiv(n, block_n), t)
     qid = tuned_variant if variant is None else variant
+    if qid in APPROXIMATE and not q8:
+        x = quantize_q8(x)
     res = residual.contiguous() if residual is not None else y
     _gemv_kernel[grid](
         raw, raw.shape[-1], x, y, res, lut(qtype, x.device), n, k,
-        QTYPE=qid, BLOCK_N=block_n, SB=sb, HAS_RES=residual is not None, num_warps=num_warps,
+        QTYPE=qid, BLOCK_N=block_n, SB=sb, HAS_RES=residual is not None, ASM=_ASM, num_warps=num_warps,
     )  # fmt: skip
     return y
 
@@ -495,6 +594,7 @@ def moe_gemv(
     act: str | None = None,
     launch: tuple[int, int, int] | None = None,
     variant: int | None = None,
+    q8: bool = False,
 ) -> torch.Tensor:
     """For each (token, slot) s with expert ids[s]: y[s] = W_e . x (or act(W_e . x) * U_e . x with `up_table`).
     ids [T, topk] (device), x [T, k] or [T * topk, k] -> float32 [T * topk, n]."""
@@ -507,6 +607,9 @@ def moe_gemv(
     if launch is not None:
         block_n, sb, warps = launch
     grid = (triton.cdiv(n, block_n), s)
+    qid = tuned_variant if variant is None else variant
+    if qid in APPROXIMATE and not q8:
+        x = quantize_q8(x)
     _moe_gemv_kernel[grid](
         table,
         up_table if up_table is not None else table,
@@ -518,11 +621,12 @@ def moe_gemv(
         n,
         k,
         topk,
-        QTYPE=tuned_variant if variant is None else variant,
+        QTYPE=qid,
         BLOCK_N=block_n,
         SB=sb,
         X_PER_SLOT=int(x_per_slot),
         FUSE_GLU=glu,
+        ASM=_ASM,
         num_warps=warps,
     )
     return y
@@ -540,6 +644,7 @@ def moe_down_combine(
     k: int,
     launch: tuple[int, int, int] | None = None,
     variant: int | None = None,
+    q8: bool = False,
 ) -> torch.Tensor:
     """ids, weights [T, topk], x [T * topk, k] (each slot's activation), residual [T, n] float32 ->
     float32 [T, n] = residual + the routing-weighted sum of the selected experts' down projections."""
@@ -549,8 +654,12 @@ def moe_down_combine(
     if launch is not None:
         block_n, sb, warps = launch
     qid = tuned_variant if variant is None else variant
+    x = x.contiguous()
+    if qid in APPROXIMATE and not q8:
+        x = quantize_q8(x)
     _moe_gemv_combine_kernel[(triton.cdiv(n, block_n), t)](
-        table, row_bytes, ids.contiguous(), weights.contiguous(), x.contiguous(), residual.contiguous(), y,
-        lut(qtype, x.device), n, k, TOPK=topk, SLOTS=triton.next_power_of_2(topk), QTYPE=qid, BLOCK_N=block_n, SB=sb, num_warps=warps,
+        table, row_bytes, ids.contiguous(), weights.contiguous(), x, residual.contiguous(), y,
+        lut(qtype, x.device), n, k, TOPK=topk, SLOTS=triton.next_power_of_2(topk), QTYPE=qid, BLOCK_N=block_n, SB=sb,
+        ASM=_ASM, num_warps=warps,
     )  # fmt: skip
     return y

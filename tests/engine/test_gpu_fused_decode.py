@@ -157,6 +157,7 @@ def test_fused_decode_gives_the_general_paths_tokens(tmp_path: Path, arch: str, 
         ("Q4_K", 0),
         ("Q4_K", 5),
         ("Q4_K", 10),
+        ("Q4_K", 12),
         ("Q6_K", 1),
         ("Q6_K", 11),
         ("F32", 6),
@@ -170,6 +171,7 @@ def test_every_kernel_body_matches_dequantize(qtype: str, variant: int, sb: int)
     from engine.kernels.gemv import gemv, moe_down_combine, moe_gemv
 
     qt = QT[qtype]
+    tol = 0.999 if variant == 12 else 0.99999  # 12: activations rounded to 8 bits, as llama.cpp's MMVQ
     n, k, e = 200, 1280, 4  # 5 super-blocks a row: steps end part-full
     if qt == QT.F32:
         mats = [torch.randn(n, k) for _ in range(e)]
@@ -180,14 +182,14 @@ def test_every_kernel_body_matches_dequantize(qtype: str, variant: int, sb: int)
     x = torch.randn(2, k, device="cuda")
     for bn in (2, 8):
         y = gemv(raws[0], qt, n, k, x, block_n=bn, sb=sb, num_warps=4, variant=variant)
-        assert _cos(y, x @ deq[0].T) >= 0.99999
+        assert _cos(y, x @ deq[0].T) >= tol
     table = torch.tensor([r.data_ptr() for r in raws], device="cuda")
     ids = torch.tensor([[3, 1], [0, 2]], device="cuda")
     h = moe_gemv(table, qt, raws[0].shape[1], ids, x, n, k, 2, up_table=table, act="silu", launch=(4, sb, 4),
                  variant=variant)  # fmt: skip
     ref = torch.stack([torch.nn.functional.silu(x[t] @ deq[i].T) * (x[t] @ deq[i].T)
                        for t in range(2) for i in ids[t].tolist()])  # fmt: skip
-    assert _cos(h, ref) >= 0.99999
+    assert _cos(h, ref) >= tol
     wt = torch.rand(2, 2, device="cuda")
     xs = torch.randn(4, k, device="cuda")
     r = torch.randn(2, n, device="cuda")
@@ -196,7 +198,7 @@ def test_every_kernel_body_matches_dequantize(qtype: str, variant: int, sb: int)
     )
     want = torch.stack([r[t] + sum(wt[t, j] * (xs[2 * t + j] @ deq[int(ids[t, j])].T) for j in range(2))
                         for t in range(2)])  # fmt: skip
-    assert _cos(got, want) >= 0.99999
+    assert _cos(got, want) >= tol
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4", "IQ4_XS"])

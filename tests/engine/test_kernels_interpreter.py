@@ -41,32 +41,33 @@ def _blocks(qt: QT, n: int, k: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "qtype,variant,k",
-    [("Q4_K", 0, 1280), ("Q4_K", 5, 1280), ("Q4_K", 10, 1280), ("Q5_K", 4, 512), ("Q6_K", 1, 1280), ("Q6_K", 11, 1280), ("Q8_0", 2, 352),
+    [("Q4_K", 0, 1280), ("Q4_K", 5, 1280), ("Q4_K", 10, 1280), ("Q4_K", 12, 1280), ("Q5_K", 4, 512), ("Q6_K", 1, 1280), ("Q6_K", 11, 1280), ("Q8_0", 2, 352),
      ("Q4_0", 3, 352), ("MXFP4", 8, 352), ("IQ4_XS", 9, 512)],
 )  # fmt: skip
 def test_gemv_bodies(qtype: str, variant: int, k: int) -> None:
     from engine.kernels.gemv import gemv, moe_down_combine, moe_gemv
 
     qt, n = QT[qtype], 24
+    tol = 0.999 if variant == 12 else 0.99999  # 12: activations rounded to 8 bits (quantize_q8)
     raws = [_blocks(qt, n, k, 40 + i) for i in range(3)]
     deq = [dequantize(r, qt) for r in raws]
     x, r = torch.randn(2, k), torch.randn(2, n)
     y = gemv(raws[0], qt, n, k, x, block_n=4, sb=2, num_warps=4, variant=variant, residual=r)
-    assert _cos(y, r + x @ deq[0].T) >= 0.99999
+    assert _cos(y, r + x @ deq[0].T) >= tol
     table = torch.tensor([w.data_ptr() for w in raws])
     ids = torch.tensor([[2, 0], [1, 2]])
     h = moe_gemv(table, qt, raws[0].shape[1], ids, x, n, k, 2, up_table=table, act="silu", launch=(4, 2, 4),
                  variant=variant)  # fmt: skip
     ref = torch.stack([torch.nn.functional.silu(x[t] @ deq[e].T) * (x[t] @ deq[e].T) for t in range(2)
                        for e in ids[t].tolist()])  # fmt: skip
-    assert _cos(h, ref) >= 0.99999
+    assert _cos(h, ref) >= tol
     wt, xs = torch.rand(2, 2), torch.randn(4, k)
     got = moe_down_combine(
         table, qt, raws[0].shape[1], ids, wt, xs, r, n, k, launch=(4, 2, 4), variant=variant
     )
     want = torch.stack([r[t] + sum(wt[t, j] * (xs[2 * t + j] @ deq[int(ids[t, j])].T) for j in range(2))
                         for t in range(2)])  # fmt: skip
-    assert _cos(got, want) >= 0.99999
+    assert _cos(got, want) >= tol
 
 
 @pytest.mark.parametrize(
