@@ -97,6 +97,29 @@ def _f16_at(p):
 
 
 @triton.jit
+def _q4k_words(w_rows, nmask, sbi, c4, w4, nsb):
+    """The nibbles of super-blocks sbi [1, SB, 1, 1] of the Q4_K rows at `w_rows` [BN, 1, 1] as 32-bit words
+    [BN, SB, 4, 8]: word 8c + w holds elements 4w..4w+3 of sub-blocks 2c (low nibbles) and 2c + 1 (high)."""
+    # Q4_K rows and super-blocks start at multiples of 16 bytes (144 = 9 * 16): say so, for vector loads
+    p = tl.multiple_of(
+        (w_rows[:, :, :, None] + sbi * 144 + 16).to(tl.pointer_type(tl.int32)), [16, 16, 16, 16]
+    )
+    return tl.load(p + 8 * c4 + w4, mask=nmask[:, None, None, None] & (sbi < nsb), other=0)
+
+
+@triton.jit
+def _q4k_scales(w_rows, nmask, sb3, c3, nsb):
+    """d, dmin [BN, SB, 1] and the scales and mins of sub-blocks 2c and 2c + 1 [BN, SB, 4] of super-blocks sb3."""
+    bm = nmask[:, None, None] & (sb3 < nsb)
+    base = w_rows + sb3 * 144
+    d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+    dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
+    sc_lo, mn_lo = k_scales(base, 2 * c3, bm)
+    sc_hi, mn_hi = k_scales(base, 2 * c3 + 1, bm)
+    return d, dmin, sc_lo, mn_lo, sc_hi, mn_hi
+
+
+@triton.jit
 def _row_dot(
     w_rows,
     x_rows,
@@ -162,32 +185,18 @@ def _row_dot(
             sum_hi = tl.sum(xh, axis=3)[:, :, :, None]
             part = d * (sc_lo * dot_lo + sc_hi * dot_hi) - dmin * (mn_lo * sum_lo + mn_hi * sum_hi)
             acc += tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
-    elif (
-        QTYPE == 10
-    ):  # Q4_K with the nibbles read as 32-bit words (wide loads: more bytes in flight per load)
-        # word 8c + w of a super-block's nibbles holds elements 64c + 4w + b (low nibbles, sub-block 2c) and
-        # 64c + 32 + 4w + b (high nibbles, sub-block 2c + 1) in its bytes b = 0..3
+    elif QTYPE == 10:  # Q4_K, the nibbles read as 32-bit words (wide loads: more bytes in flight per load)
         s4 = tl.arange(0, SB)[None, :, None, None]
         c4 = tl.arange(0, 4)[None, None, :, None]
         w4 = tl.arange(0, 8)[None, None, None, :]
         b5 = tl.arange(0, 4)[None, None, None, None, :]
         s3 = tl.arange(0, SB)[None, :, None]
         c3 = tl.arange(0, 4)[None, None, :]
-        m4 = nmask[:, None, None, None]
-        m3s = nmask[:, None, None]
-        r4 = w_rows[:, :, :, None]
         x5 = x_rows[:, :, :, None, None]
         nsb = K // 256
         for step in range(0, tl.cdiv(nsb, SB)):
             sbi = step * SB + s4
-            words = tl.load(
-                # Q4_K rows and super-blocks start at multiples of 16 bytes (144 = 9 * 16): say so, for vector loads
-                tl.multiple_of((r4 + sbi * 144 + 16).to(tl.pointer_type(tl.int32)), [16, 16, 16, 16])
-                + 8 * c4
-                + w4,
-                mask=m4 & (sbi < nsb),
-                other=0,
-            )[:, :, :, :, None]  # [BN, SB, 4, 8, 1]
+            words = _q4k_words(w_rows, nmask, sbi, c4, w4, nsb)[:, :, :, :, None]  # [BN, SB, 4, 8, 1]
             sh = 8 * b5
             q_lo = ((words >> sh) & 15).to(tl.float32)
             q_hi = ((words >> (sh + 4)) & 15).to(tl.float32)
@@ -200,13 +209,7 @@ def _row_dot(
             dot_hi = tl.sum(tl.sum(q_hi * x_hi, axis=4), axis=3)
             sum_lo = tl.sum(tl.sum(x_lo, axis=4), axis=3)  # [1, SB, 4]
             sum_hi = tl.sum(tl.sum(x_hi, axis=4), axis=3)
-            sb3 = step * SB + s3
-            bm = m3s & (sb3 < nsb)
-            base = w_rows + sb3 * 144  # [BN, SB, 1]
-            d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
-            dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
-            sc_lo, mn_lo = k_scales(base, 2 * c3, bm)  # [BN, SB, 4]
-            sc_hi, mn_hi = k_scales(base, 2 * c3 + 1, bm)
+            d, dmin, sc_lo, mn_lo, sc_hi, mn_hi = _q4k_scales(w_rows, nmask, step * SB + s3, c3, nsb)
             part = d * (sc_lo * dot_lo + sc_hi * dot_hi) - dmin * (mn_lo * sum_lo + mn_hi * sum_hi)
             acc += tl.sum(tl.sum(part, axis=2), axis=1)
     elif QTYPE == 12:  # Q4_K against 8-bit activations (quantize_q8), four products an instruction (dp4a)
@@ -216,39 +219,25 @@ def _row_dot(
         w4 = tl.arange(0, 8)[None, None, None, :]
         s3 = tl.arange(0, SB)[None, :, None]
         c3 = tl.arange(0, 4)[None, None, :]
-        m4 = nmask[:, None, None, None]
-        m3s = nmask[:, None, None]
-        r4 = w_rows[:, :, :, None]
         xw = x_rows.to(tl.pointer_type(tl.int32))[:, :, :, None]
         meta = (x_rows.to(tl.pointer_type(tl.int8)) + K).to(tl.pointer_type(tl.float32))  # [1, 1, 1]
         nsb = K // 256
         for step in range(0, tl.cdiv(nsb, SB)):
             sbi = step * SB + s4
-            words = tl.load(
-                tl.multiple_of((r4 + sbi * 144 + 16).to(tl.pointer_type(tl.int32)), [16, 16, 16, 16])
-                + 8 * c4
-                + w4,
-                mask=m4 & (sbi < nsb),
-                other=0,
-            )  # [BN, SB, 4, 8]: word 8c + w holds elements 4w..4w+3 of sub-blocks 2c (low) and 2c + 1 (high)
+            words = _q4k_words(w_rows, nmask, sbi, c4, w4, nsb)  # [BN, SB, 4, 8]
             xm = sbi < nsb
             x_lo = tl.load(xw + sbi * 64 + 16 * c4 + w4, mask=xm, other=0)  # [1, SB, 4, 8]: 4 int8 each
             x_hi = tl.load(xw + sbi * 64 + 16 * c4 + 8 + w4, mask=xm, other=0)
             dot_lo = tl.sum(_dp4a(words & 0x0F0F0F0F, x_lo, ASM), axis=3).to(tl.float32)  # [BN, SB, 4]
             dot_hi = tl.sum(_dp4a((words >> 4) & 0x0F0F0F0F, x_hi, ASM), axis=3).to(tl.float32)
             sb3 = step * SB + s3
-            bm = m3s & (sb3 < nsb)
             blk = (sb3 * 8 + 2 * c3) * 2  # [1, SB, 4]: the low sub-block's (scale, sum) pair
             mm = sb3 < nsb
             dx_lo = tl.load(meta + blk, mask=mm, other=0.0)
             sx_lo = tl.load(meta + blk + 1, mask=mm, other=0.0)
             dx_hi = tl.load(meta + blk + 2, mask=mm, other=0.0)
             sx_hi = tl.load(meta + blk + 3, mask=mm, other=0.0)
-            base = w_rows + sb3 * 144  # [BN, SB, 1]
-            d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
-            dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=bm, other=0.0).to(tl.float32)
-            sc_lo, mn_lo = k_scales(base, 2 * c3, bm)
-            sc_hi, mn_hi = k_scales(base, 2 * c3 + 1, bm)
+            d, dmin, sc_lo, mn_lo, sc_hi, mn_hi = _q4k_scales(w_rows, nmask, sb3, c3, nsb)
             part = d * (sc_lo * dx_lo * dot_lo + sc_hi * dx_hi * dot_hi) - dmin * (
                 mn_lo * sx_lo + mn_hi * sx_hi
             )
