@@ -1,6 +1,8 @@
 """The schedule of the grouped expert kernel (engine/kernels/moe_gemm.py), in plain torch ops on the device: no
 Triton here, so it is checked on any machine."""
 
+from collections.abc import Callable
+
 import torch
 
 BLOCK_M = 64  # (token, slot) rows of one expert a program multiplies
@@ -8,20 +10,29 @@ BLOCK_M = 64  # (token, slot) rows of one expert a program multiplies
 
 class Blocks:
     """The chunk's (token, slot) pairs sorted by expert and cut into blocks of BLOCK_M rows of one expert: computed
-    on the device once per layer and used by the gate/up and the down launches."""
+    on the device once per layer and used by the gate/up and the down launches. `schedule` computes the block table
+    from the per-expert counts in one launch (engine.kernels.moe_gemm.block_table) instead of the ~18 torch ops
+    here; the blocks in use (b < nblocks) are the same either way."""
 
-    def __init__(self, ids: torch.Tensor, n_expert: int) -> None:
+    def __init__(self, ids: torch.Tensor, n_expert: int, schedule: "Schedule | None" = None) -> None:
         flat = ids.reshape(-1)  # [S]
         s = flat.numel()
         self.order = torch.argsort(flat, stable=True)  # [S]
         counts = torch.bincount(flat, minlength=n_expert)  # [E]
+        self.max_blocks = -(-s // BLOCK_M) + n_expert  # a bound known on the host: the launch grid
+        if schedule is not None:
+            self.expert, self.start, self.end, self.nblocks = schedule(counts, self.max_blocks)
+            return
         nblk = (counts + BLOCK_M - 1) // BLOCK_M
         cum_blk = torch.cumsum(nblk, 0)
         cnt_first = torch.cumsum(counts, 0) - counts
-        self.max_blocks = -(-s // BLOCK_M) + n_expert  # a bound known on the host: the launch grid
         b = torch.arange(self.max_blocks, device=ids.device)
         ex = torch.searchsorted(cum_blk, b, right=True).clamp_max(n_expert - 1)  # [MAXB]
         self.expert = ex
         self.start = cnt_first[ex] + (b - (cum_blk - nblk)[ex]) * BLOCK_M
         self.end = torch.minimum(self.start + BLOCK_M, cnt_first[ex] + counts[ex])
         self.nblocks = cum_blk[-1:]
+
+
+# counts [E], max_blocks -> expert, start, end [max_blocks] and nblocks [1] (int64, on the counts' device)
+Schedule = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]

@@ -181,6 +181,55 @@ def _moe_gemm_kernel(
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
 
+@triton.jit
+def _block_table_kernel(
+    counts_ptr, expert_ptr, start_ptr, end_ptr, nblocks_ptr, E, MAXB,
+    BLOCK_M: tl.constexpr, EP: tl.constexpr, BB: tl.constexpr,
+):  # fmt: skip
+    """One program: the per-expert slot counts -> for each block b, its expert, first and one-past-last sorted
+    position; and the number of blocks in use. Block b belongs to the expert whose cumulative block count first
+    exceeds b (searchsorted, right)."""
+    e = tl.arange(0, EP)
+    cnt = tl.load(counts_ptr + e, mask=e < E, other=0)
+    nblk = (cnt + BLOCK_M - 1) // BLOCK_M
+    cum_blk = tl.cumsum(nblk, axis=0)  # [EP]
+    first = tl.cumsum(cnt, axis=0) - cnt  # first sorted position of each expert
+    total = tl.sum(nblk, axis=0)
+    tl.store(nblocks_ptr, total.to(tl.int64))
+    for b0 in range(0, MAXB, BB):
+        b = b0 + tl.arange(0, BB)  # [BB]
+        # experts whose blocks all lie at or before b: the expert of b is their count (clamped)
+        ex = tl.sum(((cum_blk[None, :] <= b[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
+        ex = tl.minimum(ex, E - 1)
+        pick = e[None, :] == ex[:, None]  # [BB, EP] one-hot
+        c_first = tl.sum(tl.where(pick, first[None, :], 0), axis=1)
+        c_cnt = tl.sum(tl.where(pick, cnt[None, :], 0), axis=1)
+        c_blk0 = tl.sum(tl.where(pick, (cum_blk - nblk)[None, :], 0), axis=1)
+        start = c_first + (b - c_blk0) * BLOCK_M
+        end = tl.minimum(start + BLOCK_M, c_first + c_cnt)
+        m = b < MAXB
+        tl.store(expert_ptr + b, ex.to(tl.int64), mask=m)
+        tl.store(start_ptr + b, start.to(tl.int64), mask=m)
+        tl.store(end_ptr + b, end.to(tl.int64), mask=m)
+
+
+def block_table(
+    counts: torch.Tensor, max_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Blocks schedule (engine/kernels/moe_blocks.py) in one launch: counts [E] -> expert, start, end
+    [max_blocks], nblocks [1], int64."""
+    dev = counts.device
+    out = torch.empty(3, max_blocks, dtype=torch.int64, device=dev)
+    nblocks = torch.empty(1, dtype=torch.int64, device=dev)
+    e = counts.numel()
+    _block_table_kernel[(1,)](
+        counts, out[0], out[1], out[2], nblocks, e, max_blocks,
+        BLOCK_M=BLOCK_M, EP=triton.next_power_of_2(e), BB=max(1, min(64, 8192 // triton.next_power_of_2(e))),
+        num_warps=4,
+    )  # fmt: skip
+    return out[0], out[1], out[2], nblocks
+
+
 BLOCK_N = 64
 
 

@@ -265,3 +265,17 @@ def test_prompt_attention_runs_on_the_memory_efficient_kernel() -> None:
     with sdpa_kernel([SDPBackend.MATH]):
         want = attention(q.float(), kc.float(), vc.float(), mask, d**-0.5)
     assert _cos(got, want) >= 0.9999
+
+
+@pytest.mark.parametrize("t,topk,e", [(9, 2, 4), (512, 8, 128), (4096, 8, 128), (64, 10, 512)])
+def test_block_table_matches_the_torch_schedule(t: int, topk: int, e: int) -> None:
+    """The grouped kernel's block table from one launch against the torch ops it replaces."""
+    from engine.kernels.moe_blocks import Blocks
+    from engine.kernels.moe_gemm import block_table
+
+    ids = torch.stack([torch.randperm(e)[:topk] for _ in range(t)]).cuda()
+    ref, got = Blocks(ids, e), Blocks(ids, e, block_table)
+    n = int(ref.nblocks)
+    assert int(got.nblocks) == n
+    for name in ("expert", "start", "end"):
+        assert torch.equal(getattr(got, name)[:n], getattr(ref, name)[:n]), name

@@ -199,3 +199,19 @@ def test_decode_attention_default_split() -> None:
     got = decode_attention(q, kc, vc, pos, span, 0, d**-0.5)
     ref = attention(q, kc, vc, causal_mask(pos, span, 0), d**-0.5).reshape(t, -1)
     assert (got - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("t,topk,e", [(9, 2, 4), (300, 8, 128), (64, 10, 512), (1, 8, 128)])
+def test_block_table_matches_the_torch_schedule(t: int, topk: int, e: int) -> None:
+    from engine.kernels.moe_blocks import Blocks
+    from engine.kernels.moe_gemm import block_table
+
+    gen = torch.Generator().manual_seed(t * e)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(t)])
+    ids[: t // 2, 0] = 0  # one expert with more rows than a block
+    ref, got = Blocks(ids, e), Blocks(ids, e, block_table)
+    assert torch.equal(got.order, ref.order) and got.max_blocks == ref.max_blocks
+    n = int(ref.nblocks)
+    assert int(got.nblocks) == n
+    for name in ("expert", "start", "end"):
+        assert torch.equal(getattr(got, name)[:n], getattr(ref, name)[:n]), name
