@@ -14,7 +14,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as QT
 
 from engine.kernels.gemv import k_scales, lut
-from engine.kernels.moe_blocks import BLOCK_M, Blocks
+from engine.kernels.moe_blocks import BLOCK_M, Blocks, Schedule
 
 # Block types with a tile dequantizer here (K a multiple of 256): id as in engine.kernels.gemv.
 TILE_TYPES = {QT.Q4_K: 0, QT.Q6_K: 1, QT.Q8_0: 2, QT.Q4_0: 3, QT.Q5_K: 4, QT.MXFP4: 8, QT.IQ4_XS: 9}
@@ -211,6 +211,12 @@ def _block_table_kernel(
         tl.store(expert_ptr + b, ex.to(tl.int64), mask=m)
         tl.store(start_ptr + b, start.to(tl.int64), mask=m)
         tl.store(end_ptr + b, end.to(tl.int64), mask=m)
+
+
+def block_schedule() -> "Schedule | None":
+    """block_table where it may be used: it has not run on a GPU yet (test_block_table_matches_the_torch_schedule
+    in tests/engine/test_gpu_fused_decode.py), so only with STRATA_UNVERIFIED_KERNELS=1; else the torch ops."""
+    return block_table if os.environ.get("STRATA_UNVERIFIED_KERNELS") == "1" else None
 
 
 def block_table(
