@@ -7,9 +7,29 @@ import triton.language as tl
 
 
 @triton.jit
+def store_q8(y, q_row, D, BLOCK: tl.constexpr):
+    """Row y [BLOCK] (float32; D real values, D a multiple of 32) rounded to 8 bits with a scale per 32, stored at
+    the float32 pointer `q_row` as engine.kernels.gemv.quantize_q8 lays it out: D int8 values, then (scale,
+    scale * sum of the 32 values) per block."""
+    yb = tl.reshape(y, [BLOCK // 32, 32])
+    d = tl.max(tl.abs(yb), axis=1) / 127.0  # [BLOCK / 32]
+    inv = tl.where(d > 0, 1.0 / tl.where(d > 0, d, 1.0), 0.0)
+    q = tl.floor(yb * inv[:, None] + 0.5)  # round half up (quantize_q8 rounds the same way)
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    o32 = tl.arange(0, BLOCK // 32)
+    offs = o32[:, None] * 32 + tl.arange(0, 32)[None, :]
+    tl.store(q_row.to(tl.pointer_type(tl.int8)) + offs, q.to(tl.int8), mask=offs < D)
+    meta = (q_row.to(tl.pointer_type(tl.int8)) + D).to(tl.pointer_type(tl.float32))
+    bm = o32 * 32 < D
+    tl.store(meta + 2 * o32, d, mask=bm)
+    tl.store(meta + 2 * o32 + 1, d * tl.sum(q, axis=1), mask=bm)
+
+
+@triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, y_ptr, y2_ptr, D, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr, TWO: tl.constexpr
-):
+    x_ptr, w_ptr, y_ptr, y2_ptr, q_ptr, D, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr, TWO: tl.constexpr,
+    Q8: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < D
@@ -20,28 +40,55 @@ def _rms_norm_kernel(
     tl.store(y_ptr + row * D + offs, y.to(y_ptr.dtype.element_ty), mask=m)
     if TWO:  # a float32 copy too (the MoE router reads float32)
         tl.store(y2_ptr + row * D + offs, y, mask=m)
+    if Q8:  # and the 8-bit form the approximate GEMV bodies read (STRATA_INT8_ACTIVATIONS)
+        store_q8(tl.where(m, y, 0.0), q_ptr + row * D, D, BLOCK)
+
+
+@triton.jit
+def _q8_kernel(x_ptr, q_ptr, D, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * D + offs, mask=offs < D, other=0.0).to(tl.float32)
+    store_q8(x, q_ptr + row * D, D, BLOCK)
+
+
+def quantize_rows_q8(x: torch.Tensor) -> torch.Tensor:
+    """x [T, D] -> float32 [T, D] in quantize_q8's layout, one launch."""
+    t, d = x.shape
+    xc = x.contiguous()
+    out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+    _q8_kernel[(t,)](xc, out, d, BLOCK=triton.next_power_of_2(d))
+    return out
 
 
 def _rms_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype, f32_copy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype,
+    f32_copy: bool,
+    q8: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     d = x.shape[-1]
     xc = x.contiguous()
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     y2 = torch.empty(x.shape, dtype=torch.float32, device=x.device) if f32_copy else None
+    yq = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if q8 else None
     rows = xc.numel() // d
     _rms_norm_kernel[(rows,)](
         xc,
         weight if weight is not None else xc,
         y,
         y2 if y2 is not None else y,
+        yq if yq is not None else y,
         d,
         eps,
         HAS_W=weight is not None,
         BLOCK=triton.next_power_of_2(d),
         TWO=f32_copy,
+        Q8=q8,
     )
-    return y, y2
+    return y, y2, yq
 
 
 def rms_norm(
@@ -51,11 +98,21 @@ def rms_norm(
     return _rms_norm(x, weight, eps, out_dtype, False)[0]
 
 
+def rms_norm_q8(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype, f32_copy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`rms_norm` (and its float32 copy with f32_copy), and the same rounded to 8 bits (engine.kernels.gemv's
+    quantize_q8 layout, for the approximate GEMV bodies), from one launch."""
+    y, y2, yq = _rms_norm(x, weight, eps, out_dtype, f32_copy, q8=True)
+    assert yq is not None
+    return y, y2, yq
+
+
 def rms_norm_pair(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rms_norm` as out_dtype and as float32, from one launch."""
-    y, y2 = _rms_norm(x, weight, eps, out_dtype, True)
+    y, y2, _ = _rms_norm(x, weight, eps, out_dtype, True)
     assert y2 is not None
     return y, y2
 

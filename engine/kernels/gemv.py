@@ -51,11 +51,21 @@ _ASM = os.environ.get("TRITON_INTERPRET") != "1"  # inline PTX where the kernels
 def quantize_q8(x: torch.Tensor) -> torch.Tensor:
     """x [T, K] -> float32 [T, K] holding, per row, K int8 values (x / scale rounded, a scale per 32) and then
     (scale, scale * sum of the 32 values) per block: the activations of the 8-bit bodies (APPROXIMATE), laid out so
-    that a row starts K elements after the last, as the kernels index activations."""
+    that a row starts K elements after the last, as the kernels index activations. One launch on a GPU."""
+    if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        from engine.kernels.fused import quantize_rows_q8
+
+        return quantize_rows_q8(x)
+    return quantize_q8_torch(x)
+
+
+def quantize_q8_torch(x: torch.Tensor) -> torch.Tensor:
+    """quantize_q8 in torch ops (the same rounding: times the reciprocal of the scale, half up)."""
     t, k = x.shape
     xb = x.float().reshape(t, k // 32, 32)
     d = xb.abs().amax(dim=-1) / 127.0
-    q = torch.where(d[..., None] > 0, xb / d.clamp_min(1e-30)[..., None], 0.0).round().clamp(-127, 127)
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, 1.0), 0.0)
+    q = torch.floor(xb * inv[..., None] + 0.5).clamp(-127, 127)
     out = torch.zeros(t, k, dtype=torch.float32, device=x.device)
     raw = out.view(torch.uint8)  # [T, 4K] bytes
     raw[:, :k] = q.to(torch.int8).reshape(t, k).view(torch.uint8)
@@ -526,6 +536,17 @@ def _config(qtype: QT, n: int, k: int, kind: str = "dense") -> tuple[int, int, i
 _GLU = {"silu": 1, "gelu_tanh": 2}
 
 
+def _check_q8(variant: int, q8: bool) -> None:
+    if q8 and variant not in APPROXIMATE:  # a float body would read the packed bytes as activations
+        raise ValueError(f"8-bit activations given to GEMV body {variant}, which reads floats (see wants_q8)")
+
+
+def wants_q8(qtype: QT, n: int, k: int, kind: str = "dense") -> bool:
+    """Whether the launch picked for this weight reads 8-bit activations (quantize_q8's layout): only with
+    STRATA_INT8_ACTIVATIONS=1 and a tuning file that chose such a body."""
+    return qtype in KERNEL_TYPES and _config(qtype, n, k, kind)[3] in APPROXIMATE
+
+
 def supports(qtype: QT, k: int) -> bool:
     if qtype not in KERNEL_TYPES:
         return False
@@ -559,6 +580,7 @@ def gemv(
     block_n, sb, num_warps = block_n or bn, sb or step, num_warps or warps
     grid = (triton.cdiv(n, block_n), t)
     qid = tuned_variant if variant is None else variant
+    _check_q8(qid, q8)
     if qid in APPROXIMATE and not q8:
         x = quantize_q8(x)
     res = residual.contiguous() if residual is not None else y
@@ -597,6 +619,7 @@ def moe_gemv(
         block_n, sb, warps = launch
     grid = (triton.cdiv(n, block_n), s)
     qid = tuned_variant if variant is None else variant
+    _check_q8(qid, q8)
     if qid in APPROXIMATE and not q8:
         x = quantize_q8(x)
     _moe_gemv_kernel[grid](
@@ -644,6 +667,7 @@ def moe_down_combine(
         block_n, sb, warps = launch
     qid = tuned_variant if variant is None else variant
     x = x.contiguous()
+    _check_q8(qid, q8)
     if qid in APPROXIMATE and not q8:
         x = quantize_q8(x)
     _moe_gemv_combine_kernel[(triton.cdiv(n, block_n), t)](

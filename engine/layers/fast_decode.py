@@ -60,8 +60,8 @@ def layer(
 ) -> torch.Tensor:
     """hidden [T, D] float32 at positions `pos` [T] -> hidden [T, D] float32 (T <= FAST_MAX_ROWS)."""
     from engine.kernels.attention import decode_attention, rope_store
-    from engine.kernels.fused import rms_norm, rms_norm_pair
-    from engine.kernels.gemv import moe_down_combine, moe_gemv
+    from engine.kernels.fused import rms_norm, rms_norm_pair, rms_norm_q8
+    from engine.kernels.gemv import moe_down_combine, moe_gemv, quantize_q8, wants_q8
 
     if span > cache.max_ctx:
         raise KVCacheError(
@@ -71,15 +71,20 @@ def layer(
     qd, kd = c.n_head * c.head_dim_k, c.n_head_kv * c.head_dim_k
     lk = cache.layers[i]
     h = h.float()
-    x = rms_norm(h, lw.attn_norm, c.rms_eps, dt)
-    if lw.qkv is not None:
-        qkv = lw.qkv.linear(x)  # [T, qd + kd + vd]
-        if lw.qkv_bias is not None:
-            qkv = qkv + lw.qkv_bias
+    # With STRATA_INT8_ACTIVATIONS=1 a launch may read activations rounded to 8 bits (wants_q8): the norms write
+    # them beside their float outputs, other inputs are rounded in one launch.
+    if lw.qkv is not None and wants_q8(lw.qkv.qtype, *lw.qkv.shape):
+        x, _, xq = rms_norm_q8(h, lw.attn_norm, c.rms_eps, dt)
+        qkv = lw.qkv.linear(x, q8=xq)  # [T, qd + kd + vd]
     else:
-        qkv = torch.cat([w.linear(x) for w in (lw.q, lw.k, lw.v)], dim=-1)
-        if lw.qkv_bias is not None:
-            qkv = qkv + lw.qkv_bias
+        x = rms_norm(h, lw.attn_norm, c.rms_eps, dt)
+        qkv = (
+            lw.qkv.linear(x)
+            if lw.qkv is not None
+            else torch.cat([w.linear(x) for w in (lw.q, lw.k, lw.v)], -1)
+        )
+    if lw.qkv_bias is not None:
+        qkv = qkv + lw.qkv_bias
     swa = c.is_swa(i)
     rope = model.rope_swa if swa else model.rope
     q = rope_store(
@@ -88,21 +93,30 @@ def layer(
     )  # fmt: skip
     window = c.sliding_window if swa else 0
     a = decode_attention(q, lk.k, lk.v, pos, span, window, c.attn_scale, c.attn_softcap)  # [T, H*Dv]
-    h = lw.o.linear(a, residual=h)  # float32 [T, D]: h + o(a)
+    if wants_q8(lw.o.qtype, *lw.o.shape):
+        h = lw.o.linear(a, residual=h, q8=quantize_q8(a))
+    else:
+        h = lw.o.linear(a, residual=h)  # float32 [T, D]: h + o(a)
     if lw.experts is None:
         assert lw.ffn_gate is not None and lw.ffn_up is not None and lw.ffn_down is not None
         x = rms_norm(h, lw.ffn_norm, c.rms_eps, dt)
         act = ACTIVATIONS[c.activation]
         return lw.ffn_down.linear(act(lw.ffn_gate.linear(x)) * lw.ffn_up.linear(x), residual=h)
-    x, x32 = rms_norm_pair(h, lw.ffn_norm, c.rms_eps, dt)
     assert model.expert_cache is not None
     le = model.expert_cache.layers[i]
-    counts = model.expert_counts[i] if model.expert_counts is not None else None
-    w, ids = route_and_count(x32, le.router, c.n_expert_used, c.expert_weights_norm, counts)  # [T, k]
     g, dn = le.gate.host, le.down.host
     f, d = g.shape[1], c.n_embd
+    xq = None
+    if wants_q8(g.qtype, f, d, "moe"):
+        x, x32, xq = rms_norm_q8(h, lw.ffn_norm, c.rms_eps, dt, f32_copy=True)
+        assert x32 is not None
+    else:
+        x, x32 = rms_norm_pair(h, lw.ffn_norm, c.rms_eps, dt)
+    counts = model.expert_counts[i] if model.expert_counts is not None else None
+    w, ids = route_and_count(x32, le.router, c.n_expert_used, c.expert_weights_norm, counts)  # [T, k]
     gt, ut, dt, sid = expert_tables(model.expert_cache, i, ids)
-    hid = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, x, f, d, c.n_expert_used, up_table=ut, act=c.activation)
+    hid = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, x if xq is None else xq, f, d, c.n_expert_used, up_table=ut,
+                   act=c.activation, q8=xq is not None)  # fmt: skip
     if lw.shexp_gate is not None:  # the shared expert joins the residual first; the routed ones add to that
         assert lw.shexp_up is not None and lw.shexp_down is not None
         act = ACTIVATIONS[c.activation]
@@ -110,4 +124,6 @@ def layer(
         if lw.shexp_gate_inp is not None:
             s = s * torch.sigmoid(x32 @ lw.shexp_gate_inp).unsqueeze(-1)  # [T, 1]
         h = h + s
+    if wants_q8(dn.qtype, d, f, "moe_down"):
+        return moe_down_combine(dt, dn.qtype, dn.raw.shape[-1], sid, w, quantize_q8(hid), h, d, f, q8=True)
     return moe_down_combine(dt, dn.qtype, dn.raw.shape[-1], sid, w, hid, h, d, f)

@@ -93,19 +93,23 @@ class QTensor:
         """Slice along the first dimension (one expert of a 3-D expert tensor)."""
         return QTensor(self.raw[i], self.qtype, self.shape[1:])
 
-    def linear(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, q8: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x @ W.T for a 2-D weight [n_out, n_in]; x [..., n_in] -> [..., n_out]. With `residual` (float32, the
-        output's shape) the result is residual + x @ W.T in float32, one kernel on the GEMV path."""
+        output's shape) the result is residual + x @ W.T in float32, one kernel on the GEMV path. `q8`: x rounded
+        to 8 bits (engine.kernels.gemv.quantize_q8), for a GEMV launch that reads it (wants_q8)."""
         n_out, n_in = self.shape
         if x.is_cuda and x.numel() <= _GEMV_MAX_ROWS * n_in:
             gemv = _gemv_for(self.qtype, n_in)
             if gemv is not None:  # decode: compute on the blocks, no dequantized copy
-                flat = x.reshape(-1, n_in)
+                flat = x.reshape(-1, n_in) if q8 is None else q8.reshape(-1, n_in)
                 if residual is not None:
                     res = residual.reshape(-1, n_out)
-                    y = gemv(self.raw, self.qtype, n_out, n_in, flat, out_dtype=torch.float32, residual=res)
+                    y = gemv(self.raw, self.qtype, n_out, n_in, flat, out_dtype=torch.float32, residual=res,
+                             q8=q8 is not None)  # fmt: skip
                 else:
-                    y = gemv(self.raw, self.qtype, n_out, n_in, flat, out_dtype=x.dtype)
+                    y = gemv(self.raw, self.qtype, n_out, n_in, flat, out_dtype=x.dtype, q8=q8 is not None)
                 return y.reshape(*x.shape[:-1], n_out)
         if residual is not None:
             return residual + self.linear(x).float()

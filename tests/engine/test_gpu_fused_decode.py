@@ -279,3 +279,29 @@ def test_block_table_matches_the_torch_schedule(t: int, topk: int, e: int) -> No
     assert int(got.nblocks) == n
     for name in ("expert", "start", "end"):
         assert torch.equal(getattr(got, name)[:n], getattr(ref, name)[:n]), name
+
+
+def test_int8_activations_stay_close_to_the_general_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STRATA_INT8_ACTIVATIONS=1 with a tuning file that picks the 8-bit Q4_K body for every class: the fused decode
+    step reads activations rounded to 8 bits (from the norms, and rounded in one launch before the output and down
+    projections); its logits stay within that rounding of the float activations' logits."""
+    import json
+
+    from engine.kernels import gemv as kernels
+
+    path = write_tiny_model(tmp_path / "m.gguf", "qwen3moe", qtype="Q4_K", seed=11)
+    _, lg = _tokens(path, "f32", fast=True)  # float activations
+    tuned = tmp_path / "tuned.json"
+    tuned.write_text(json.dumps({"Q4_K": {c: [4, 2, 4, 12] for c in ("small", "large", "moe", "moe_down")}}))
+    monkeypatch.setattr(kernels, "_TUNED_FILE", tuned)
+    monkeypatch.setenv("STRATA_INT8_ACTIVATIONS", "1")
+    kernels._tuned.cache_clear()
+    try:
+        assert kernels.wants_q8(kernels.QT.Q4_K, 64, 256, "moe")
+        _, lq = _tokens(path, "f32", fast=True)
+    finally:
+        kernels._tuned.cache_clear()
+    assert not torch.equal(lq, lg)  # the 8-bit bodies did run
+    assert _cos(lq, lg) >= 0.999

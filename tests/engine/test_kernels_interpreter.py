@@ -215,3 +215,22 @@ def test_block_table_matches_the_torch_schedule(t: int, topk: int, e: int) -> No
     assert int(got.nblocks) == n
     for name in ("expert", "start", "end"):
         assert torch.equal(getattr(got, name)[:n], getattr(ref, name)[:n]), name
+
+
+@pytest.mark.parametrize("d", [2048, 768])
+def test_q8_activations_from_the_kernels_match_torch(d: int) -> None:
+    """quantize_q8's one-launch kernel and the RMS norm that writes the 8-bit form too, against the torch ops."""
+    from engine.kernels.fused import rms_norm_q8
+    from engine.kernels.gemv import quantize_q8, quantize_q8_torch
+
+    x = torch.randn(3, d) * 2
+    x[1, :32] = 0.0  # a block of zeros: scale 0
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8)  # packed bytes: as floats some would read as NaN
+
+    assert torch.equal(raw(quantize_q8(x)), raw(quantize_q8_torch(x)))
+    w = torch.rand(d) + 0.5
+    y, y32, yq = rms_norm_q8(x, w, 1e-6, torch.float32, f32_copy=True)
+    assert y32 is not None and torch.equal(y, y32)
+    assert torch.equal(raw(yq), raw(quantize_q8_torch(y32)))
