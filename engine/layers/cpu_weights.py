@@ -39,6 +39,10 @@ def attach(model: object, mib: int | None) -> FloatCache | None:
         for qt in parts:
             if isinstance(qt, QTensor) and len(qt.shape) == 2:
                 qt.cache = cache
+            elif qt is not None and hasattr(qt, "gate") and hasattr(qt, "down"):  # routed experts
+                for ex in vars(qt).values():  # the router (2-D), and gate/up/down: one slice per expert used
+                    if isinstance(ex, QTensor) and len(ex.shape) in (2, 3):
+                        ex.cache = cache
     log.info(
         "CPU: up to %d MiB of weights kept as floats after their first use (--cpu-weights-mib)", budget // MiB
     )

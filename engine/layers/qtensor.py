@@ -49,7 +49,7 @@ _TILE_ELEMS = 1 << 24
 class QTensor:
     """A weight of logical shape `shape` stored as raw GGUF blocks `raw` ([..., row_bytes], uint8)."""
 
-    __slots__ = ("cache", "dense", "qtype", "raw", "shape")
+    __slots__ = ("cache", "dense", "parts", "qtype", "raw", "shape")
 
     def __init__(self, raw: torch.Tensor, qtype: QT, shape: tuple[int, ...]) -> None:
         self.raw = raw
@@ -57,6 +57,7 @@ class QTensor:
         self.shape = tuple(shape)
         self.cache: FloatCache | None = None  # where a CPU matmul may keep its dequantized copy
         self.dense: torch.Tensor | None = None  # that copy, once made
+        self.parts: dict[int, QTensor] | None = None  # slices kept (experts), so that their copies last
 
     @property
     def device(self) -> torch.device:
@@ -90,8 +91,17 @@ class QTensor:
         return self._deq(sel, (index.numel(),), dtype)
 
     def __getitem__(self, i: int) -> "QTensor":
-        """Slice along the first dimension (one expert of a 3-D expert tensor)."""
-        return QTensor(self.raw[i], self.qtype, self.shape[1:])
+        """Slice along the first dimension (one expert of a 3-D expert tensor). Under a float-copy budget the
+        slice is kept, with the budget, so that an expert used again finds its float copy."""
+        if self.cache is None:
+            return QTensor(self.raw[i], self.qtype, self.shape[1:])
+        if self.parts is None:
+            self.parts = {}
+        part = self.parts.get(i)
+        if part is None:
+            part = self.parts[i] = QTensor(self.raw[i], self.qtype, self.shape[1:])
+            part.cache = self.cache
+        return part
 
     def linear(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, q8: torch.Tensor | None = None

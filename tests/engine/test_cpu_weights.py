@@ -61,3 +61,16 @@ def test_the_split_loader_honours_the_flag(tiny: Path) -> None:
     cache = lm.model.new_cache(32, "f32")
     lm.model.forward(TOKENS, cache, 0)
     assert any(q.dense is not None for q in _weights(lm.model))
+
+
+def test_routed_experts_keep_float_copies_too(tmp_path: Path) -> None:
+    """A MoE on the CPU: each expert used keeps a float copy within the budget (they were dequantized at every use),
+    with the blocks' logits; with the budget at 0 none does."""
+    path = write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", qtype="Q4_K", seed=5)
+    blocks, mb = _logits(path, 0)
+    floats, mf = _logits(path, None)
+    assert torch.allclose(floats, blocks, atol=1e-5, rtol=1e-5)
+    for m, kept in ((mb, False), (mf, True)):
+        ew = next(lw.experts for lw in m.layers.values() if lw.experts is not None)  # type: ignore[attr-defined]
+        parts = ew.gate.parts or {}
+        assert bool(parts) == kept and all((p.dense is not None) == kept for p in parts.values())
