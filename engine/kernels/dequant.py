@@ -7,7 +7,6 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QT
 
-from engine.kernels.gemv import lut
 from engine.kernels.moe_gemm import TILE_TYPES, _deq_tile, decodes
 
 
@@ -17,13 +16,13 @@ def supports(qtype: QT, k: int) -> bool:
 
 
 @triton.jit
-def _dequant_kernel(raw_ptr, row_bytes, out_ptr, N, K, lut_ptr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dequant_kernel(raw_ptr, row_bytes, out_ptr, N, K, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[n, sb*256 : sb*256+256] for BLOCK_N rows n: program (row block, 256-element step sb)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     sb = tl.program_id(1)
     nm = n < N
     w_rows = (raw_ptr + n.to(tl.int64) * row_bytes)[:, None, None]
-    w = _deq_tile(w_rows, sb, nm, lut_ptr, K, QTYPE, BLOCK_N)  # [BLOCK_N, 256]
+    w = _deq_tile(w_rows, sb, nm, K, QTYPE, BLOCK_N)  # [BLOCK_N, 256]
     kk = sb * 256 + tl.arange(0, 256)
     out = out_ptr + n[:, None].to(tl.int64) * K + kk[None, :]
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=nm[:, None] & (kk[None, :] < K))
@@ -41,6 +40,6 @@ def dequantize_rows(raw: torch.Tensor, qtype: QT, k: int, dtype: torch.dtype) ->
     out = torch.empty(n, k, dtype=dtype, device=raw.device)
     if n:
         grid = (triton.cdiv(n, _BLOCK_N), triton.cdiv(k, 256))
-        _dequant_kernel[grid](rows, rows.shape[1], out, n, k, lut(qtype, raw.device), QTYPE=TILE_TYPES[qtype],
+        _dequant_kernel[grid](rows, rows.shape[1], out, n, k, QTYPE=TILE_TYPES[qtype],
                               BLOCK_N=_BLOCK_N, num_warps=4)  # fmt: skip
     return out.reshape(*raw.shape[:-1], k)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QT
 
-from engine.kernels.gemv import k_scales, lut
+from engine.kernels.gemv import k_scales
 from engine.kernels.moe_blocks import BLOCK_M, Blocks, Schedule
 
 # Block types with a tile dequantizer here (K a multiple of 256): id as in engine.kernels.gemv.
@@ -47,10 +47,9 @@ def _code_value(q, QTYPE: tl.constexpr):
 
 
 @triton.jit
-def _deq_tile(w_rows, sb, nmask, lut, K, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _deq_tile(w_rows, sb, nmask, K, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Elements sb*256 .. sb*256+255 of the BLOCK_N rows at uint8 pointers `w_rows` [BLOCK_N, 1, 1] -> float32
-    [BLOCK_N, 256] (rows off `nmask`, and 32-element blocks past K, read as zero). `lut`: code values of the
-    lookup-table types."""
+    [BLOCK_N, 256] (rows off `nmask`, and 32-element blocks past K, read as zero)."""
     m3 = nmask[:, None, None]
     j = tl.arange(0, 8)[None, :, None]  # 32-element sub-block (or Q8_0/Q4_0 block) within the 256
     l32 = tl.arange(0, 32)[None, None, :]
@@ -128,7 +127,6 @@ def _moe_gemm_kernel(
     blk_end_ptr,  # int64 [MAXB]: one past its last
     nblocks_ptr,  # int64 [1]: blocks in use
     y_ptr,  # [S, N]
-    lut_ptr,  # float32 [16]: code values of the lookup-table types
     N,
     K,
     TOPK,
@@ -161,13 +159,13 @@ def _moe_gemm_kernel(
         for sb in range(0, tl.cdiv(K, 256)):
             kk = sb * 256 + k256[None, :]
             xt = tl.load(x_ptr + xrow[:, None].to(tl.int64) * K + kk, mask=mm[:, None] & (kk < K), other=0.0)
-            wt = _deq_tile(w_rows, sb, nm, lut_ptr, K, QTYPE, BLOCK_N)
+            wt = _deq_tile(w_rows, sb, nm, K, QTYPE, BLOCK_N)
             if IEEE:
                 acc += tl.dot(xt, tl.trans(wt), input_precision="ieee")
             else:
                 acc += tl.dot(xt, tl.trans(wt.to(xt.dtype)))
             if GLU != 0:
-                ut = _deq_tile(u_rows, sb, nm, lut_ptr, K, QTYPE, BLOCK_N)
+                ut = _deq_tile(u_rows, sb, nm, K, QTYPE, BLOCK_N)
                 if IEEE:
                     acc2 += tl.dot(xt, tl.trans(ut), input_precision="ieee")
                 else:
@@ -280,7 +278,7 @@ def moe_gemm(
     grid = (blocks.max_blocks, triton.cdiv(n, BLOCK_N))
     _moe_gemm_kernel[grid](
         table, up_table if up_table is not None else table, row_bytes, x, blocks.order, blocks.expert,
-        blocks.start, blocks.end, blocks.nblocks, y, lut(qtype, x.device), n, k, topk,
+        blocks.start, blocks.end, blocks.nblocks, y, n, k, topk,
         QTYPE=TILE_TYPES[qtype], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, X_PER_SLOT=int(x_per_slot), GLU=glu,
         IEEE=x.dtype == torch.float32, num_warps=8,
     )  # fmt: skip
