@@ -4,6 +4,7 @@
 # The kit (the model writer, the vocabulary, llama.cpp's source and device_llamacpp.sh) is the project's shared
 # benchmark kit; llama.cpp is built here for sm_90 and the Qwen3-30B-A3B-geometry Q4_K model written to /tmp/anchor.
 # GPU_TESTS=0 skips the GPU tests run while llama.cpp builds; GPU_TEST_ARGS chooses them (default: tests/engine).
+# CURVE=1 also runs bench/cache_curve.py (decode against the cached fraction, VRAM under 10/16/24 GB budgets).
 set -u
 KIT=${KIT:?set KIT to the benchmark kit folder}
 OUT=${OUT:-bench/results}
@@ -32,6 +33,9 @@ echo "llama.cpp -ncmoe 36: VRAM peak $USED MiB (whole process)"
 timeout 150 python3 bench/engine_bench.py --model $M --prompts 4096 --decode 64 --reps 1 --vram-process-mib "$USED" \
     --out "$OUT/ours_budget_ncmoe36.json" | grep -E "tok_s|experts_in" | head -4
 timeout 150 $B -m $M -ngl 99 -fa 1 -p 512,4096 -n 128 -r 3 -o json > "$OUT/llamacpp_full.json"
+if [ "${CURVE:-0}" = 1 ]; then  # the expert cache's decode curve and VRAM budgets on the same file (~4 min)
+    timeout 300 python3 bench/cache_curve.py --model $M --decode 32 --out "$OUT/cache_curve.json" | tail -8
+fi
 python3 - "$OUT" "$USED" <<'PY'
 import json, sys, pathlib
 o, used = pathlib.Path(sys.argv[1]), int(sys.argv[2])
