@@ -19,6 +19,7 @@ from engine.kernels.moe_blocks import BLOCK_M, Blocks, Schedule
 # Block types with a tile dequantizer here (K a multiple of 256): id as in engine.kernels.gemv.
 TILE_TYPES = {QT.Q4_K: 0, QT.Q6_K: 1, QT.Q8_0: 2, QT.Q4_0: 3, QT.Q5_K: 4, QT.MXFP4: 8, QT.IQ4_XS: 9}
 _BLOCK32 = {QT.Q8_0, QT.Q4_0, QT.MXFP4}  # 32-element blocks: any K that is a multiple of 32
+TILE_VARIANTS = {QT.Q4_K: (0, 10)}  # other tile decoders of a type, chosen by the tuning file
 
 
 @triton.jit
@@ -60,6 +61,20 @@ def _deq_tile(w_rows, sb, nmask, K, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
         sc, mn = k_scales(base, j, m3)
         qb = tl.load(base + 16 + 32 * (j // 2) + l32, mask=m3, other=0).to(tl.int32)
         q = tl.where(j % 2 == 1, qb >> 4, qb & 15).to(tl.float32)
+        w = d * sc * q - dmin * mn
+    elif QTYPE == 10:  # Q4_K with the nibbles read as 32-bit words (elements 64c + 32h + 4w + b, in order)
+        c5 = tl.arange(0, 4)[None, :, None, None, None]
+        h5 = tl.arange(0, 2)[None, None, :, None, None]
+        w5 = tl.arange(0, 8)[None, None, None, :, None]
+        b5 = tl.arange(0, 4)[None, None, None, None, :]
+        n5 = nmask[:, None, None, None, None]
+        base = w_rows[:, :, :, None, None] + sb * 144
+        p = tl.multiple_of((base + 16).to(tl.pointer_type(tl.int32)), [16, 16, 16, 16, 16])
+        words = tl.load(p + 8 * c5 + w5, mask=n5, other=0)  # [BN, 4, 1, 8, 1]
+        q = ((words >> (8 * b5 + 4 * h5)) & 15).to(tl.float32)  # [BN, 4, 2, 8, 4]
+        d = tl.load(base.to(tl.pointer_type(tl.float16)), mask=n5, other=0.0).to(tl.float32)
+        dmin = tl.load((base + 2).to(tl.pointer_type(tl.float16)), mask=n5, other=0.0).to(tl.float32)
+        sc, mn = k_scales(base, 2 * c5 + h5, n5)  # [BN, 4, 2, 1, 1]
         w = d * sc * q - dmin * mn
     elif QTYPE == 4:  # Q5_K: Q4_K plus a high bit per element
         base = w_rows + sb * 176
@@ -244,6 +259,16 @@ BLOCK_N = 64
 UNVERIFIED = {QT.MXFP4, QT.IQ4_XS}
 
 
+def tile_variant(qtype: QT) -> int:
+    """The tile decoder of a block type for the grouped kernel: its own, or another body the tuning file names
+    (engine/kernels/gemv_tuned.json, "moe_gemm"; bench/moe_gemm_micro.py measures them)."""
+    from engine.kernels.gemv import _tuned
+
+    base = TILE_TYPES[qtype]
+    got = _tuned().get(qtype.name, {}).get("moe_gemm")
+    return got[0] if got and got[0] in TILE_VARIANTS.get(qtype, ()) else base
+
+
 def decodes(qtype: QT, k: int) -> bool:
     """Whether _deq_tile decodes rows of k elements of this block type."""
     return qtype in TILE_TYPES and k % (32 if qtype in _BLOCK32 else 256) == 0
@@ -269,9 +294,11 @@ def moe_gemm(
     up_table: torch.Tensor | None = None,
     act: str | None = None,
     out_dtype: torch.dtype = torch.float32,
+    variant: int | None = None,
 ) -> torch.Tensor:
     """For every (token, slot) s with expert e: y[s] = W_e . x (or act(W_e . x) * U_e . x with `up_table`).
-    x [T, k] (or [S, k] with x_per_slot) -> [S, n] in out_dtype, S = `slots`."""
+    x [T, k] (or [S, k] with x_per_slot) -> [S, n] in out_dtype, S = `slots`. `variant`: the tile decoder
+    (default: tile_variant's choice)."""
     x = x.contiguous()
     y = torch.empty(slots, n, dtype=out_dtype, device=x.device)
     glu = {"silu": 1, "gelu_tanh": 2}[act] if up_table is not None and act is not None else 0
@@ -279,7 +306,8 @@ def moe_gemm(
     _moe_gemm_kernel[grid](
         table, up_table if up_table is not None else table, row_bytes, x, blocks.order, blocks.expert,
         blocks.start, blocks.end, blocks.nblocks, y, n, k, topk,
-        QTYPE=TILE_TYPES[qtype], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, X_PER_SLOT=int(x_per_slot), GLU=glu,
+        QTYPE=tile_variant(qtype) if variant is None else variant, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        X_PER_SLOT=int(x_per_slot), GLU=glu,
         IEEE=x.dtype == torch.float32, num_warps=8,
     )  # fmt: skip
     return y

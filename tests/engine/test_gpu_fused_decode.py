@@ -201,7 +201,7 @@ def test_every_kernel_body_matches_dequantize(qtype: str, variant: int, sb: int)
     assert _cos(got, want) >= tol
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_K:10", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4", "IQ4_XS"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_expert_gemm_matches_dequantize(qtype: str, dtype: torch.dtype) -> None:
     """The prompt path's grouped kernel: every slot's expert product, experts in VRAM and in pinned host memory,
@@ -209,6 +209,8 @@ def test_grouped_expert_gemm_matches_dequantize(qtype: str, dtype: torch.dtype) 
     row length that ends part-way through a 256-wide step."""
     from engine.kernels.moe_gemm import Blocks, moe_gemm
 
+    qtype, _, v = qtype.partition(":")  # "Q4_K:10": another tile decoder of the type
+    variant = int(v) if v else None
     qt = QT[qtype]
     n, k, e, t, topk = 200, 800 if qtype in ("Q8_0", "Q4_0", "MXFP4") else 768, 6, 90, 3
     gs = [torch.from_numpy(random_blocks(qt, n, k, seed=60 + i)) for i in range(e)]
@@ -220,7 +222,9 @@ def test_grouped_expert_gemm_matches_dequantize(qtype: str, dtype: torch.dtype) 
     ids = torch.stack([torch.tensor([0, 1 + i % 2, 3]) for i in range(t)]).cuda()  # 2, 4 and 5 unused
     x = torch.randn(t, k, device="cuda").to(dtype)
     blocks = Blocks(ids, e)
-    y = moe_gemm(blocks, gt, qt, gs[0].shape[1], x, n, k, topk, t * topk, up_table=ut, act="silu")
+    y = moe_gemm(
+        blocks, gt, qt, gs[0].shape[1], x, n, k, topk, t * topk, up_table=ut, act="silu", variant=variant
+    )
     dg = [dequantize(w.cuda(), qt) for w in gs]
     du = [dequantize(w, qt) for w in us]
     xf = x.float()
@@ -228,7 +232,7 @@ def test_grouped_expert_gemm_matches_dequantize(qtype: str, dtype: torch.dtype) 
                        for i in range(t) for j in ids[i].tolist()])  # fmt: skip
     assert _cos(y, ref) >= (0.99999 if dtype == torch.float32 else 0.999)
     xs = torch.randn(t * topk, k, device="cuda").to(dtype)
-    y2 = moe_gemm(blocks, gt, qt, gs[0].shape[1], xs, n, k, topk, t * topk, x_per_slot=True)
+    y2 = moe_gemm(blocks, gt, qt, gs[0].shape[1], xs, n, k, topk, t * topk, x_per_slot=True, variant=variant)
     ref2 = torch.stack(
         [xs[i * topk + j].float() @ dg[int(ids[i, j])].T for i in range(t) for j in range(topk)]
     )

@@ -71,9 +71,11 @@ def test_gemv_bodies(qtype: str, variant: int, k: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "qtype,k", [("Q4_K", 512), ("Q6_K", 512), ("Q8_0", 352), ("MXFP4", 352), ("IQ4_XS", 512)]
-)
-def test_grouped_expert_tiles(qtype: str, k: int) -> None:
+    "qtype,k,variant",
+    [("Q4_K", 512, None), ("Q4_K", 512, 10), ("Q6_K", 512, None), ("Q8_0", 352, None), ("MXFP4", 352, None),
+     ("IQ4_XS", 512, None)],
+)  # fmt: skip
+def test_grouped_expert_tiles(qtype: str, k: int, variant: int | None) -> None:
     from engine.kernels.moe_gemm import Blocks, moe_gemm
 
     qt, n, e, t, topk = QT[qtype], 40, 4, 9, 2
@@ -85,7 +87,18 @@ def test_grouped_expert_tiles(qtype: str, k: int) -> None:
     )
     x = torch.randn(t, k)
     y = moe_gemm(
-        Blocks(ids, e), table, qt, raws[0].shape[1], x, n, k, topk, t * topk, up_table=table, act="silu"
+        Blocks(ids, e),
+        table,
+        qt,
+        raws[0].shape[1],
+        x,
+        n,
+        k,
+        topk,
+        t * topk,
+        up_table=table,
+        act="silu",
+        variant=variant,
     )
     ref = torch.stack([torch.nn.functional.silu(x[i] @ deq[j].T) * (x[i] @ deq[j].T) for i in range(t)
                        for j in ids[i].tolist()])  # fmt: skip
