@@ -43,13 +43,13 @@ def main() -> None:
         x = torch.randn(t, D, device="cuda", dtype=torch.bfloat16)
         for v in TILE_VARIANTS[QT.Q4_K]:
 
-            def call(i: int, v: int = v) -> torch.Tensor:
+            def call(
+                i: int, v: int = v, blocks: Blocks = blocks, x: torch.Tensor = x, s: int = t * TOPK
+            ) -> torch.Tensor:
                 g, u, dn = tables[i]
-                h = moe_gemm(blocks, g, QT.Q4_K, RB_GU, x, F, D, TOPK, t * TOPK, up_table=u, act="silu",
+                h = moe_gemm(blocks, g, QT.Q4_K, RB_GU, x, F, D, TOPK, s, up_table=u, act="silu",
                              out_dtype=torch.bfloat16, variant=v)  # fmt: skip
-                return moe_gemm(
-                    blocks, dn, QT.Q4_K, RB_DN, h, D, F, TOPK, t * TOPK, x_per_slot=True, variant=v
-                )  # noqa: B023
+                return moe_gemm(blocks, dn, QT.Q4_K, RB_DN, h, D, F, TOPK, s, x_per_slot=True, variant=v)
 
             us = _graph_us(call, LAYERS)
             nbytes = E * (2 * F * RB_GU + D * RB_DN)  # every expert is read at these chunk sizes
