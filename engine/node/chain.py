@@ -46,9 +46,12 @@ def start_chain(
     split: tuple[int, ...],
     flags: list[str] | None = None,
     lock_clocks: bool = False,
+    any_port: bool = False,
 ) -> list[str]:
     """Start worker i on links[i] for layers [split[i], split[i+1]) (the last to the model's end). Returns warnings
-    (a Windows PC whose clocks are not locked)."""
+    (a Windows PC whose clocks are not locked). With `any_port`, a worker whose port is taken gets another of its
+    agent's worker ports, and links[i].port says which (the tuner, which writes the config afterwards); without, the
+    port is the config's, which the main engine will dial."""
     warnings: list[str] = []
     relay_keys: list[dict[str, Any] | None] = [None] * len(links)
     link = links[0]
@@ -75,7 +78,16 @@ def start_chain(
             mine = relay_keys[i]
             if mine is not None:
                 args["key_id"] = mine["key_id"]
-            link.worker = link.client.start_worker(**args)
+            try:
+                link.worker = link.client.start_worker(**args)
+            except NodeError as exc:
+                # The port this PC's worker had may be taken meanwhile (by any program's outgoing connection, say):
+                # its agent then picks a free one of its worker ports, and the chain and the config use that.
+                if not any_port or not args["port"] or "is in use on this PC" not in str(exc):
+                    raise
+                args["port"] = 0
+                link.worker = link.client.start_worker(**args)
+            link.port = int(link.worker["port"])
             host = link.rec.host
             port = link.worker["port"]
             nxt = (f"[{host}]:{port}" if ":" in host else f"{host}:{port}", link.worker["public_key"])

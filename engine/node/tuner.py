@@ -377,7 +377,7 @@ class Tuner:
             for split in self.splits:
                 self.log(f"tune: split {','.join(map(str, split))}: starting the workers")
                 try:
-                    for w in start_chain(nodes, split, self.worker_flags, self.lock_clocks):
+                    for w in start_chain(nodes, split, self.worker_flags, self.lock_clocks, any_port=True):
                         if w not in self.warnings:
                             self.warnings.append(w)
                     for node in nodes:
