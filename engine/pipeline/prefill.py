@@ -6,7 +6,11 @@ largest of 4096, 2048, 1024 and 512 tokens whose temporaries fit in the VRAM lef
 the reserve for other programs are counted; on a CPU 512. Pure functions of their inputs, and a wrapper that asks the
 device."""
 
+import logging
+
 from engine.models.config import ModelConfig
+
+log = logging.getLogger("strata.engine")
 
 CHUNKS = (4096, 2048, 1024, 512)
 _SLACK = 1.5  # the caching allocator's rounding and fragmentation over the tensors themselves
@@ -58,4 +62,11 @@ def device_chunk(model: object, max_ctx: int, kv_type: str, budget_mib: int | No
     layers = len(getattr(model, "layer_range", range(cfg.n_layer)))
     per = 1 if kv_type == "int8" else 2
     kv = layers * max_ctx * cfg.n_head_kv * (cfg.head_dim_k + cfg.head_dim_v) * per
-    return auto_chunk(cfg, True, free, kv, reserve_mib << 20, max_ctx)
+    chunk = auto_chunk(cfg, True, free, kv, reserve_mib << 20, max_ctx)
+    log.info(
+        "prompt chunks of %d tokens (--prefill auto: ~%d MiB of temporaries; %d MiB free before the KV cache)",
+        chunk,
+        chunk_bytes(cfg, chunk, max_ctx) >> 20,
+        free >> 20,
+    )
+    return chunk

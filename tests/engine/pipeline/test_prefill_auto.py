@@ -44,3 +44,21 @@ def test_a_cpu_model_reads_512_token_chunks(tmp_path) -> None:
     m = load_model(str(write_tiny_model(tmp_path / "t.gguf", "qwen3moe", qtype="Q8_0")), device="cpu").model
     assert prefill_chunk(m, "auto", max_ctx=256) == 512
     assert prefill_chunk(m, "96", max_ctx=256) == 96
+
+
+def test_a_gpu_models_chunk_from_the_free_vram(monkeypatch) -> None:
+    """device_chunk's GPU branch with the device queries faked: free VRAM, or what a --vram-budget-mib leaves."""
+    import torch
+
+    from engine.pipeline.prefill import device_chunk
+
+    class Model:  # what device_chunk reads of a loaded model
+        device = torch.device("cuda", 0)
+        cfg = _a3b()
+        layer_range = range(48)
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (40 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 5 << 30)
+    assert device_chunk(Model(), 4096, "bf16", None, 512) == 4096
+    assert device_chunk(Model(), 4096, "bf16", 5 * 1024 + 900, 512) == 512  # a budget with ~900 MiB left
+    assert device_chunk(object(), 4096, "bf16", None, 512) == 512  # not a CUDA model
