@@ -7,12 +7,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QT
 
-from engine.kernels.moe_gemm import TILE_TYPES, _deq_tile, decodes
-
-
-def supports(qtype: QT, k: int) -> bool:
-    """Whether rows of k elements of this block type decode here."""
-    return decodes(qtype, k)
+from engine.kernels.moe_gemm import TILE_TYPES, _deq_tile
 
 
 @triton.jit
@@ -32,7 +27,8 @@ _BLOCK_N = 16
 
 
 def dequantize_rows(raw: torch.Tensor, qtype: QT, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """uint8 blocks [..., row_bytes] on CUDA (rows of k elements) -> [..., k] in dtype."""
+    """uint8 blocks [..., row_bytes] on CUDA (rows of k elements) -> [..., k] in dtype; the types and row lengths
+    engine.kernels.moe_gemm.decodes accepts."""
     rows = raw.reshape(-1, raw.shape[-1])
     if not rows.is_contiguous():
         rows = rows.contiguous()

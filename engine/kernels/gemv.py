@@ -27,9 +27,6 @@ KERNEL_TYPES: dict[QT, tuple[int, int, int]] = {
     QT.MXFP4: (8, 32, 17),
     QT.IQ4_XS: (9, 256, 136),
 }
-# Bodies not yet passed on a GPU (their GPU tests call them directly): models use them only with
-# STRATA_UNVERIFIED_KERNELS=1. MXFP4 and IQ4_XS passed test_gpu_fused_decode.py's body tests on an H200.
-UNVERIFIED: set[QT] = set()
 
 
 def lut(qtype: QT, device: torch.device) -> torch.Tensor:
@@ -45,14 +42,14 @@ _VARIANTS: dict[QT, tuple[int, ...]] = {QT.Q4_K: (0, 5, 10, 12), QT.Q6_K: (1, 11
 # Bodies on activations rounded to 8 bits (quantize_q8), as llama.cpp's MMVQ computes: not the float product the
 # others give, so a tuning file may pick them only with STRATA_INT8_ACTIVATIONS=1 (an experiment, not a default).
 APPROXIMATE = {12}
-_ASM = os.environ.get("TRITON_INTERPRET") != "1"  # inline PTX where the kernels run on a GPU
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: no inline PTX there
 
 
 def quantize_q8(x: torch.Tensor) -> torch.Tensor:
     """x [T, K] -> float32 [T, K] holding, per row, K int8 values (x / scale rounded, a scale per 32) and then
     (scale, scale * sum of the 32 values) per block: the activations of the 8-bit bodies (APPROXIMATE), laid out so
     that a row starts K elements after the last, as the kernels index activations. One launch on a GPU."""
-    if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if x.is_cuda or _INTERPRETED:
         from engine.kernels.fused import quantize_rows_q8
 
         return quantize_rows_q8(x)
@@ -536,9 +533,11 @@ def _config(qtype: QT, n: int, k: int, kind: str = "dense") -> tuple[int, int, i
 _GLU = {"silu": 1, "gelu_tanh": 2}
 
 
-def _check_q8(variant: int, q8: bool) -> None:
+def _activations(x: torch.Tensor, variant: int, q8: bool) -> torch.Tensor:
+    """x as the body reads it: rounded to 8 bits for the APPROXIMATE bodies (unless `q8` says it already is)."""
     if q8 and variant not in APPROXIMATE:  # a float body would read the packed bytes as activations
         raise ValueError(f"8-bit activations given to GEMV body {variant}, which reads floats (see wants_q8)")
+    return quantize_q8(x) if variant in APPROXIMATE and not q8 else x
 
 
 def wants_q8(qtype: QT, n: int, k: int, kind: str = "dense") -> bool:
@@ -549,8 +548,6 @@ def wants_q8(qtype: QT, n: int, k: int, kind: str = "dense") -> bool:
 
 def supports(qtype: QT, k: int) -> bool:
     if qtype not in KERNEL_TYPES:
-        return False
-    if qtype in UNVERIFIED and os.environ.get("STRATA_UNVERIFIED_KERNELS") != "1":
         return False
     elems = KERNEL_TYPES[qtype][1]
     return k % elems == 0
@@ -580,13 +577,11 @@ def gemv(
     block_n, sb, num_warps = block_n or bn, sb or step, num_warps or warps
     grid = (triton.cdiv(n, block_n), t)
     qid = tuned_variant if variant is None else variant
-    _check_q8(qid, q8)
-    if qid in APPROXIMATE and not q8:
-        x = quantize_q8(x)
+    x = _activations(x, qid, q8)
     res = residual.contiguous() if residual is not None else y
     _gemv_kernel[grid](
         raw, raw.shape[-1], x, y, res, lut(qtype, x.device), n, k,
-        QTYPE=qid, BLOCK_N=block_n, SB=sb, HAS_RES=residual is not None, ASM=_ASM, num_warps=num_warps,
+        QTYPE=qid, BLOCK_N=block_n, SB=sb, HAS_RES=residual is not None, ASM=not _INTERPRETED, num_warps=num_warps,
     )  # fmt: skip
     return y
 
@@ -619,9 +614,7 @@ def moe_gemv(
         block_n, sb, warps = launch
     grid = (triton.cdiv(n, block_n), s)
     qid = tuned_variant if variant is None else variant
-    _check_q8(qid, q8)
-    if qid in APPROXIMATE and not q8:
-        x = quantize_q8(x)
+    x = _activations(x, qid, q8)
     _moe_gemv_kernel[grid](
         table,
         up_table if up_table is not None else table,
@@ -638,7 +631,7 @@ def moe_gemv(
         SB=sb,
         X_PER_SLOT=int(x_per_slot),
         FUSE_GLU=glu,
-        ASM=_ASM,
+        ASM=not _INTERPRETED,
         num_warps=warps,
     )
     return y
@@ -667,12 +660,10 @@ def moe_down_combine(
         block_n, sb, warps = launch
     qid = tuned_variant if variant is None else variant
     x = x.contiguous()
-    _check_q8(qid, q8)
-    if qid in APPROXIMATE and not q8:
-        x = quantize_q8(x)
+    x = _activations(x, qid, q8)
     _moe_gemv_combine_kernel[(triton.cdiv(n, block_n), t)](
         table, row_bytes, ids.contiguous(), weights.contiguous(), x, residual.contiguous(), y,
         lut(qtype, x.device), n, k, TOPK=topk, SLOTS=triton.next_power_of_2(topk), QTYPE=qid, BLOCK_N=block_n, SB=sb,
-        ASM=_ASM, num_warps=warps,
+        ASM=not _INTERPRETED, num_warps=warps,
     )  # fmt: skip
     return y

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QT
 
-from engine.kernels.gemv import k_scales
+from engine.kernels.gemv import _GLU, k_scales
 from engine.kernels.moe_blocks import BLOCK_M, Blocks, Schedule
 
 # Block types with a tile dequantizer here (K a multiple of 256): id as in engine.kernels.gemv.
@@ -226,10 +226,15 @@ def _block_table_kernel(
         tl.store(end_ptr + b, end.to(tl.int64), mask=m)
 
 
+def _unverified_allowed() -> bool:
+    """STRATA_UNVERIFIED_KERNELS=1: use the kernels here that have not passed their GPU tests yet."""
+    return os.environ.get("STRATA_UNVERIFIED_KERNELS") == "1"
+
+
 def block_schedule() -> "Schedule | None":
     """block_table where it may be used: it has not run on a GPU yet (test_block_table_matches_the_torch_schedule
     in tests/engine/test_gpu_fused_decode.py), so only with STRATA_UNVERIFIED_KERNELS=1; else the torch ops."""
-    return block_table if os.environ.get("STRATA_UNVERIFIED_KERNELS") == "1" else None
+    return block_table if _unverified_allowed() else None
 
 
 def block_table(
@@ -275,7 +280,7 @@ def decodes(qtype: QT, k: int) -> bool:
 
 
 def supports(qtype: QT, k: int) -> bool:
-    if qtype in UNVERIFIED and os.environ.get("STRATA_UNVERIFIED_KERNELS") != "1":
+    if qtype in UNVERIFIED and not _unverified_allowed():
         return False
     return decodes(qtype, k)
 
@@ -301,7 +306,7 @@ def moe_gemm(
     (default: tile_variant's choice)."""
     x = x.contiguous()
     y = torch.empty(slots, n, dtype=out_dtype, device=x.device)
-    glu = {"silu": 1, "gelu_tanh": 2}[act] if up_table is not None and act is not None else 0
+    glu = _GLU[act] if up_table is not None and act is not None else 0
     grid = (blocks.max_blocks, triton.cdiv(n, BLOCK_N))
     _moe_gemm_kernel[grid](
         table, up_table if up_table is not None else table, row_bytes, x, blocks.order, blocks.expert,

@@ -20,10 +20,11 @@ def _gemv_for(qtype: QT, n_in: int):  # -> the kernel, or None where it does not
 
 def _deq_kernel_for(qtype: QT, n_in: int):  # -> the GPU decoder, or None where it does not apply
     try:
-        from engine.kernels import dequant
+        from engine.kernels.dequant import dequantize_rows
+        from engine.kernels.moe_gemm import decodes
     except ImportError:
         return None
-    return dequant.dequantize_rows if dequant.supports(qtype, n_in) else None
+    return dequantize_rows if decodes(qtype, n_in) else None
 
 
 class FloatCache:

@@ -170,9 +170,6 @@ def expert_mix(
     t, d = x.shape
     k = ids.shape[1]
     if cache is not None:
-        record = getattr(cache, "record", None)  # caches that count hits per step; newer ones derive them
-        if record is not None:
-            record(layer, ids)
         le = cache.layers[layer]
         g, u, dn = le.gate.host, le.up.host, le.down.host
         f = g.shape[1]
@@ -196,9 +193,7 @@ def expert_mix(
                 y = y + biases.down[flat]
             return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
         if biases is None and fused_act is not None:  # a prompt chunk: grouped launches where they exist
-            prompt_tables = getattr(cache, "prompt_tables", None)
-            tables = (lambda: prompt_tables(layer)) if prompt_tables is not None else None
-            grouped = grouped_experts(x, le, w, ids, k, fused_act, tables)
+            grouped = grouped_experts(x, le, w, ids, k, fused_act, lambda: cache.prompt_tables(layer))
             if grouped is not None:
                 return grouped
         loaded: dict[int, ExpertWeights] = {}
