@@ -20,6 +20,7 @@ from engine.gguf.reader import GGUFFile
 from engine.loader import load_model
 from engine.models.config import ModelConfig
 from engine.models.registry import file_config
+from engine.pipeline.split import kv_bytes_per_token
 from engine.tokenizer import Tokenizer
 
 
@@ -65,7 +66,7 @@ def budget_point(model_path: str, budget_mib: int, prompt: int, decode: int) -> 
     ctx = prompt + decode + 128
     t0 = time.perf_counter()
     c = _config(model_path)
-    kv = c.n_layer * 2 * ctx * c.n_head_kv * c.head_dim_k * 2  # the bf16 KV cache this run allocates
+    kv = c.n_layer * ctx * kv_bytes_per_token(c, "bf16")  # the bf16 KV cache this run allocates
     policy = ExpertPolicy(vram_budget_mib=budget_mib, kv_bytes=kv)
     lm = load_model(model_path, device="cuda", dtype="bf16", experts=policy)
     st = lm.model.expert_cache.stats()

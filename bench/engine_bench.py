@@ -25,11 +25,12 @@ def _kv_bytes(model_path: str, ctx: int) -> int:
     """The bf16 KV cache of the longest prompt measured (allocated after load: the expert budget leaves room)."""
     from engine.gguf.reader import GGUFFile
     from engine.models.registry import file_config
+    from engine.pipeline.split import kv_bytes_per_token
     from engine.tokenizer import Tokenizer
 
     gf = GGUFFile.open(model_path)
     c = file_config(gf, Tokenizer.from_metadata(gf.metadata).vocab_size)
-    return c.n_layer * ctx * c.n_head_kv * (c.head_dim_k + c.head_dim_v) * 2
+    return c.n_layer * ctx * kv_bytes_per_token(c, "bf16")
 
 
 def _sync() -> None:

@@ -59,9 +59,10 @@ def device_chunk(model: object, max_ctx: int, kv_type: str, budget_mib: int | No
         free = budget_mib * (1 << 20) - torch.cuda.memory_reserved(dev)
     else:
         free = torch.cuda.mem_get_info(dev)[0]
+    from engine.pipeline.split import kv_bytes_per_token
+
     layers = len(getattr(model, "layer_range", range(cfg.n_layer)))
-    per = 1 if kv_type == "int8" else 2
-    kv = layers * max_ctx * cfg.n_head_kv * (cfg.head_dim_k + cfg.head_dim_v) * per
+    kv = layers * max_ctx * kv_bytes_per_token(cfg, kv_type)
     chunk = auto_chunk(cfg, True, free, kv, reserve_mib << 20, max_ctx)
     log.info(
         "prompt chunks of %d tokens (--prefill auto: ~%d MiB of temporaries; %d MiB free before the KV cache)",

@@ -307,6 +307,13 @@ def kv_bytes_per_value(kv_type: str) -> float:
     return {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0}[kv_type]
 
 
+def kv_bytes_per_token(cfg: ModelConfig, kv_type: str) -> int:
+    """K and V of one token in one layer at this KV type."""
+    values = cfg.n_head_kv * (cfg.head_dim_k + cfg.head_dim_v)
+    scales = 2 * cfg.n_head_kv * 2 if kv_type == "int8" else 0  # one f16 scale per head for K and for V
+    return int(values * kv_bytes_per_value(kv_type)) + scales
+
+
 def geometry_from_gguf(gf: GGUFFile, cfg: ModelConfig, kv_type: str) -> Geometry:
     """Bytes per layer of the file's own blocks (what a stage keeps on its card), from the header only."""
     n = cfg.n_layer
@@ -322,10 +329,7 @@ def geometry_from_gguf(gf: GGUFFile, cfg: ModelConfig, kv_type: str) -> Geometry
             dense[i] += info.nbytes
     if cfg.n_expert:
         experts = [e // cfg.n_expert for e in experts]
-    per_value = kv_bytes_per_value(kv_type)
-    values = cfg.n_head_kv * (cfg.head_dim_k + cfg.head_dim_v)
-    scales = 2 * cfg.n_head_kv * 2 if kv_type == "int8" else 0  # one f16 scale per head for K and for V
-    kv_token = int(values * per_value) + scales
+    kv_token = kv_bytes_per_token(cfg, kv_type)
     window = tuple(cfg.sliding_window if cfg.is_swa(i) else 0 for i in range(n))
     embd = gf.tensors.get(names.TOKEN_EMBD)
     out = gf.tensors.get(names.OUTPUT)
