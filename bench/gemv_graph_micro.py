@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.kernels.gemv import APPROXIMATE, KERNEL_TYPES, gemv, moe_down_combine, moe_gemv, quantize_q8
 
 LAYERS, E, TOPK, D, F = 48, 128, 8, 2048, 768
-VARIANTS = {"Q4_K": (0, 5, 10, 12), "Q6_K": (1, 11), "F32": (6,)}  # 12: 8-bit activations (APPROXIMATE)
+# 12, 13: on 8-bit activations (APPROXIMATE)
+VARIANTS = {"Q4_K": (0, 5, 10, 12), "Q6_K": (1, 11, 13), "F32": (6,)}
 SHAPES = [  # name, type, rows, cols, kind
     ("qkv", "Q4_K", 5120, 2048, "dense"),
     ("o", "Q4_K", 2048, 4096, "dense"),
@@ -142,12 +143,6 @@ def main() -> None:
         "--variants", help="comma-separated kernel variants to measure (default: all of the type's)"
     )
     ap.add_argument("--quick", action="store_true", help="fewer launch shapes (12-16 a variant)")
-    ap.add_argument(
-        "--approximate",
-        action="store_true",
-        help="let --tuned pick the 8-bit-activation bodies too (the engine uses them only with "
-        "STRATA_INT8_ACTIVATIONS=1)",
-    )
     a = ap.parse_args()
     rows: list[dict] = []
     for shape in SHAPES:
@@ -156,9 +151,17 @@ def main() -> None:
         chosen = {int(v) for v in a.variants.split(",")} if a.variants else None
         rows += _measure(*shape, variants=chosen, quick=a.quick)
         torch.cuda.empty_cache()
+    if a.variants is None or APPROXIMATE & {int(v) for v in a.variants.split(",")}:
+        # what the 8-bit bodies add where no norm kernel writes their activations: one rounding launch (the
+        # output projection's input, and each slot's input of the down projection)
+        for name, t, k in (("q8 o-input", 1, 2 * D), ("q8 down-input", TOPK, F)):
+            xs = [torch.randn(t, k, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+            us = _graph_us(lambda i, xs=xs: quantize_q8(xs[i]), LAYERS)
+            rows.append({"shape": name, "kind": "q8", "us": round(us, 2)})
+            print(f"{name:14s} {us:8.2f} us")
     best: dict[str, dict] = {}
     for r in rows:
-        if "us" in r and r["kind"] != "torch":
+        if "us" in r and r["kind"] not in ("torch", "q8"):
             key = f"{r['shape']} v{r['variant']}"
             if key not in best or r["us"] < best[key]["us"]:
                 best[key] = r
@@ -180,9 +183,9 @@ def main() -> None:
             "down": "moe_down",
         }
         for r in best.values():
-            if r["variant"] in APPROXIMATE and not a.approximate:
-                continue
-            cls = cls_of[r["shape"]]
+            # the 8-bit bodies' picks go under "<class>:q8" (used with --activations int8), the float ones under
+            # the class itself (--activations float, and the types without an 8-bit body)
+            cls = cls_of[r["shape"]] + (":q8" if r["variant"] in APPROXIMATE else "")
             cur = tuned.setdefault(r["type"], {}).get(cls)
             if cur is None or r["us"] < cur[1]:
                 tuned[r["type"]][cls] = (r["launch"] + [r["variant"]], r["us"])

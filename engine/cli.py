@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,13 @@ def _model_arg(p: argparse.ArgumentParser) -> None:
         "--max-context", type=int, default=4096, help="positions the KV cache holds (default 4096)"
     )
     p.add_argument("--prefill", default="auto", help="prompt chunk size in tokens, or auto (512)")
+    p.add_argument(
+        "--activations",
+        choices=("int8", "float"),
+        default=None,
+        help="decode on CUDA: int8 (default) rounds the activations of the Q4_K/Q6_K matrix-vector kernels to 8 "
+        "bits, as llama.cpp does (faster); float keeps the exact float product",
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -356,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 0
+    if getattr(args, "activations", None):  # read by the kernels (engine.kernels.gemv); children inherit it
+        os.environ["STRATA_ACTIVATIONS"] = args.activations
     t0 = time.perf_counter()
     try:
         return COMMANDS[args.command](args)

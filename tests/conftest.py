@@ -9,6 +9,11 @@ from pathlib import Path
 
 import pytest
 
+# The references the tests compare with (transformers, gguf's dequantizers, the general path) compute on float
+# activations; the decode kernels' default 8-bit activations (--activations int8) have their own tests, which set
+# STRATA_ACTIVATIONS=int8 themselves.
+os.environ.setdefault("STRATA_ACTIVATIONS", "float")
+
 
 def _cuda_reason() -> str | None:
     if importlib.util.find_spec("torch") is None:

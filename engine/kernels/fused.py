@@ -40,7 +40,7 @@ def _rms_norm_kernel(
     tl.store(y_ptr + row * D + offs, y.to(y_ptr.dtype.element_ty), mask=m)
     if TWO:  # a float32 copy too (the MoE router reads float32)
         tl.store(y2_ptr + row * D + offs, y, mask=m)
-    if Q8:  # and the 8-bit form the approximate GEMV bodies read (STRATA_INT8_ACTIVATIONS)
+    if Q8:  # and the 8-bit form the approximate GEMV bodies read (--activations int8)
         store_q8(tl.where(m, y, 0.0), q_ptr + row * D, D, BLOCK)
 
 

@@ -38,10 +38,10 @@ def lut(qtype: QT, device: torch.device) -> torch.Tensor:
 
 
 # Other kernel bodies for a block type, chosen per launch class by the tuning file.
-_VARIANTS: dict[QT, tuple[int, ...]] = {QT.Q4_K: (0, 5, 10, 12), QT.Q6_K: (1, 11), QT.F32: (6,)}
+_VARIANTS: dict[QT, tuple[int, ...]] = {QT.Q4_K: (0, 5, 10, 12), QT.Q6_K: (1, 11, 13), QT.F32: (6,)}
 # Bodies on activations rounded to 8 bits (quantize_q8), as llama.cpp's MMVQ computes: not the float product the
-# others give, so a tuning file may pick them only with STRATA_INT8_ACTIVATIONS=1 (an experiment, not a default).
-APPROXIMATE = {12}
+# others give, so they run only under `--activations int8` (the default; see int8_activations).
+APPROXIMATE = {12, 13}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: no inline PTX there
 
 
@@ -69,6 +69,16 @@ def quantize_q8_torch(x: torch.Tensor) -> torch.Tensor:
     meta = torch.stack((d, d * q.sum(dim=-1)), dim=-1).reshape(t, k // 16)  # float32 pairs
     raw[:, k : k + k // 4] = meta.contiguous().view(torch.uint8)
     return out
+
+
+def q8_round(x: torch.Tensor) -> torch.Tensor:
+    """The float values the 8-bit bodies compute with for activations x [T, K]: quantize_q8's int8 codes times
+    their block scales (the reference for those bodies, and what a float path must use to give their products)."""
+    t, k = x.shape
+    raw = quantize_q8_torch(x).view(torch.uint8)
+    q = raw[:, :k].contiguous().view(torch.int8).float().reshape(t, k // 32, 32)
+    d = raw[:, k : k + k // 4].contiguous().view(torch.float32).reshape(t, k // 32, 2)[..., :1]
+    return (q * d).reshape(t, k)
 
 
 @triton.jit
@@ -249,6 +259,56 @@ def _row_dot(
                 mn_lo * sx_lo + mn_hi * sx_hi
             )
             acc += tl.sum(tl.sum(part, axis=2), axis=1)
+    elif QTYPE == 13:  # Q6_K on 8-bit activations (dp4a); its 2-byte aligned blocks read as halfword pairs
+        # word 16h + 8a + 4g + u of the low bits holds elements 128h + 32a + 16g + 4u + b (low nibbles) and + 64
+        # (high nibbles) in its bytes b; word 8h + 4g + u of the high bits holds their top two bits at 2a (+ 4)
+        s6 = tl.arange(0, SB)[None, :, None, None, None, None]
+        h6 = tl.arange(0, 2)[None, None, :, None, None, None]
+        a6 = tl.arange(0, 2)[None, None, None, :, None, None]
+        g6 = tl.arange(0, 2)[None, None, None, None, :, None]  # 16-element scale group within 32
+        u6 = tl.arange(0, 4)[None, None, None, None, None, :]
+        n6 = nmask[:, None, None, None, None, None]
+        r6 = w_rows[:, :, :, None, None, None]
+        xw = x_rows.to(tl.pointer_type(tl.int32))[:, :, :, None, None, None]
+        meta = (x_rows.to(tl.pointer_type(tl.int8)) + K).to(tl.pointer_type(tl.float32))[:, :, :, None, None]
+        s5 = tl.arange(0, SB)[None, :, None, None, None]
+        h5 = tl.arange(0, 2)[None, None, :, None, None]
+        a5 = tl.arange(0, 2)[None, None, None, :, None]
+        g5 = tl.arange(0, 2)[None, None, None, None, :]
+        nsb = K // 256
+        for step in range(0, tl.cdiv(nsb, SB)):
+            sbi = step * SB + s6
+            bm = n6 & (sbi < nsb)
+            p16 = (r6 + sbi * 210).to(tl.pointer_type(tl.int16))
+            li = 32 * h6 + 16 * a6 + 8 * g6 + 2 * u6  # halfword of the low bits' word
+            ql = (tl.load(p16 + li, mask=bm, other=0).to(tl.int32) & 0xFFFF) | (
+                tl.load(p16 + li + 1, mask=bm, other=0).to(tl.int32) << 16
+            )
+            hi = 64 + 16 * h6 + 8 * g6 + 2 * u6
+            qh = (tl.load(p16 + hi, mask=bm, other=0).to(tl.int32) & 0xFFFF) | (
+                tl.load(p16 + hi + 1, mask=bm, other=0).to(tl.int32) << 16
+            )
+            q_lo = (ql & 0x0F0F0F0F) | (((qh >> (2 * a6)) & 0x03030303) << 4)  # unsigned 0..63 a byte
+            q_hi = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * a6 + 4)) & 0x03030303) << 4)
+            xm = sbi < nsb
+            xo = sbi * 64 + 32 * h6 + 8 * a6 + 4 * g6 + u6
+            x_lo = tl.load(xw + xo, mask=xm, other=0)
+            x_hi = tl.load(xw + xo + 16, mask=xm, other=0)
+            off = tl.full(q_lo.shape, 0x20202020, tl.int32)  # each code's -32, as a dot product of its own
+            dot_lo = tl.sum(_dp4a(q_lo, x_lo, ASM) - _dp4a(off, x_lo, ASM), axis=5).to(tl.float32)
+            dot_hi = tl.sum(_dp4a(q_hi, x_hi, ASM) - _dp4a(off, x_hi, ASM), axis=5).to(tl.float32)
+            sb5 = step * SB + s5
+            b5 = nmask[:, None, None, None, None] & (sb5 < nsb)
+            base5 = (w_rows[:, :, :, None, None] + sb5 * 210).to(tl.pointer_type(tl.int8))
+            sc_lo = tl.load(base5 + 192 + 8 * h5 + 2 * a5 + g5, mask=b5, other=0).to(tl.float32)
+            sc_hi = tl.load(base5 + 196 + 8 * h5 + 2 * a5 + g5, mask=b5, other=0).to(tl.float32)
+            d = tl.load((base5 + 208).to(tl.pointer_type(tl.float16)), mask=b5, other=0.0).to(tl.float32)
+            blk = (sb5 * 8 + 4 * h5 + a5) * 2  # the low nibbles' 32-element x block (high: 2 blocks on)
+            mm = sb5 < nsb
+            dx_lo = tl.load(meta + blk, mask=mm, other=0.0)
+            dx_hi = tl.load(meta + blk + 4, mask=mm, other=0.0)
+            part = d * (dx_lo * sc_lo * dot_lo + dx_hi * sc_hi * dot_hi)
+            acc += tl.sum(tl.sum(tl.sum(tl.sum(part, axis=4), axis=3), axis=2), axis=1)
     elif QTYPE == 6:  # float32 rows (the MoE router)
         k3 = tl.arange(0, 256 * SB)[None, None, :]
         m3k = nmask[:, None, None]
@@ -516,15 +576,24 @@ def _tuned() -> dict[str, dict[str, list[int]]]:
         return {}
 
 
+def int8_activations() -> bool:
+    """`--activations` (STRATA_ACTIVATIONS): "int8", the default, lets a launch class whose tuning entry has an
+    8-bit body (a "<class>:q8" key) read activations rounded to 8 bits, as llama.cpp's MMVQ does (1.7-2.3x the
+    float bodies' speed on an H200); "float" keeps every product on float activations (the exact path)."""
+    return os.environ.get("STRATA_ACTIVATIONS", "int8") != "float"
+
+
 def _config(qtype: QT, n: int, k: int, kind: str = "dense") -> tuple[int, int, int, int]:
     """(rows a program, super-blocks a step, warps, kernel variant) for a launch, per block type and class
     ("small" and "large" dense weights, "moe" for the experts' gate/up, "moe_down" for their down projection with
     the combine). The variant is one of the kernel bodies that compute this block type (see _row_dot)."""
     cls = kind if kind != "dense" else "small" if n <= 8192 else "large"
     tuned = _tuned().get(qtype.name, {})
-    got = tuned.get(cls) or tuned.get("small" if n <= 8192 else "large") or [_BLOCK_N, 1, 4]
+    int8 = int8_activations()
+    got = (tuned.get(cls + ":q8") if int8 else None) or tuned.get(cls)
+    got = got or tuned.get("small" if n <= 8192 else "large") or [_BLOCK_N, 1, 4]
     allowed = set(_VARIANTS.get(qtype, ()))
-    if os.environ.get("STRATA_INT8_ACTIVATIONS") != "1":
+    if not int8:
         allowed -= APPROXIMATE
     variant = got[3] if len(got) > 3 and got[3] in allowed else KERNEL_TYPES[qtype][0]
     return got[0], got[1], got[2], variant
@@ -541,8 +610,8 @@ def _activations(x: torch.Tensor, variant: int, q8: bool) -> torch.Tensor:
 
 
 def wants_q8(qtype: QT, n: int, k: int, kind: str = "dense") -> bool:
-    """Whether the launch picked for this weight reads 8-bit activations (quantize_q8's layout): only with
-    STRATA_INT8_ACTIVATIONS=1 and a tuning file that chose such a body."""
+    """Whether the launch picked for this weight reads 8-bit activations (quantize_q8's layout): with
+    `--activations int8` (int8_activations) where the tuning file names an 8-bit body for the class."""
     return qtype in KERNEL_TYPES and _config(qtype, n, k, kind)[3] in APPROXIMATE
 
 

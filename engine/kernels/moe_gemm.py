@@ -6,15 +6,13 @@ expert; each program multiplies one block by one BLOCK_N-row tile of that expert
 through the expert cache's address table (a VRAM slot, or pinned host memory over PCIe). No host synchronisation
 and no dequantized copy of any expert: the chunk's routing decides the work on the device."""
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QT
 
 from engine.kernels.gemv import _GLU, k_scales
-from engine.kernels.moe_blocks import BLOCK_M, Blocks, Schedule
+from engine.kernels.moe_blocks import BLOCK_M, Blocks
 
 # Block types with a tile dequantizer here (K a multiple of 256): id as in engine.kernels.gemv.
 TILE_TYPES = {QT.Q4_K: 0, QT.Q6_K: 1, QT.Q8_0: 2, QT.Q4_0: 3, QT.Q5_K: 4, QT.MXFP4: 8, QT.IQ4_XS: 9}
@@ -226,17 +224,6 @@ def _block_table_kernel(
         tl.store(end_ptr + b, end.to(tl.int64), mask=m)
 
 
-def _unverified_allowed() -> bool:
-    """STRATA_UNVERIFIED_KERNELS=1: use the kernels here that have not passed their GPU tests yet."""
-    return os.environ.get("STRATA_UNVERIFIED_KERNELS") == "1"
-
-
-def block_schedule() -> "Schedule | None":
-    """block_table where it may be used: it has not run on a GPU yet (test_block_table_matches_the_torch_schedule
-    in tests/engine/test_gpu_fused_decode.py), so only with STRATA_UNVERIFIED_KERNELS=1; else the torch ops."""
-    return block_table if _unverified_allowed() else None
-
-
 def block_table(
     counts: torch.Tensor, max_blocks: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -257,13 +244,6 @@ def block_table(
 BLOCK_N = 64
 
 
-# Tile types whose grouped kernel has not passed its GPU test (test_grouped_expert_gemm_matches_dequantize: on an
-# H200 MXFP4 and IQ4_XS failed while the same tile decoder passed in engine/kernels/dequant.py; their code values
-# were then gathered from a table, now computed by _code_value, not yet run on a GPU): their experts run one by
-# one unless STRATA_UNVERIFIED_KERNELS=1.
-UNVERIFIED = {QT.MXFP4, QT.IQ4_XS}
-
-
 def tile_variant(qtype: QT) -> int:
     """The tile decoder of a block type for the grouped kernel: its own, or another body the tuning file names
     (engine/kernels/gemv_tuned.json, "moe_gemm"; bench/moe_gemm_micro.py measures them)."""
@@ -280,8 +260,6 @@ def decodes(qtype: QT, k: int) -> bool:
 
 
 def supports(qtype: QT, k: int) -> bool:
-    if qtype in UNVERIFIED and not _unverified_allowed():
-        return False
     return decodes(qtype, k)
 
 

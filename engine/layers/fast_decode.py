@@ -71,7 +71,7 @@ def layer(
     qd, kd = c.n_head * c.head_dim_k, c.n_head_kv * c.head_dim_k
     lk = cache.layers[i]
     h = h.float()
-    # With STRATA_INT8_ACTIVATIONS=1 a launch may read activations rounded to 8 bits (wants_q8): the norms write
+    # Under --activations int8 a launch may read activations rounded to 8 bits (wants_q8): the norms write
     # them beside their float outputs, other inputs are rounded in one launch.
     if lw.qkv is not None and wants_q8(lw.qkv.qtype, *lw.qkv.shape):
         x, _, xq = rms_norm_q8(h, lw.attn_norm, c.rms_eps, dt)
