@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.fused import rope_pairs
+from engine.kernels.fused import rope_pairs, store_q8_rows
 
 
 @triton.jit
@@ -134,6 +134,7 @@ def _decode_attn_kernel(
     pos_ptr,  # [T] int64
     o_ptr,  # [T, H, Dv] (SPLITS == 1) or partials [T, H, SPLITS, Dv] float32
     ml_ptr,  # [T, H, SPLITS, 2] float32 running max and sum (SPLITS > 1)
+    q8_ptr,  # float32 [T, H * Dv]: the output rounded to 8 bits too, in quantize_q8's layout (Q8, SPLITS == 1)
     H,
     HKV,
     Dk,
@@ -150,6 +151,7 @@ def _decode_attn_kernel(
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     IEEE: tl.constexpr,
+    Q8: tl.constexpr = False,
 ):
     pid = tl.program_id(0)  # t * HKV + hk
     sp = tl.program_id(1)
@@ -206,6 +208,10 @@ def _decode_attn_kernel(
     if SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(o_ptr + (t * H + heads)[:, None] * Dv + dv[None, :], out.to(o_ptr.dtype.element_ty), mask=om)
+        if Q8:  # each head's slice of the row, for the output projection's 8-bit GEMV: no rounding launch
+            rowb = q8_ptr.to(tl.pointer_type(tl.int8)) + t * (H * Dv) * 4
+            meta = (rowb + H * Dv).to(tl.pointer_type(tl.float32))
+            store_q8_rows(out, rowb + heads * Dv, meta + heads * (Dv // 32) * 2, gm, Dv, GP, BLOCK_DV)
     else:
         row = (t * H + heads) * SPLITS + sp  # [GP]
         tl.store(o_ptr + row[:, None] * Dv + dv[None, :], acc, mask=om)
@@ -218,9 +224,12 @@ def _merge_kernel(
     part_ptr,  # [T*H, SPLITS, Dv] float32
     ml_ptr,  # [T*H, SPLITS, 2]
     o_ptr,  # [T*H, Dv]
+    q8_ptr,  # as in _decode_attn_kernel (Q8)
+    H,
     Dv,
     SPLITS: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    Q8: tl.constexpr = False,
 ):
     r = tl.program_id(0)
     s = tl.arange(0, SPLITS)
@@ -232,6 +241,14 @@ def _merge_kernel(
     part = tl.load(part_ptr + (r * SPLITS + s)[:, None] * Dv + dv[None, :], mask=dv[None, :] < Dv, other=0.0)
     out = tl.sum(part * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
     tl.store(o_ptr + r * Dv + dv, out.to(o_ptr.dtype.element_ty), mask=dv < Dv)
+    if Q8:
+        t, hh = r // H, r % H
+        rowb = q8_ptr.to(tl.pointer_type(tl.int8)) + t * (H * Dv) * 4
+        meta = (rowb + H * Dv).to(tl.pointer_type(tl.float32))
+        one = tl.full([1], 1, tl.int1)
+        store_q8_rows(
+            out[None, :], (rowb + hh * Dv)[None], (meta + hh * (Dv // 32) * 2)[None], one, Dv, 1, BLOCK_DV
+        )
 
 
 # Spans up to this many positions go in one launch; longer ones are split over enough programs to fill the GPU
@@ -266,10 +283,12 @@ def decode_attention(
     scale: float,
     softcap: float = 0.0,
     chunk: int | None = None,
+    q8_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, Dk] at positions `pos` [T] over the cache positions below `span` (each row sees positions <= its
     own, and within `window` of it when window > 0) -> [T, H*Dv] in q's dtype. `chunk`: positions a program
-    covers (tests); by default chosen from the span and the GPU's size."""
+    covers (tests); by default chosen from the span and the GPU's size. `q8_out` (float32 [T, H*Dv], Dv a multiple
+    of 32): also filled with the output rounded to 8 bits in engine.kernels.gemv.quantize_q8's layout."""
     t, h, dk = q.shape
     _, hkv, _ = k_cache.shape
     dvv = v_cache.shape[2]
@@ -288,17 +307,21 @@ def decode_attention(
         BLOCK_DV=triton.next_power_of_2(dvv),
         IEEE=q.dtype == torch.float32,
     )
+    q8 = q8_out is not None
+    if q8 and (dvv % 32 or tuple(q8_out.shape) != (t, h * dvv) or q8_out.dtype != torch.float32):
+        raise ValueError(f"q8_out must be float32 [{t}, {h * dvv}] with the value head size a multiple of 32")
+    qo = q8_out if q8_out is not None else out
     if splits == 1:
         _decode_attn_kernel[(t * hkv, 1)](
-            q, k_cache, v_cache, pos, out, out, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
-            SPLITS=1, **common,
+            q, k_cache, v_cache, pos, out, out, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
+            SPLITS=1, Q8=q8, **common,
         )  # fmt: skip
         return out.view(t, h * dvv)
     part = torch.empty(t * h, splits, dvv, dtype=torch.float32, device=q.device)
     ml = torch.empty(t * h, splits, 2, dtype=torch.float32, device=q.device)
     _decode_attn_kernel[(t * hkv, splits)](
-        q, k_cache, v_cache, pos, part, ml, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
+        q, k_cache, v_cache, pos, part, ml, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
         SPLITS=splits, **common,
     )  # fmt: skip
-    _merge_kernel[(t * h,)](part, ml, out, dvv, SPLITS=splits, BLOCK_DV=common["BLOCK_DV"])
+    _merge_kernel[(t * h,)](part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=common["BLOCK_DV"], Q8=q8)
     return out.view(t, h * dvv)

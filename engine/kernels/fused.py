@@ -11,18 +11,35 @@ def store_q8(y, q_row, D, BLOCK: tl.constexpr):
     """Row y [BLOCK] (float32; D real values, D a multiple of 32) rounded to 8 bits with a scale per 32, stored at
     the float32 pointer `q_row` as engine.kernels.gemv.quantize_q8 lays it out: D int8 values, then (scale,
     scale * sum of the 32 values) per block."""
-    yb = tl.reshape(y, [BLOCK // 32, 32])
-    d = tl.max(tl.abs(yb), axis=1) / 127.0  # [BLOCK / 32]
+    qb = q_row.to(tl.pointer_type(tl.int8))
+    store_q8_rows(
+        y[None, :],
+        qb[None],
+        (qb + D).to(tl.pointer_type(tl.float32))[None],
+        tl.full([1], 1, tl.int1),
+        D,
+        1,
+        BLOCK,
+    )
+
+
+@triton.jit
+def store_q8_rows(y, q_rows, meta_rows, rmask, D, R: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows y [R, BLOCK] (float32, D real values each, D a multiple of 32; rows where rmask [R] is false are
+    skipped) rounded to 8 bits with a scale per 32: the int8 values at the int8 pointers q_rows [R], the (scale,
+    scale * sum of the 32 values) pairs at the float32 pointers meta_rows [R]. store_q8 is the one-row case; the
+    decode attention writes each head's slice of a row this way."""
+    yb = tl.reshape(y, [R, BLOCK // 32, 32])
+    d = tl.max(tl.abs(yb), axis=2) / 127.0  # [R, BLOCK / 32]
     inv = tl.where(d > 0, 1.0 / tl.where(d > 0, d, 1.0), 0.0)
-    q = tl.floor(yb * inv[:, None] + 0.5)  # round half up (quantize_q8 rounds the same way)
+    q = tl.floor(yb * inv[:, :, None] + 0.5)  # round half up (quantize_q8 rounds the same way)
     q = tl.minimum(tl.maximum(q, -127.0), 127.0)
     o32 = tl.arange(0, BLOCK // 32)
-    offs = o32[:, None] * 32 + tl.arange(0, 32)[None, :]
-    tl.store(q_row.to(tl.pointer_type(tl.int8)) + offs, q.to(tl.int8), mask=offs < D)
-    meta = (q_row.to(tl.pointer_type(tl.int8)) + D).to(tl.pointer_type(tl.float32))
-    bm = o32 * 32 < D
-    tl.store(meta + 2 * o32, d, mask=bm)
-    tl.store(meta + 2 * o32 + 1, d * tl.sum(q, axis=1), mask=bm)
+    offs = o32[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCK / 32, 32]
+    tl.store(q_rows[:, None, None] + offs[None], q.to(tl.int8), mask=rmask[:, None, None] & (offs[None] < D))
+    bm = rmask[:, None] & (o32[None, :] * 32 < D)
+    tl.store(meta_rows[:, None] + 2 * o32[None, :], d, mask=bm)
+    tl.store(meta_rows[:, None] + 2 * o32[None, :] + 1, d * tl.sum(q, axis=2), mask=bm)
 
 
 @triton.jit
@@ -56,7 +73,7 @@ def quantize_rows_q8(x: torch.Tensor) -> torch.Tensor:
     """x [T, D] -> float32 [T, D] in quantize_q8's layout, one launch."""
     t, d = x.shape
     xc = x.contiguous()
-    out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+    out = torch.empty(t, d, dtype=torch.float32, device=x.device)  # the kernel writes every byte read
     _q8_kernel[(t,)](xc, out, d, BLOCK=triton.next_power_of_2(d))
     return out
 
@@ -73,7 +90,9 @@ def _rms_norm(
     xc = x.contiguous()
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     y2 = torch.empty(x.shape, dtype=torch.float32, device=x.device) if f32_copy else None
-    yq = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if q8 else None
+    yq = (
+        torch.empty(x.shape, dtype=torch.float32, device=x.device) if q8 else None
+    )  # no fill: one launch fewer
     rows = xc.numel() // d
     _rms_norm_kernel[(rows,)](
         xc,

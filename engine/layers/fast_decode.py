@@ -92,10 +92,12 @@ def layer(
         rope.inv_effective(h.device), rope.cfg.dim, rope.cfg.neox, rope.mscale, lk.k, lk.v, c.n_head, dt,
     )  # fmt: skip
     window = c.sliding_window if swa else 0
-    a = decode_attention(q, lk.k, lk.v, pos, span, window, c.attn_scale, c.attn_softcap)  # [T, H*Dv]
-    if wants_q8(lw.o.qtype, *lw.o.shape):
-        h = lw.o.linear(a, residual=h, q8=quantize_q8(a))
+    if wants_q8(lw.o.qtype, *lw.o.shape):  # the attention kernel writes the 8-bit form beside its output
+        aq = torch.empty(q.shape[0], lw.o.shape[1], dtype=torch.float32, device=h.device)
+        a = decode_attention(q, lk.k, lk.v, pos, span, window, c.attn_scale, c.attn_softcap, q8_out=aq)
+        h = lw.o.linear(a, residual=h, q8=aq)
     else:
+        a = decode_attention(q, lk.k, lk.v, pos, span, window, c.attn_scale, c.attn_softcap)  # [T, H*Dv]
         h = lw.o.linear(a, residual=h)  # float32 [T, D]: h + o(a)
     if lw.experts is None:
         assert lw.ffn_gate is not None and lw.ffn_up is not None and lw.ffn_down is not None

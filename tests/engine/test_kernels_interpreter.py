@@ -122,6 +122,15 @@ def test_decode_attention(t: int, h: int, hkv: int, d: int, span: int, window: i
     got = decode_attention(q, kc, vc, pos, span, window, d**-0.5, chunk=chunk)
     ref = attention(q, kc[:span], vc[:span], causal_mask(pos, span, window), d**-0.5).reshape(t, -1)
     assert (got - ref).abs().max().item() < 1e-5
+    # the 8-bit form written beside it (the output projection's input under --activations int8), one launch
+    # or split and merged: the bytes quantize_q8 makes of the float output
+    from engine.kernels.gemv import quantize_q8_torch
+
+    aq = torch.empty(t, h * d)
+    again = decode_attention(q, kc, vc, pos, span, window, d**-0.5, chunk=chunk, q8_out=aq)
+    assert torch.equal(again, got)
+    n = h * d + h * d // 4
+    assert torch.equal(aq.view(torch.uint8)[:, :n], quantize_q8_torch(got).view(torch.uint8)[:, :n])
 
 
 @pytest.mark.parametrize("neox", [True, False])
@@ -243,8 +252,8 @@ def test_q8_activations_from_the_kernels_match_torch(d: int) -> None:
     x = torch.randn(3, d) * 2
     x[1, :32] = 0.0  # a block of zeros: scale 0
 
-    def raw(t: torch.Tensor) -> torch.Tensor:
-        return t.view(torch.uint8)  # packed bytes: as floats some would read as NaN
+    def raw(t: torch.Tensor) -> torch.Tensor:  # the packed bytes a kernel reads (as floats some would be NaN)
+        return t.view(torch.uint8)[:, : d + d // 4]
 
     assert torch.equal(raw(quantize_q8(x)), raw(quantize_q8_torch(x)))
     w = torch.rand(d) + 0.5
