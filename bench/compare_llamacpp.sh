@@ -13,7 +13,9 @@ bash "$KIT/device_llamacpp.sh" start
 if [ "${GPU_TESTS:-1}" = 1 ]; then
     # modules that need what the GPU machine lacks (ZeroMQ, pydantic) are reported as collection errors, not fatal
     # shellcheck disable=SC2086
-    timeout "${GPU_TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu ${GPU_TEST_ARGS:-tests/engine --ignore=tests/engine/serve} \
+    # TEST_DEVICES (e.g. 0,1): the cards the tests see, where the benchmarks below are kept to one
+    timeout "${GPU_TESTS_TIMEOUT:-240}" env ${TEST_DEVICES:+CUDA_VISIBLE_DEVICES=$TEST_DEVICES} \
+        python3 -m pytest -m gpu ${GPU_TEST_ARGS:-tests/engine --ignore=tests/engine/serve} \
         --continue-on-collection-errors -v -p no:cacheprovider -p no:warnings -rfE 2>&1 | grep -v "^  File" \
         > "$OUT/gpu-tests.txt"
     grep -cE " PASSED" "$OUT/gpu-tests.txt"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu-tests.txt" | tail -12
@@ -22,6 +24,9 @@ bash "$KIT/device_llamacpp.sh" wait
 M=/tmp/anchor/a3b-q4k.gguf B=/tmp/anchor/llama.cpp/build/bin/llama-bench
 timeout 200 python3 bench/engine_bench.py --model $M --prompts 512,4096 --decode 128 --reps 2 --profile \
     --out "$OUT/ours_full.json" | grep -E "tok_s|vram_" | head -6
+# the exact path beside it: decode with float activations (--activations float)
+STRATA_ACTIVATIONS=float timeout 120 python3 bench/engine_bench.py --model $M --prompts 512 --decode 128 --reps 2 \
+    --out "$OUT/ours_float.json" | grep -E "decode_tok_s" | head -2
 # llama.cpp with the experts of 36 of 48 layers in host RAM; its VRAM (nvidia-smi, the whole process) becomes ours.
 # Ours still keeps its default 512 MiB for other programs out of the experts' room (llama-bench keeps none): a
 # 4,096-token chunk's temporaries use that room, and the budget covers them.
@@ -41,11 +46,15 @@ import json, sys, pathlib
 o, used = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 ts = lambda f: {(r["n_prompt"], r["n_gen"]): r["avg_ts"] for r in json.loads((o / f).read_text())}
 ours, llama = json.loads((o / "ours_full.json").read_text()), ts("llamacpp_full.json")
+fl = o / "ours_float.json"
 res = {"ours": ours, "llamacpp": {f"{k[0]}/{k[1]}": v for k, v in llama.items()}, "ratio_ours_over_llamacpp": {
     "decode": ours["decode_tok_s"] / llama[(0, 128)],
     "prompt_512": ours["prompt_512_tok_s"] / llama[(512, 0)],
     "prompt_4096": ours["prompt_4096_tok_s"] / llama[(4096, 0)],
 }}
+if fl.exists():  # --activations float: the decode that computes on float activations
+    res["ratio_ours_over_llamacpp"]["decode_float_activations"] = (
+        json.loads(fl.read_text())["decode_tok_s"] / llama[(0, 128)])
 try:
     nc, s = ts("llamacpp_ncmoe36.json"), json.loads((o / "ours_budget_ncmoe36.json").read_text())
     res["matched_vram_ncmoe36"] = {

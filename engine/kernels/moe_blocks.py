@@ -18,7 +18,10 @@ class Blocks:
         flat = ids.reshape(-1)  # [S]
         s = flat.numel()
         self.order = torch.argsort(flat, stable=True)  # [S]
-        counts = torch.bincount(flat, minlength=n_expert)  # [E]
+        # index_add_, not bincount: bincount sizes its output from the largest id, a host sync each layer that
+        # kept the host from queueing the next layer's launches while this one ran
+        counts = torch.zeros(n_expert, dtype=torch.int64, device=flat.device)
+        counts.index_add_(0, flat, torch.ones(s, dtype=torch.int64, device=flat.device))  # [E]
         self.max_blocks = -(-s // BLOCK_M) + n_expert  # a bound known on the host: the launch grid
         if schedule is not None:
             self.expert, self.start, self.end, self.nblocks = schedule(counts, self.max_blocks)

@@ -31,14 +31,17 @@ StepBody = Callable[[torch.Tensor, KVCache, torch.Tensor, int], torch.Tensor]
 
 
 @contextmanager
-def capturing(graph: torch.cuda.CUDAGraph, pool: tuple | None) -> Iterator[None]:
+def capturing(
+    graph: torch.cuda.CUDAGraph, pool: tuple | None, stream: torch.cuda.Stream | None = None
+) -> Iterator[None]:
     """`torch.cuda.graph` with no garbage collection inside: a dead model in a reference cycle (an earlier load)
     would otherwise free its pinned host memory in the middle of the capture, a CUDA call that a capturing stream
-    forbids, and the capture would fail."""
+    forbids, and the capture would fail. `stream`: capture on it (a stream of the stage's own card; torch's
+    default capture stream belongs to the card current when it was first made)."""
     gc.collect()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             yield
     finally:
         gc.enable()
@@ -121,7 +124,7 @@ class StepGraphs:
                 self.body(buf, cache, pos, span)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with capturing(graph, self.pool):
+        with capturing(graph, self.pool, side):
             out = self.body(buf, cache, pos, span)
         self.pool = graph.pool()
         if saved is not None and self.counts is not None:

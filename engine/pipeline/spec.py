@@ -466,7 +466,7 @@ class WindowGraphs:
                 m.forward_at(tok, cache, pos, span)  # type: ignore[attr-defined]
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with capturing(graph, self.pool):
+        with capturing(graph, self.pool, side):
             out = m.forward_at(tok, cache, pos, span)  # type: ignore[attr-defined]
         self.pool = graph.pool()
         if saved is not None and counts is not None:

@@ -511,6 +511,9 @@ def load_split_model(
         )
     else:
         model = build_model(gf, cfg, sp, dt, ordinals, opts, max_context, kv_type, profile)
+    first = model.stages[0].device if isinstance(model, SplitModel) else model.device
+    if first.type == "cuda":  # the main card current (each stage makes its own current while it runs)
+        torch.cuda.set_device(first)
     cpu_weights.attach(model, opts.cpu_weights_mib)
     chat = ChatFormatter.from_metadata(gf.metadata)
     if chat.is_fallback:

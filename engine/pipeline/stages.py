@@ -13,6 +13,7 @@ equal those of an unsplit model fed the same pieces.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -77,13 +78,16 @@ class LocalStage:
         return self.with_head
 
     def run(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        if self.graphs is not None and x.shape[0] == 1:
-            return self.graphs.step(x, cache, start)
-        m = self.model
-        h = m.embed(x.to(self.device)) if m.has_embed else x  # [T, D]
-        for i in self.layers:
-            h = m.layer(i, h, cache, start)
-        return m.head(h) if self.with_head else h  # [T, V] or [T, D]
+        # Triton launches on the current card, not on its tensors' card: a stage on another card than the main
+        # one makes its own current while it runs
+        with on_device(self.device):
+            if self.graphs is not None and x.shape[0] == 1:
+                return self.graphs.step(x, cache, start)
+            m = self.model
+            h = m.embed(x.to(self.device)) if m.has_embed else x  # [T, D]
+            for i in self.layers:
+                h = m.layer(i, h, cache, start)
+            return m.head(h) if self.with_head else h  # [T, V] or [T, D]
 
     def body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int) -> torch.Tensor:
         """The stage at device positions `pos` and a static span: the capturable form of `run`."""
@@ -92,6 +96,11 @@ class LocalStage:
         for i in self.layers:
             h = m.layer_at(i, h, cache, pos, span)
         return m.head(h) if self.with_head else h
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """The card `device` made current for the block (nothing for the CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @dataclass
