@@ -25,7 +25,7 @@ M=/tmp/anchor/a3b-q4k.gguf B=/tmp/anchor/llama.cpp/build/bin/llama-bench
 timeout 200 python3 bench/engine_bench.py --model $M --prompts 512,4096 --decode 128 --reps 2 --profile \
     --out "$OUT/ours_full.json" | grep -E "tok_s|vram_" | head -6
 # the exact path beside it: decode with float activations (--activations float)
-STRATA_ACTIVATIONS=float timeout 120 python3 bench/engine_bench.py --model $M --prompts 512 --decode 128 --reps 2 \
+STRATA_ACTIVATIONS=float timeout 90 python3 bench/engine_bench.py --model $M --prompts 512 --decode 128 --reps 1 \
     --out "$OUT/ours_float.json" | grep -E "decode_tok_s" | head -2
 # llama.cpp with the experts of 36 of 48 layers in host RAM; its VRAM (nvidia-smi, the whole process) becomes ours.
 # Ours still keeps its default 512 MiB for other programs out of the experts' room (llama-bench keeps none): a
