@@ -27,21 +27,23 @@ timeout 200 python3 bench/engine_bench.py --model $M --prompts 512,4096 --decode
 # the exact path beside it: decode with float activations (--activations float)
 STRATA_ACTIVATIONS=float timeout 90 python3 bench/engine_bench.py --model $M --prompts 512 --decode 128 --reps 1 \
     --out "$OUT/ours_float.json" | grep -E "decode_tok_s" | head -2
-# llama.cpp with the experts of 36 of 48 layers in host RAM; its VRAM (nvidia-smi, the whole process) becomes ours.
-# Ours still keeps its default 512 MiB for other programs out of the experts' room (llama-bench keeps none): a
-# 4,096-token chunk's temporaries use that room, and the budget covers them.
-(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/smi_ncmoe36.txt") & SMI=$!
-timeout 150 $B -m $M -ngl 99 -fa 1 -ncmoe 36 -t 16 -p 4096 -n 128 -r 2 -o json > "$OUT/llamacpp_ncmoe36.json"
-kill $SMI
-USED=$(sort -n "$OUT/smi_ncmoe36.txt" | tail -1)
-echo "llama.cpp -ncmoe 36: VRAM peak $USED MiB (whole process)"
-timeout 150 python3 bench/engine_bench.py --model $M --prompts 4096 --decode 64 --reps 1 --vram-process-mib "$USED" \
-    --out "$OUT/ours_budget_ncmoe36.json" | grep -E "tok_s|experts_in" | head -4
+if [ "${NCMOE:-1}" = 1 ]; then  # NCMOE=0 skips the matched-VRAM pair (~2 min)
+    # llama.cpp with the experts of 36 of 48 layers in host RAM; its VRAM (nvidia-smi, the whole process) becomes ours.
+    # Ours still keeps its default 512 MiB for other programs out of the experts' room (llama-bench keeps none): a
+    # 4,096-token chunk's temporaries use that room, and the budget covers them.
+    (nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/smi_ncmoe36.txt") & SMI=$!
+    timeout 150 $B -m $M -ngl 99 -fa 1 -ncmoe 36 -t 16 -p 4096 -n 128 -r 2 -o json > "$OUT/llamacpp_ncmoe36.json"
+    kill $SMI
+    USED=$(sort -n "$OUT/smi_ncmoe36.txt" | tail -1)
+    echo "llama.cpp -ncmoe 36: VRAM peak $USED MiB (whole process)"
+    timeout 150 python3 bench/engine_bench.py --model $M --prompts 4096 --decode 64 --reps 1 --vram-process-mib "$USED" \
+        --out "$OUT/ours_budget_ncmoe36.json" | grep -E "tok_s|experts_in" | head -4
+fi
 timeout 150 $B -m $M -ngl 99 -fa 1 -p 512,4096 -n 128 -r 3 -o json > "$OUT/llamacpp_full.json"
 if [ "${CURVE:-0}" = 1 ]; then  # the expert cache's decode curve and VRAM budgets on the same file (~4 min)
     timeout 300 python3 bench/cache_curve.py --model $M --decode 32 --out "$OUT/cache_curve.json" | tail -8
 fi
-python3 - "$OUT" "$USED" <<'PY'
+python3 - "$OUT" "${USED:-0}" <<'PY'
 import json, sys, pathlib
 o, used = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 ts = lambda f: {(r["n_prompt"], r["n_gen"]): r["avg_ts"] for r in json.loads((o / f).read_text())}
