@@ -9,7 +9,7 @@ set -u
 KIT=${KIT:?set KIT to the benchmark kit folder}
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
-bash "$KIT/device_llamacpp.sh" start
+[ "${KIT_STARTED:-0}" = 1 ] || bash "$KIT/device_llamacpp.sh" start  # KIT_STARTED=1: already started by the caller
 if [ "${GPU_TESTS:-1}" = 1 ]; then
     # modules that need what the GPU machine lacks (ZeroMQ, pydantic) are reported as collection errors, not fatal
     # shellcheck disable=SC2086

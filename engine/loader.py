@@ -67,7 +67,7 @@ def load_model(
 ) -> LoadedModel:
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    if dev.type == "cuda":  # Triton launches on the current card, whatever card its tensors are on (--gpu 1)
+    if dev.type == "cuda" and dev.index is not None:  # Triton launches on the current card (--gpu 1)
         torch.cuda.set_device(dev)
     gf = GGUFFile.open(path)
     tok = Tokenizer.from_metadata(gf.metadata)
