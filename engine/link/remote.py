@@ -259,5 +259,7 @@ class HeadStage:
         self.device = model.device
         self.label = label
 
-    def run(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        return self.model.head(x)  # [T, V]
+    takes_last_only = True
+
+    def run(self, x: torch.Tensor, cache: KVCache, start: int, last_only: bool = False) -> torch.Tensor:
+        return self.model.head(x, last_only)  # [T, V] ([1, V] with last_only)

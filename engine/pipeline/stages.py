@@ -77,7 +77,10 @@ class LocalStage:
     def last(self) -> bool:
         return self.with_head
 
-    def run(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+    takes_last_only = True  # run() takes last_only (SplitModel.forward passes it to the stage with the head)
+
+    def run(self, x: torch.Tensor, cache: KVCache, start: int, last_only: bool = False) -> torch.Tensor:
+        """`last_only`: the head on the last row only (a prompt chunk, whose other rows' logits nobody reads)."""
         # Triton launches on the current card, not on its tensors' card: a stage on another card than the main
         # one makes its own current while it runs
         with on_device(self.device):
@@ -87,7 +90,7 @@ class LocalStage:
             h = m.embed(x.to(self.device)) if m.has_embed else x  # [T, D]
             for i in self.layers:
                 h = m.layer(i, h, cache, start)
-            return m.head(h) if self.with_head else h  # [T, V] or [T, D]
+            return m.head(h, last_only) if self.with_head else h  # [T or 1, V] or [T, D]
 
     def body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int) -> torch.Tensor:
         """The stage at device positions `pos` and a static span: the capturable form of `run`."""
@@ -145,6 +148,7 @@ class SplitModel:
         self.measure = True
         self.timing_sink = timing_sink
         self.history: list[int] = []  # token ids at positions 0.. (to rebuild a remote stage that restarted)
+        self._last_only = False  # the current forward's last_only (read by _run)
         self.replay_chunk = 512
 
     # ---- what Runner and the server read ----
@@ -195,9 +199,13 @@ class SplitModel:
 
     # ---- the forward ----
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        """tokens [T] -> logits [T, V] on the last stage's device; the cache then holds start+T positions."""
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache, start: int, last_only: bool = False
+    ) -> torch.Tensor:
+        """tokens [T] -> logits [T, V] on the last stage's device ([1, V], the last row's, with `last_only`: a
+        prompt chunk); the cache then holds start+T positions."""
         t = int(tokens.shape[0])
+        self._last_only = last_only
         del self.history[start:]
         lost = self._reconnect()
         self.clock = ForwardClock(self.devices) if self.measure else None  # a replay below counts in it
@@ -276,10 +284,10 @@ class SplitModel:
     def _serial(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         x = tokens
         clock = self.clock
-        for s, stage in enumerate(self.stages):
+        for s in range(len(self.stages)):
             t0 = time.perf_counter()
             begin = clock.begin(s) if clock is not None else None
-            x = stage.run(x, cache, start)
+            x = self._run(s, x, cache, start)
             if clock is not None and begin is not None:
                 clock.end(s, begin)
             if s < len(self.handoffs):
@@ -353,7 +361,7 @@ class SplitModel:
                             x = item[1]
                         t0 = time.perf_counter()
                         begin = clock.begin(s) if clock is not None else None
-                        y = stage.run(x, cache, pos)
+                        y = self._run(s, x, cache, pos)
                         if clock is not None and begin is not None:
                             clock.end(s, begin)
                         if s < n - 1:
@@ -382,7 +390,20 @@ class SplitModel:
         if errors:
             raise errors[0]
         assert all(o is not None for o in outs)
+        if self._last_only:
+            last = outs[-1]
+            assert last is not None
+            return last[-1:]  # [1, V]
         return torch.cat([o for o in outs if o is not None])  # [T, V]
+
+    def _run(self, s: int, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """Stage s on x; the last stage computes only the last row's logits where the forward asked for that."""
+        stage = self.stages[s]
+        if self._last_only and s == len(self.stages) - 1:
+            if getattr(stage, "takes_last_only", False):
+                return stage.run(x, cache, start, last_only=True)  # type: ignore[call-arg]
+            return stage.run(x, cache, start)[-1:]
+        return stage.run(x, cache, start)
 
     def describe(self) -> list[str]:
         """Per stage: `layers 0 to 21 on CPU: 5632 of 5632 routed experts in RAM (7.2 GiB)`. A stage with an

@@ -131,3 +131,30 @@ def test_serial_split_equals_unsplit_forward(models: dict[str, Path]) -> None:
         ours = lm.model.forward(torch.tensor(PROMPT), lm.model.new_cache(64, "f32"), 0)
         ref = base.model.forward(torch.tensor(PROMPT), base.model.new_cache(64, "f32"), 0)
     assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_prompt_chunks_compute_the_last_rows_logits_only(models: dict[str, Path], pipeline: bool) -> None:
+    """A prompt chunk (last_only, as the Runner asks for one) gets the last row's logits from the stage with the
+    head, serial and in pipelined pieces: the same row as the full forward's, and the cache holds every position."""
+    path = models["qwen3moe"]
+    lm = load_split_model(
+        path,
+        SplitOptions(device="cpu", layer_split=(2, 4), pipeline=pipeline, pipe_chunk=PIECE),
+        64,
+        "f32",
+        "f32",
+    )
+    m = lm.model
+    assert isinstance(m, SplitModel)
+    with torch.inference_mode():
+        full_cache, last_cache = m.new_cache(64, "f32"), m.new_cache(64, "f32")
+        full = m.forward(torch.tensor(PROMPT), full_cache, 0)
+        last = m.forward(torch.tensor(PROMPT), last_cache, 0, last_only=True)
+        assert last.shape == (1, full.shape[1])
+        # a one-row matrix product may round differently from the same row in a many-row one
+        assert (last - full[-1:]).abs().max().item() < 1e-4
+        assert last_cache.length == full_cache.length == len(PROMPT)
+        # the next step reads the same cache: the same logits either way
+        nxt = torch.tensor([PROMPT[0]])
+        assert torch.equal(m.forward(nxt, last_cache, len(PROMPT)), m.forward(nxt, full_cache, len(PROMPT)))
