@@ -512,9 +512,8 @@ def load_split_model(
     else:
         model = build_model(gf, cfg, sp, dt, ordinals, opts, max_context, kv_type, profile)
     first = model.stages[0].device if isinstance(model, SplitModel) else model.device
-    if (
-        first.type == "cuda" and first.index is not None
-    ):  # the main card current (each stage: its own, running)
+    # the main card current (each stage makes its own current while it runs)
+    if first.type == "cuda" and first.index is not None:
         torch.cuda.set_device(first)
     cpu_weights.attach(model, opts.cpu_weights_mib)
     chat = ChatFormatter.from_metadata(gf.metadata)
