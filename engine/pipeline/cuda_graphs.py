@@ -9,7 +9,7 @@ import gc
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -52,16 +52,16 @@ class GraphTable(Generic[G]):
     go when the cache does: they write into its tensors, and a later cache could be given the same id()."""
 
     def __init__(self) -> None:
-        self.graphs: OrderedDict[tuple[int, int], G] = OrderedDict()
+        self.graphs: OrderedDict[tuple[int, Hashable], G] = OrderedDict()
         self._watched: set[int] = set()
 
-    def get(self, cache: KVCache, span: int) -> G | None:
+    def get(self, cache: KVCache, span: Hashable) -> G | None:
         g = self.graphs.get((id(cache), span))
         if g is not None:
             self.graphs.move_to_end((id(cache), span))
         return g
 
-    def put(self, cache: KVCache, span: int, g: G) -> None:
+    def put(self, cache: KVCache, span: Hashable, g: G) -> None:
         cid = id(cache)
         if cid not in self._watched:
             self._watched.add(cid)
@@ -82,8 +82,9 @@ class GraphTable(Generic[G]):
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inp: torch.Tensor  # [1] token id, or [1, D] hidden state
-    pos: torch.Tensor  # [1] long
+    inp: torch.Tensor  # [T] token ids, or [T, D] hidden state
+    offsets: torch.Tensor  # [T] long: 0..T-1
+    pos: torch.Tensor  # [T] long: start + offsets
     out: torch.Tensor
 
 
@@ -99,21 +100,24 @@ class StepGraphs:
         self.pool: tuple | None = None
 
     def step(self, inp: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        span = min(cache.max_ctx, -(-(start + 1) // SPAN_BUCKET) * SPAN_BUCKET)
-        g = self.graphs.get(cache, span)
+        """The step for the T = inp.shape[0] rows at positions start..start+T-1 (one graph per row count)."""
+        t = int(inp.shape[0])
+        span = min(cache.max_ctx, -(-(start + t) // SPAN_BUCKET) * SPAN_BUCKET)
+        g = self.graphs.get(cache, (span, t))
         if g is None:
             g = self._capture(inp, cache, start, span)
-            self.graphs.put(cache, span, g)
+            self.graphs.put(cache, (span, t), g)
         else:
             g.inp.copy_(inp.view(g.inp.shape), non_blocking=True)
-            g.pos.fill_(start)
+            torch.add(g.offsets, start, out=g.pos)
         g.graph.replay()
         return g.out.clone()  # the next replay overwrites the graph's output
 
     def _capture(self, inp: torch.Tensor, cache: KVCache, start: int, span: int) -> _Graph:
         dev = self.device
         buf = inp.to(dev).clone()
-        pos = torch.full((1,), start, dtype=torch.long, device=dev)
+        offsets = torch.arange(int(inp.shape[0]), dtype=torch.long, device=dev)
+        pos = offsets + start
         # Warm-up runs compile the kernels; they repeat this step's own KV write, and the selection counts they
         # bump (which the expert cache's hit rates derive from) are put back.
         saved = self.counts.clone() if self.counts is not None else None
@@ -129,7 +133,7 @@ class StepGraphs:
         self.pool = graph.pool()
         if saved is not None and self.counts is not None:
             self.counts.copy_(saved)
-        return _Graph(graph, buf, pos, out)
+        return _Graph(graph, buf, offsets, pos, out)
 
 
 def capturable(model: "DecoderLM") -> bool:

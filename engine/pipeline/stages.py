@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -84,8 +85,10 @@ class LocalStage:
         # Triton launches on the current card, not on its tensors' card: a stage on another card than the main
         # one makes its own current while it runs
         with on_device(self.device):
-            if self.graphs is not None and x.shape[0] == 1:
-                return self.graphs.step(x, cache, start)
+            if self.graphs is not None and (
+                x.shape[0] == 1 or (x.shape[0] <= _WINDOW_ROWS and window_graphs())
+            ):
+                return self.graphs.step(x, cache, start)  # a decode step, or a verify window (--spec)
             m = self.model
             h = m.embed(x.to(self.device)) if m.has_embed else x  # [T, D]
             for i in self.layers:
@@ -99,6 +102,17 @@ class LocalStage:
         for i in self.layers:
             h = m.layer_at(i, h, cache, pos, span)
         return m.head(h) if self.with_head else h
+
+
+# Verify windows (--spec) on a split's stages as graphs of their row count, as one-token steps are: a window ran
+# eagerly there, its few hundred launches one by one (on one H200 --spec 4 on a 2-stage split decoded at half the
+# speed of --spec 0). Not yet run on a GPU (tests/engine/spec/test_spec_gpu.py::test_split_windows_as_graphs), so
+# only with STRATA_STAGE_WINDOW_GRAPHS=1.
+_WINDOW_ROWS = 8  # the fused decode step's most rows (engine.layers.fast_decode.FAST_MAX_ROWS)
+
+
+def window_graphs() -> bool:
+    return os.environ.get("STRATA_STAGE_WINDOW_GRAPHS") == "1"
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:

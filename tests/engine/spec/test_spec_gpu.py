@@ -54,3 +54,32 @@ def test_greedy_same_with_windows_on_cuda(tiny_models: dict[str, Path]) -> None:
         assert runner.window_graphs is not None
         done = [e for e in runner.generate(req) if isinstance(e, DoneEvent)][0]
         assert done.tokens == ref, f"drafts wrong every {wrong_every}"
+
+
+def test_split_windows_as_graphs(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2-stage split on one card with STRATA_STAGE_WINDOW_GRAPHS=1: each stage replays its verify windows from
+    graphs of their row count; greedy tokens with --spec 4 (drafts right, wrong, and sometimes wrong) are the
+    one-card model's without drafts, and the stages did capture window graphs."""
+    from engine.pipeline.split import SplitOptions, load_split_model
+    from engine.pipeline.stages import LocalStage, SplitModel
+
+    monkeypatch.setenv("STRATA_STAGE_WINDOW_GRAPHS", "1")
+    lm = load_model(tiny_models["qwen3moe"], "cuda", "f32")
+    n = 40
+    ref = reference_greedy(lm.model, PROMPT, n, 256)
+    truth = PROMPT + ref
+    vocab = lm.config.n_vocab
+    half = lm.config.n_layer // 2
+    sp = load_split_model(
+        tiny_models["qwen3moe"], SplitOptions(device="cuda", layer_split=(half,), split_device=("0",)), 256,
+        "f32", "f32",
+    )  # fmt: skip
+    assert isinstance(sp.model, SplitModel)
+    req = GenerationRequest(PROMPT, max_tokens=n, sampling=GREEDY, ignore_eos=True)
+    for wrong_every in (0, 1, 5):
+        runner = Runner(sp.model, sp.tokenizer, 256, "f32", 64, spec=SpecConfig(n=4),
+                        drafts=lambda s, w=wrong_every: ScriptedDraft(truth, vocab, w))  # fmt: skip
+        done = [e for e in runner.generate(req) if isinstance(e, DoneEvent)][0]
+        assert done.tokens == ref, f"drafts wrong every {wrong_every}"
+    stages = [s for s in sp.model.stages if isinstance(s, LocalStage)]
+    assert all(s.graphs is not None and any(k[1][1] > 1 for k in s.graphs.graphs.graphs) for s in stages)
