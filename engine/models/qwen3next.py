@@ -17,6 +17,7 @@ The recurrent state lives in a `RecurrentCache` (its docstring says how truncati
 and the prompt cache meet a state that cannot be indexed by position); a forward must start at `cache.length`.
 """
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,13 @@ from engine.models.gated_delta import (
 
 ARCH = "qwen3next"
 REPLAY_CHUNK = 512  # tokens per forward when positions lost to a truncation are read again
+
+
+def fused_delta_net(dk: int, dv: int) -> bool:
+    """The two-launch delta-net decode step (engine/kernels/delta_net.py): power-of-two head sizes, and not yet run
+    on a GPU (tests/engine/test_families_gpu.py::test_qwen3next_fused_delta_step_matches_the_torch_ops), so only
+    with STRATA_FUSED_DELTA_NET=1."""
+    return os.environ.get("STRATA_FUSED_DELTA_NET") == "1" and dk & (dk - 1) == 0 and dv & (dv - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -211,6 +219,13 @@ class Qwen3NextLM(FamilyLM):
         if not isinstance(cache, RecurrentCache):
             raise TypeError("qwen3next needs the RecurrentCache its new_cache makes")
         st = cache.state(i)
+        if t == 1 and x.is_cuda and fused_delta_net(dk, dv):
+            from engine.kernels.delta_net import conv_step, delta_step
+
+            # one token in two launches instead of ~45 (the states updated in place, as below)
+            yc = conv_step(qkv[0], st.conv, dw.conv)  # float32 [C]
+            o1 = delta_step(yc, z.reshape(-1), b[0], a[0], dw.a, dw.dt_bias, dw.norm, st.ssm, nk, c.rms_eps)
+            return dw.out.linear(o1.view(1, nv * dv).to(self.dtype))
         y, window = causal_conv(qkv, st.conv, dw.conv)  # [T, C] float32
         q = y[:, :kd].view(t, nk, dk)
         k = y[:, kd : 2 * kd].view(t, nk, dk)

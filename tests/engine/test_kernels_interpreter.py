@@ -260,3 +260,45 @@ def test_q8_activations_from_the_kernels_match_torch(d: int) -> None:
     y, y32, yq = rms_norm_q8(x, w, 1e-6, torch.float32, f32_copy=True)
     assert y32 is not None and torch.equal(y, y32)
     assert torch.equal(raw(yq), raw(quantize_q8_torch(y32)))
+
+
+def test_delta_net_step_matches_the_torch_ops() -> None:
+    """One decode step of a gated delta-net layer in two launches (engine/kernels/delta_net.py) against the torch
+    ops qwen3next runs: the causal convolution and its state, the delta rule's state and read-out, the gated norm."""
+    import torch.nn.functional as F
+
+    from engine.kernels.delta_net import conv_step, delta_step
+    from engine.layers.norm import rms_norm
+    from engine.models.gated_delta import causal_conv, delta_rule_steps
+
+    g = torch.Generator().manual_seed(3)
+    nk, nv, dk, dv, kw = 2, 4, 32, 32, 4
+    c = 2 * nk * dk + nv * dv
+    x = torch.randn(1, c, generator=g)
+    conv_state = torch.randn(kw - 1, c, generator=g)
+    w = torch.randn(c, kw, generator=g) * 0.5
+    ssm = torch.randn(nv, dk, dv, generator=g) * 0.1
+    z, b, a = torch.randn(nv * dv, generator=g), torch.randn(nv, generator=g), torch.randn(nv, generator=g)
+    a_log, dt_bias = -torch.rand(nv, generator=g) - 0.1, torch.randn(nv, generator=g)
+    nw, eps = torch.rand(dv, generator=g) + 0.5, 1e-6
+
+    # the torch ops, as engine/models/qwen3next.py runs them
+    y_ref, window = causal_conv(x, conv_state.clone(), w)
+    q = y_ref[:, : nk * dk].view(1, nk, dk)
+    k = y_ref[:, nk * dk : 2 * nk * dk].view(1, nk, dk)
+    v = y_ref[:, 2 * nk * dk :].view(1, nv, dv)
+    q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * dk**-0.5
+    k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+    q, k = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
+    gdec = a_log * F.softplus(a + dt_bias)
+    o_ref, s_ref, _ = delta_rule_steps(q, k, v, gdec[None], torch.sigmoid(b)[None], ssm.clone())
+    o_ref = rms_norm(o_ref, nw, eps) * F.silu(z.view(1, nv, dv))
+
+    st = conv_state.clone()
+    y = conv_step(x[0], st, w)
+    assert (y - y_ref[0]).abs().max().item() < 1e-5
+    assert torch.equal(st, window[-(kw - 1) :])
+    s = ssm.clone()
+    o = delta_step(y, z, b, a, a_log, dt_bias, nw, s, nk, eps)
+    assert (s - s_ref).abs().max().item() < 1e-5
+    assert (o - o_ref.reshape(-1)).abs().max().item() < 1e-4
