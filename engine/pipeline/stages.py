@@ -202,13 +202,20 @@ class SplitModel:
         return torch.stack(parts).sum(0)
 
     def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
-        """One KV cache object whose layers live on their stages' devices."""
+        """One KV cache object whose layers live on their stages' devices. A family with recurrent states
+        (qwen3next) gets its own cache class, merged from the stages' caches: each state stays on its stage's
+        device (a remote stage keeps its layers' states in its own process)."""
+        parts = [m.new_cache(max_ctx, kv_type) for m in self._models()]
+        if parts and hasattr(parts[0], "merge"):
+            for p in parts[1:]:
+                parts[0].merge(p)  # type: ignore[attr-defined]
+            return parts[0]
         c = self.cfg
         cache = KVCache(
             range(0), max_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, kv_type, self.stages[0].device
         )
-        for m in self._models():
-            cache.layers.update(m.new_cache(max_ctx, kv_type).layers)
+        for part in parts:
+            cache.layers.update(part.layers)
         return cache
 
     # ---- the forward ----
