@@ -6,13 +6,15 @@ expert; each program multiplies one block by one BLOCK_N-row tile of that expert
 through the expert cache's address table (a VRAM slot, or pinned host memory over PCIe). No host synchronisation
 and no dequantized copy of any expert: the chunk's routing decides the work on the device."""
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QT
 
 from engine.kernels.gemv import _GLU, k_scales
-from engine.kernels.moe_blocks import BLOCK_M, Blocks
+from engine.kernels.moe_blocks import BLOCK_M, Blocks, Schedule
 
 # Block types with a tile dequantizer here (K a multiple of 256): id as in engine.kernels.gemv.
 TILE_TYPES = {QT.Q4_K: 0, QT.Q6_K: 1, QT.Q8_0: 2, QT.Q4_0: 3, QT.Q5_K: 4, QT.MXFP4: 8, QT.IQ4_XS: 9}
@@ -222,6 +224,50 @@ def _block_table_kernel(
         tl.store(expert_ptr + b, ex.to(tl.int64), mask=m)
         tl.store(start_ptr + b, start.to(tl.int64), mask=m)
         tl.store(end_ptr + b, end.to(tl.int64), mask=m)
+
+
+@triton.jit
+def _block_scatter_kernel(
+    counts_ptr, expert_ptr, start_ptr, end_ptr, nblocks_ptr, E, BLOCK_M: tl.constexpr, EP: tl.constexpr
+):  # fmt: skip
+    """One program, a lane per expert: each expert writes its own blocks (the j-th at its first block + j), one
+    block of every expert a step, as many steps as the busiest expert has blocks. The block table of
+    _block_table_kernel for the blocks in use (b < nblocks; the grouped kernel reads no other), with [EP] int32
+    lanes instead of [BB, EP] int64 tiles."""
+    e = tl.arange(0, EP)
+    em = e < E
+    cnt = tl.load(counts_ptr + e, mask=em, other=0).to(tl.int32)
+    nblk = (cnt + BLOCK_M - 1) // BLOCK_M
+    blk0 = tl.cumsum(nblk, axis=0) - nblk  # the expert's first block
+    first = tl.cumsum(cnt, axis=0) - cnt  # its first sorted position
+    tl.store(nblocks_ptr, tl.sum(nblk, axis=0).to(tl.int64))
+    for j in range(0, tl.max(nblk, axis=0)):
+        m = em & (j < nblk)
+        b = blk0 + j
+        start = first + j * BLOCK_M
+        tl.store(expert_ptr + b, e.to(tl.int64), mask=m)
+        tl.store(start_ptr + b, start.to(tl.int64), mask=m)
+        tl.store(end_ptr + b, tl.minimum(start + BLOCK_M, first + cnt).to(tl.int64), mask=m)
+
+
+def block_scatter(
+    counts: torch.Tensor, max_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """block_table's schedule for the blocks in use, written expert by expert (_block_scatter_kernel); the
+    entries past nblocks are left unwritten."""
+    out = torch.empty(3, max_blocks, dtype=torch.int64, device=counts.device)
+    nblocks = torch.empty(1, dtype=torch.int64, device=counts.device)
+    e = counts.numel()
+    _block_scatter_kernel[(1,)](
+        counts, out[0], out[1], out[2], nblocks, e, BLOCK_M=BLOCK_M, EP=triton.next_power_of_2(e), num_warps=4
+    )
+    return out[0], out[1], out[2], nblocks
+
+
+def schedule() -> "Schedule":
+    """The block-table launch prompt chunks use: block_table, or block_scatter with STRATA_BLOCK_SCATTER=1 (it has
+    not run on a GPU yet: tests/engine/test_gpu_fused_decode.py::test_block_table_matches_the_torch_schedule)."""
+    return block_scatter if os.environ.get("STRATA_BLOCK_SCATTER") == "1" else block_table
 
 
 def block_table(

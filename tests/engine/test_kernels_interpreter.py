@@ -227,10 +227,13 @@ def test_decode_attention_default_split() -> None:
     assert (got - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("launch", ["block_table", "block_scatter"])
 @pytest.mark.parametrize("t,topk,e", [(9, 2, 4), (300, 8, 128), (64, 10, 512), (1, 8, 128)])
-def test_block_table_matches_the_torch_schedule(t: int, topk: int, e: int) -> None:
+def test_block_table_matches_the_torch_schedule(t: int, topk: int, e: int, launch: str) -> None:
+    from engine.kernels import moe_gemm
     from engine.kernels.moe_blocks import Blocks
-    from engine.kernels.moe_gemm import block_table
+
+    block_table = getattr(moe_gemm, launch)
 
     gen = torch.Generator().manual_seed(t * e)
     ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(t)])
