@@ -71,10 +71,14 @@ def _q8_kernel(x_ptr, q_ptr, D, BLOCK: tl.constexpr):
 
 def quantize_rows_q8(x: torch.Tensor) -> torch.Tensor:
     """x [T, D] -> float32 [T, D] in quantize_q8's layout, one launch."""
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # the kernel writes every byte read
+    return quantize_rows_q8_into(x, out)
+
+
+def quantize_rows_q8_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """quantize_rows_q8 into `out` (float32 [T, D])."""
     t, d = x.shape
-    xc = x.contiguous()
-    out = torch.empty(t, d, dtype=torch.float32, device=x.device)  # the kernel writes every byte read
-    _q8_kernel[(t,)](xc, out, d, BLOCK=triton.next_power_of_2(d))
+    _q8_kernel[(t,)](x.contiguous(), out, d, BLOCK=triton.next_power_of_2(d))
     return out
 
 

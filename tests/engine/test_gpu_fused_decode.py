@@ -2,6 +2,7 @@
 from the cache against SDPA, norm + RoPE + cache write against Rope, the residual GEMV and the experts' down
 projection with the combine against dequantize + matmul, and whole models' greedy tokens with the path on and off."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,26 @@ def test_decode_attention_matches_sdpa(t, h, hkv, d, span, window, dtype, chunk)
     assert _cos(got, ref) >= (0.9999 if dtype == torch.float32 else 0.999)
     if dtype == torch.float32:
         assert (got - ref).abs().max().item() < 1e-4
+    if d % 32 == 0:  # the 8-bit form for the output projection, written by the kernel (the merge too, with
+        # STRATA_MERGE_Q8=1): quantize_q8's bytes of the float32 output
+        from engine.kernels.gemv import quantize_q8_torch
+
+        for merge_q8 in ("0", "1"):
+            os.environ["STRATA_MERGE_Q8"] = merge_q8
+            try:
+                aq = torch.empty(t, h * d, device="cuda")
+                out = decode_attention(q, kc, vc, pos, span, window, d**-0.5, chunk=chunk, q8_out=aq)
+            finally:
+                del os.environ["STRATA_MERGE_Q8"]
+            n = h * d + h * d // 4
+            want = quantize_q8_torch(out.float()).view(torch.uint8)[:, :n]
+            if dtype == torch.float32:
+                assert torch.equal(aq.view(torch.uint8)[:, :n], want), merge_q8
+            else:  # the kernels round the float32 output, before its cast to the compute type
+                raw = aq.view(torch.uint8)
+                codes = raw[:, : h * d].contiguous().view(torch.int8).float().view(t, -1, 32)
+                scales = raw[:, h * d : n].contiguous().view(torch.float32).view(t, -1, 2)[..., :1]
+                assert _cos((codes * scales).view(t, -1), out.float()) >= 0.999, merge_q8
 
 
 @pytest.mark.parametrize("neox", [True, False])

@@ -126,11 +126,16 @@ def test_decode_attention(t: int, h: int, hkv: int, d: int, span: int, window: i
     # or split and merged: the bytes quantize_q8 makes of the float output
     from engine.kernels.gemv import quantize_q8_torch
 
-    aq = torch.empty(t, h * d)
-    again = decode_attention(q, kc, vc, pos, span, window, d**-0.5, chunk=chunk, q8_out=aq)
-    assert torch.equal(again, got)
-    n = h * d + h * d // 4
-    assert torch.equal(aq.view(torch.uint8)[:, :n], quantize_q8_torch(got).view(torch.uint8)[:, :n])
+    for merge_q8 in ("0", "1"):  # split spans: the rounding launch, or the merge writing it (STRATA_MERGE_Q8=1)
+        os.environ["STRATA_MERGE_Q8"] = merge_q8
+        try:
+            aq = torch.empty(t, h * d)
+            again = decode_attention(q, kc, vc, pos, span, window, d**-0.5, chunk=chunk, q8_out=aq)
+        finally:
+            del os.environ["STRATA_MERGE_Q8"]
+        assert torch.equal(again, got)
+        n = h * d + h * d // 4
+        assert torch.equal(aq.view(torch.uint8)[:, :n], quantize_q8_torch(got).view(torch.uint8)[:, :n])
 
 
 @pytest.mark.parametrize("neox", [True, False])
