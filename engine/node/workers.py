@@ -66,6 +66,7 @@ FLAG_WHITELIST: dict[str, Callable[[str], str]] = {
     "--max-context": _int_range(16, 1 << 22),
     "--prefill": _int_range(1, 1 << 20, ("auto",)),
     "--device": _enum("auto", "cpu", "cuda", *(f"cuda:{i}" for i in range(64))),
+    "--activations": _enum("int8", "float"),
 }
 
 

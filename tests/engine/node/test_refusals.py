@@ -269,18 +269,20 @@ def test_every_whitelisted_flag_is_a_worker_option() -> None:
     from engine.cli import build_parser
     from engine.node.workers import FLAG_WHITELIST
 
-    sample = {"--kv": "int8", "--dtype": "f32", "--max-context": "64", "--prefill": "128", "--device": "cpu"}
+    sample = {"--kv": "int8", "--dtype": "f32", "--max-context": "64", "--prefill": "128", "--device": "cpu",
+              "--activations": "float"}  # fmt: skip
     assert set(sample) == set(FLAG_WHITELIST)
     argv = ["worker", "--stage-worker", "1", "--stage-begin", "1"]
     for flag, value in sample.items():
         argv += [flag, FLAG_WHITELIST[flag](value)]
     args = build_parser().parse_args(argv)
-    assert (args.kv, args.dtype, args.max_context, args.prefill, args.device) == (
+    assert (args.kv, args.dtype, args.max_context, args.prefill, args.device, args.activations) == (
         "int8",
         "f32",
         64,
         "128",
         "cpu",
+        "float",
     )
 
 
