@@ -126,7 +126,7 @@ def test_decode_attention(t: int, h: int, hkv: int, d: int, span: int, window: i
     # or split and merged: the bytes quantize_q8 makes of the float output
     from engine.kernels.gemv import quantize_q8_torch
 
-    for merge_q8 in ("0", "1"):  # split spans: the rounding launch, or the merge writing it (STRATA_MERGE_Q8=1)
+    for merge_q8 in ("0", "1"):  # split spans: a rounding launch, or the merge writing it (STRATA_MERGE_Q8)
         os.environ["STRATA_MERGE_Q8"] = merge_q8
         try:
             aq = torch.empty(t, h * d)
