@@ -138,6 +138,9 @@ def _common(sock: zmq.Socket, max_msg: int, handshake_ms: int) -> None:
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
 
 
+_SESSION_TEARDOWN_S = 0.05
+
+
 class Listener:
     """A CURVE ROUTER with its own context and ZAP authenticator (one per listening stage)."""
 
@@ -184,6 +187,11 @@ class Listener:
         """Close the socket (its last replies leave within the linger), then end the context: the ZAP thread
         answers until then and closes its socket when the context ends."""
         self.sock.close(linger=linger_ms)
+        # A connection still in its handshake when the context ends can write its ZAP request to a handler that
+        # is already gone, which libzmq treats as an assertion failure (zeromq/libzmq#2476); a test's teardown
+        # aborted inside the context's termination once, on a loaded machine. Give the I/O thread a moment to take
+        # the closed socket's sessions down first.
+        time.sleep(_SESSION_TEARDOWN_S)
         self.ctx.term()
         self.allow.join()
 
