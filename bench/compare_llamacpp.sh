@@ -43,9 +43,9 @@ timeout 150 $B -m $M -ngl 99 -fa 1 -p 512,4096 -n 128 -r 3 -o json > "$OUT/llama
 if [ "${CURVE:-0}" = 1 ]; then  # the expert cache's decode curve and VRAM budgets on the same file (~4 min)
     timeout 300 python3 bench/cache_curve.py --model $M --decode 32 --out "$OUT/cache_curve.json" | tail -8
 fi
-python3 - "$OUT" "${USED:-0}" <<'PY'
+python3 - "$OUT" "${USED:-0}" "${NCMOE:-1}" <<'PY'
 import json, sys, pathlib
-o, used = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+o, used, ncmoe = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 ts = lambda f: {(r["n_prompt"], r["n_gen"]): r["avg_ts"] for r in json.loads((o / f).read_text())}
 ours, llama = json.loads((o / "ours_full.json").read_text()), ts("llamacpp_full.json")
 fl = o / "ours_float.json"
@@ -57,14 +57,18 @@ res = {"ours": ours, "llamacpp": {f"{k[0]}/{k[1]}": v for k, v in llama.items()}
 if fl.exists():  # --activations float: the decode that computes on float activations
     res["ratio_ours_over_llamacpp"]["decode_float_activations"] = (
         json.loads(fl.read_text())["decode_tok_s"] / llama[(0, 128)])
-try:
-    nc, s = ts("llamacpp_ncmoe36.json"), json.loads((o / "ours_budget_ncmoe36.json").read_text())
-    res["matched_vram_ncmoe36"] = {
-        "llamacpp_vram_mib": used, "ours": s, "llamacpp_ncmoe36": {f"{k[0]}/{k[1]}": v for k, v in nc.items()},
-        "ratio_decode": s["decode_tok_s"] / nc[(0, 128)], "ratio_prompt_4096": s["prompt_4096_tok_s"] / nc[(4096, 0)],
-    }
-except Exception as e:
-    res["matched_vram_ncmoe36"] = f"not measured: {e}"
+if not ncmoe:  # files of an earlier run in the same folder must not pass for this one's
+    res["matched_vram_ncmoe36"] = "not measured (NCMOE=0)"
+else:
+    try:
+        nc, s = ts("llamacpp_ncmoe36.json"), json.loads((o / "ours_budget_ncmoe36.json").read_text())
+        res["matched_vram_ncmoe36"] = {
+            "llamacpp_vram_mib": used, "ours": s, "llamacpp_ncmoe36": {f"{k[0]}/{k[1]}": v for k, v in nc.items()},
+            "ratio_decode": s["decode_tok_s"] / nc[(0, 128)],
+            "ratio_prompt_4096": s["prompt_4096_tok_s"] / nc[(4096, 0)],
+        }
+    except OSError as e:  # a step that failed left no file; its name only, not this machine's path
+        res["matched_vram_ncmoe36"] = f"not measured: no {pathlib.Path(str(e.filename)).name}"
 (o / "compare.json").write_text(json.dumps(res, indent=1) + "\n")
 print(json.dumps({**res["ratio_ours_over_llamacpp"], **({k: v for k, v in res["matched_vram_ncmoe36"].items()
                   if k.startswith("ratio")} if isinstance(res["matched_vram_ncmoe36"], dict) else {})}))
