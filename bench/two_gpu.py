@@ -32,21 +32,20 @@ import inspect
 import json
 import logging
 import os
-import re
 import secrets
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from engine.testing.spawned import Spawned  # noqa: E402 (after the project root is on the path)
 
 MIB = 1 << 20
 ARMS = ("one16", "split16_host", "split16_peer", "one_full", "split_full", "remote")
@@ -263,67 +262,22 @@ def stage_facts(model: Any) -> list[dict[str, Any]]:
     return out
 
 
-@dataclass
-class Worker:
-    """`strata-engine worker` in a subprocess; its stderr is drained (kept) so that it never blocks."""
-
-    proc: subprocess.Popen[str]
-    port: int = 0
-    lines: list[str] = field(default_factory=list)
-    ready: threading.Event = field(default_factory=threading.Event)
-
-    @classmethod
-    def start(
-        cls,
-        model: str,
-        begin: int,
-        ctx: int,
-        device: str,
-        uuid: str | None,
-        gpu: int | None,
-        env: dict[str, str],
-    ) -> Worker:
-        """On CUDA the worker sees only its card (CUDA_VISIBLE_DEVICES=GPU-<uuid>), as on a PC of its own: its card
-        is then also the process's current device, which the engine's Triton kernels launch on."""
-        cmd = [sys.executable, "-m", "engine.cli", "worker", "--model", model, "--stage-worker", "0",
-               "--stage-begin", str(begin), "--stage-bind", "127.0.0.1", "--max-context", str(ctx)]  # fmt: skip
-        if device == "cpu":
-            cmd += ["--device", "cpu", "--dtype", "f32", "--kv", "f32"]
-        elif uuid:
-            env = dict(env, CUDA_VISIBLE_DEVICES=f"GPU-{uuid}")
-            cmd += ["--device", "cuda", "--dtype", "bf16", "--kv", "bf16"]
-        else:
-            cmd += ["--gpu", str(gpu), "--dtype", "bf16", "--kv", "bf16"]
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
-        )
-        w = cls(proc)
-        threading.Thread(target=w._drain, daemon=True).start()
-        return w
-
-    def _drain(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip())
-            m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
-            if m and not self.ready.is_set():
-                self.port = int(m.group(1))
-                self.ready.set()
-        self.ready.set()  # it exited
-
-    def wait(self, timeout: float) -> int:
-        if not self.ready.wait(timeout) or not self.port:
-            raise RuntimeError("the stage worker did not start:\n" + "\n".join(self.lines[-15:]))
-        return self.port
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+def start_worker(
+    model: str, begin: int, ctx: int, device: str, uuid: str | None, gpu: int | None, env: dict[str, str]
+) -> Spawned:
+    """`strata-engine worker` for layers `begin`.. in a subprocess (its port from its log line). On CUDA the worker
+    sees only its card (CUDA_VISIBLE_DEVICES=GPU-<uuid>), as on a PC of its own: its card is then also the
+    process's current device, which the engine's Triton kernels launch on."""
+    cmd = [sys.executable, "-m", "engine.cli", "worker", "--model", model, "--stage-worker", "0",
+           "--stage-begin", str(begin), "--stage-bind", "127.0.0.1", "--max-context", str(ctx)]  # fmt: skip
+    if device == "cpu":
+        cmd += ["--device", "cpu", "--dtype", "f32", "--kv", "f32"]
+    elif uuid:
+        env = dict(env, CUDA_VISIBLE_DEVICES=f"GPU-{uuid}")
+        cmd += ["--device", "cuda", "--dtype", "bf16", "--kv", "bf16"]
+    else:
+        cmd += ["--gpu", str(gpu), "--dtype", "bf16", "--kv", "bf16"]
+    return Spawned(cmd, env, r"listening on 127\.0\.0\.1:(\d+)", ROOT)
 
 
 def _err(e: BaseException) -> str:
@@ -468,7 +422,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     strata_log.setLevel(logging.INFO)  # the placement and cache lines go into the JSON
     # The remote stage's worker starts first: it loads while this process does.
     k_full = plan_full.ranges[1].start
-    worker: Worker | None = None
+    worker: Spawned | None = None
     if not a.no_remote:
         try:
             import msgpack  # noqa: F401
@@ -478,7 +432,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
             g1 = plan_full.devices[1] if not cpu else None
             uuid = None if g1 is None else _uuid(_ordinal(visible, g1))
-            worker = Worker.start(a.model, k_full, ctx, a.device, uuid, g1, env)
+            worker = start_worker(a.model, k_full, ctx, a.device, uuid, g1, env)
             res["remote_worker_cuda_visible_devices"] = f"GPU-{uuid}" if uuid else None
         except ImportError as e:
             res["arms"]["remote"] = {"error": f"not measured: {e} (the link needs pyzmq and msgpack)"}
@@ -519,14 +473,14 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         )
         if worker is not None:
             try:
-                port = worker.wait(a.worker_timeout)
+                port = worker.wait_port(a.worker_timeout)
                 load("remote", replace(base, gpu=None if cpu else plan_full.devices[0], layer_split=(k_full,),
                                        remote=f"127.0.0.1:{port}"),
                      f"layers 0-{k_full - 1} and the head here, {k_full}-end in a worker process on card "
                      f"{plan_full.devices[1]} over loopback", None)  # fmt: skip
             except Exception as e:
                 res["arms"]["remote"] = {"error": _err(e)}
-            res["arms"].setdefault("remote", {})["worker_log"] = worker.lines[-12:]
+            res["arms"].setdefault("remote", {})["worker_log"] = worker.log[-12:]
         save()
 
         # Greedy tokens: every arm from the same short prompt.

@@ -3,16 +3,12 @@ worker (the same `StageServer`, whose compute returns its input) that starts in 
 tests that kill, freeze and restart a worker many times."""
 
 import os
-import re
 import signal
-import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.link.protocol import StageInfo
+from engine.testing.spawned import Spawned
 
 TOKEN = "link-test-token-0123456789"
 ROOT = Path(__file__).resolve().parents[3]
@@ -22,14 +18,8 @@ ECHO_INFO = StageInfo(
 )  # fmt: skip
 
 
-@dataclass
-class WorkerProc:
-    proc: subprocess.Popen[str]
-    port: int
-    log: list[str] = field(default_factory=list)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+class WorkerProc(Spawned):
+    """A worker program the tests can also kill, freeze and thaw."""
 
     def kill(self) -> None:
         if self.alive():
@@ -42,19 +32,6 @@ class WorkerProc:
     def thaw(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
 
-    def stop(self) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        for s in (self.proc.stderr, self.proc.stdout):
-            if s is not None:
-                s.close()
-
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ, STRATA_STAGE_TOKEN=TOKEN, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -63,31 +40,8 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def _start(cmd: list[str], env: dict[str, str], pattern: str, timeout: float = 90.0) -> WorkerProc:
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
-    )
-    w = WorkerProc(proc, 0)
-    found = threading.Event()
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            w.log.append(line.rstrip())
-            m = re.search(pattern, line)
-            if m and not found.is_set():
-                w.port = int(m.group(1))
-                found.set()
-        found.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    end = time.monotonic() + timeout
-    while not found.wait(0.05):
-        if time.monotonic() > end:
-            w.stop()
-            raise TimeoutError("the worker did not start:\n" + "\n".join(w.log[-20:]))
-    if not w.port:
-        w.stop()
-        raise RuntimeError("the worker exited:\n" + "\n".join(w.log[-20:]))
+    w = WorkerProc(cmd, env, pattern, ROOT)
+    w.wait_port(timeout)
     return w
 
 
