@@ -94,9 +94,8 @@ def _rms_norm(
     xc = x.contiguous()
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     y2 = torch.empty(x.shape, dtype=torch.float32, device=x.device) if f32_copy else None
-    yq = (
-        torch.empty(x.shape, dtype=torch.float32, device=x.device) if q8 else None
-    )  # no fill: one launch fewer
+    # no fill: the kernel writes every byte the GEMVs read (a fill would be one more launch)
+    yq = torch.empty(x.shape, dtype=torch.float32, device=x.device) if q8 else None
     rows = xc.numel() // d
     _rms_norm_kernel[(rows,)](
         xc,

@@ -109,6 +109,14 @@ def _dp4a(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
+def _halfword_pair(p16, mask):
+    """The 32-bit words made of the int16 at p16 (low half) and the next (high half): word loads for blocks that
+    are only 2-byte aligned."""
+    lo = tl.load(p16, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    return lo | (tl.load(p16 + 1, mask=mask, other=0).to(tl.int32) << 16)
+
+
+@triton.jit
 def _f16_at(p):
     return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
 
@@ -280,14 +288,8 @@ def _row_dot(
             sbi = step * SB + s6
             bm = n6 & (sbi < nsb)
             p16 = (r6 + sbi * 210).to(tl.pointer_type(tl.int16))
-            li = 32 * h6 + 16 * a6 + 8 * g6 + 2 * u6  # halfword of the low bits' word
-            ql = (tl.load(p16 + li, mask=bm, other=0).to(tl.int32) & 0xFFFF) | (
-                tl.load(p16 + li + 1, mask=bm, other=0).to(tl.int32) << 16
-            )
-            hi = 64 + 16 * h6 + 8 * g6 + 2 * u6
-            qh = (tl.load(p16 + hi, mask=bm, other=0).to(tl.int32) & 0xFFFF) | (
-                tl.load(p16 + hi + 1, mask=bm, other=0).to(tl.int32) << 16
-            )
+            ql = _halfword_pair(p16 + 32 * h6 + 16 * a6 + 8 * g6 + 2 * u6, bm)  # the low bits' words
+            qh = _halfword_pair(p16 + 64 + 16 * h6 + 8 * g6 + 2 * u6, bm)  # the high bits' words
             q_lo = (ql & 0x0F0F0F0F) | (((qh >> (2 * a6)) & 0x03030303) << 4)  # unsigned 0..63 a byte
             q_hi = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * a6 + 4)) & 0x03030303) << 4)
             xm = sbi < nsb
