@@ -30,9 +30,9 @@ SHAPES = [  # name, type, rows, cols, kind
     ("down", "Q4_K", D, F, "moe_down"),
 ]
 LAUNCH = list(
-    itertools.product((1, 2, 4, 8), (2, 4, 8), (2, 4))
+    itertools.product((1, 2, 4, 8), (2, 4, 8), (1, 2, 4))
 )  # rows a program, super-blocks a step, warps
-LAUNCH_HEAD = list(itertools.product((4, 8, 16), (2, 4, 8), (4, 8)))
+LAUNCH_HEAD = list(itertools.product((4, 8, 16, 32), (4, 8), (1, 2, 4, 8)))
 
 
 def _row_bytes(tname: str, k: int) -> int:
@@ -134,6 +134,41 @@ def _measure(
     return rows
 
 
+def _norm_route_rows() -> list[dict]:
+    """The FFN norm + router + top-k of a decode step: three launches (rms_norm_q8, the router's GEMV, route)
+    against the one of fused.norm_route, each over 48 layers' own router weights in a graph."""
+    from engine.kernels.fused import norm_route, rms_norm_q8, route
+
+    h = [torch.randn(1, D, device="cuda") for _ in range(LAYERS)]
+    nw = torch.rand(D, device="cuda") + 0.5
+    wr = torch.randn(LAYERS, E, D, device="cuda") * 0.05
+    raw = wr.view(torch.uint8)  # [layers, E, 4D]: the router as the GEMV reads F32 blocks
+    counts = torch.zeros(E, dtype=torch.int64, device="cuda")
+    done = torch.zeros(8, dtype=torch.int32, device="cuda")
+
+    def three(i: int) -> object:
+        _, x32, _ = rms_norm_q8(h[i], nw, 1e-6, torch.bfloat16, f32_copy=True)
+        return route(gemv(raw[i], QT.F32, E, D, x32), TOPK, True, counts)
+
+    rows = []
+    us = _graph_us(three, LAYERS)
+    rows.append({"shape": "norm+router+route", "kind": "route", "us": round(us, 2)})
+    print(f"norm+router+route {us:8.2f} us")
+    for lc in itertools.product((1, 2, 4), (1, 2, 4)):  # router rows a program, warps
+        for select in (True, False):  # the top-k in the launch, or in a route launch after it
+
+            def one(i: int, lc: tuple[int, int] = lc, select: bool = select) -> object:
+                return norm_route(
+                    h[i], nw, 1e-6, wr[i], TOPK, True, counts, done, None, False, True, lc, select
+                )
+
+            us = _graph_us(one, LAYERS)
+            name = "norm_route" if select else "norm_router+route"
+            rows.append({"shape": name, "kind": "route", "launch": list(lc), "us": round(us, 2)})
+            print(f"{name:18s} {lc} {us:8.2f} us")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -159,9 +194,11 @@ def main() -> None:
             us = _graph_us(lambda i, xs=xs: quantize_q8(xs[i]), LAYERS)
             rows.append({"shape": name, "kind": "q8", "us": round(us, 2)})
             print(f"{name:14s} {us:8.2f} us")
+    if a.shapes is None or "norm_route" in a.shapes.split(","):
+        rows += _norm_route_rows()
     best: dict[str, dict] = {}
     for r in rows:
-        if "us" in r and r["kind"] not in ("torch", "q8"):
+        if "us" in r and r["kind"] not in ("torch", "q8", "route"):
             key = f"{r['shape']} v{r['variant']}"
             if key not in best or r["us"] < best[key]["us"]:
                 best[key] = r
@@ -190,6 +227,12 @@ def main() -> None:
             if cur is None or r["us"] < cur[1]:
                 tuned[r["type"]][cls] = (r["launch"] + [r["variant"]], r["us"])
         out = {t: {c: v[0] for c, v in d.items()} for t, d in tuned.items()}
+        fused = [r for r in rows if r["shape"] in ("norm_route", "norm_router+route")]
+        if (
+            fused
+        ):  # the FFN norm + router launch: [router rows a program, warps, top-k in the launch (1) or not]
+            r = min(fused, key=lambda r: r["us"])
+            out.setdefault("F32", {})["norm_route"] = r["launch"] + [int(r["shape"] == "norm_route")]
         Path(a.tuned).write_text(json.dumps(out, indent=1) + "\n")
         print(json.dumps(out))
 

@@ -7,7 +7,6 @@ graph replays it for every position of its bucket), split over the span and merg
 the span is long; the GQA group of query heads shares each key/value block it loads."""
 
 import functools
-import os
 
 import torch
 import triton
@@ -324,15 +323,5 @@ def decode_attention(
         q, k_cache, v_cache, pos, part, ml, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
         SPLITS=splits, **common,
     )  # fmt: skip
-    merge_q8 = q8 and os.environ.get("STRATA_MERGE_Q8") == "1"
-    _merge_kernel[(t * h,)](
-        part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=common["BLOCK_DV"], Q8=merge_q8
-    )
-    if q8 and not merge_q8:
-        # The merge writing the 8-bit form itself has passed Triton's interpreter, not yet a GPU
-        # (tests/engine/test_gpu_fused_decode.py::test_decode_attention_matches_sdpa with q8_out): until then
-        # (STRATA_MERGE_Q8=1 turns it on) the rounding launch the unsplit path replaced.
-        from engine.kernels.fused import quantize_rows_q8_into
-
-        quantize_rows_q8_into(out.view(t, h * dvv), q8_out)
+    _merge_kernel[(t * h,)](part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=common["BLOCK_DV"], Q8=q8)
     return out.view(t, h * dvv)

@@ -226,22 +226,11 @@ def norm_rope(
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr,  # [T, E] float32
-    w_ptr,  # [T, K] float32
-    ids_ptr,  # [T, K] int64
-    counts_ptr,  # [E] int64 (when COUNT)
-    E,
-    K: tl.constexpr,
-    KP2: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    NORM: tl.constexpr,
-    COUNT: tl.constexpr,
-):
-    t = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_E)
-    m = offs < E
-    x = tl.load(logits_ptr + t * E + offs, mask=m, other=float("-inf"))
+def _topk_store(x, m, offs, w_row, ids_row, counts_ptr, K: tl.constexpr, KP2: tl.constexpr, NORM: tl.constexpr,
+                COUNT: tl.constexpr):  # fmt: skip
+    """Router logits x [BLOCK_E] (valid where m) -> softmax, the top K weights and ids stored at w_row / ids_row
+    (renormalised when NORM), one count per selection into counts_ptr (when COUNT)."""
+    x = tl.where(m, x, float("-inf"))
     p = tl.exp(x - tl.max(x, axis=0))
     p = tl.where(m, p, 0.0)
     p = p / tl.sum(p, axis=0)
@@ -258,8 +247,28 @@ def _route_kernel(
         tl.atomic_add(counts_ptr + sel_i, tl.full([KP2], 1, tl.int64), mask=kk < K)
     if NORM:
         sel_w = sel_w / tl.sum(sel_w, axis=0)
-    tl.store(w_ptr + t * K + kk, sel_w, mask=kk < K)
-    tl.store(ids_ptr + t * K + kk, sel_i, mask=kk < K)
+    tl.store(w_row + kk, sel_w, mask=kk < K)
+    tl.store(ids_row + kk, sel_i, mask=kk < K)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,  # [T, E] float32
+    w_ptr,  # [T, K] float32
+    ids_ptr,  # [T, K] int64
+    counts_ptr,  # [E] int64 (when COUNT)
+    E,
+    K: tl.constexpr,
+    KP2: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    NORM: tl.constexpr,
+    COUNT: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    m = offs < E
+    x = tl.load(logits_ptr + t * E + offs, mask=m, other=float("-inf"))
+    _topk_store(x, m, offs, w_ptr + t * K, ids_ptr + t * K, counts_ptr, K, KP2, NORM, COUNT)
 
 
 def route(
@@ -285,3 +294,129 @@ def route(
         num_warps=1,  # the top-k is k rounds of max + argmax: one warp's shuffles, no block-wide barriers
     )
     return w, ids
+
+
+@triton.jit
+def last_to_finish(done_row):
+    """Whether this program is the last of its row of the grid (axis 0) to get here. It counts itself done at
+    done_row (int32, zero before the launch) once all its threads' stores are out; the last one may then read what
+    the others stored (volatile loads: not from L1) and must set done_row back to zero for the next launch."""
+    tl.debug_barrier()
+    return tl.atomic_add(done_row, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1
+
+
+@triton.jit
+def _norm_route_kernel(
+    h_ptr,  # [T, D] float32 residual stream
+    nw_ptr,  # [D] norm weight
+    r_ptr,  # [E, D] float32 router rows
+    logits_ptr,  # [T, E] float32 scratch
+    done_ptr,  # [>= T] int32, zero between launches: programs of row t that have written their logits
+    y_ptr,  # [T, D] normalised, out dtype (OUT_Y)
+    y32_ptr,  # [T, D] normalised, float32 (OUT_Y32)
+    q_ptr,  # [T, D] float32 holding quantize_q8's layout (Q8)
+    w_ptr,  # [T, K] float32
+    ids_ptr,  # [T, K] int64
+    counts_ptr,  # [E] int64 (COUNT)
+    D,
+    E,
+    eps,
+    ROWS: tl.constexpr,  # router rows a program
+    BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    K: tl.constexpr,
+    KP2: tl.constexpr,
+    NORM: tl.constexpr,
+    COUNT: tl.constexpr,
+    OUT_Y: tl.constexpr,
+    OUT_Y32: tl.constexpr,
+    Q8: tl.constexpr,
+    SELECT: tl.constexpr,  # the top-k here (last program of a row), or logits only (`route` after)
+):
+    """The FFN's RMS norm, the router's logits and the softmax + top-k in one launch. Every program normalises the
+    row itself (8 KB from L2: cheaper than a launch) and computes ROWS logits; the last program of a row to finish
+    (an atomic count) reads all E logits back and selects, then zeroes the count for the next launch (and replay)."""
+    p = tl.program_id(0)
+    t = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    m = offs < D
+    h = tl.load(h_ptr + t * D + offs, mask=m, other=0.0)
+    y = (
+        h
+        * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
+        * tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    )
+    if p == 0:
+        if OUT_Y:
+            tl.store(y_ptr + t * D + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+        if OUT_Y32:
+            tl.store(y32_ptr + t * D + offs, y, mask=m)
+        if Q8:
+            store_q8(tl.where(m, y, 0.0), q_ptr + t * D, D, BLOCK)
+    e = p * ROWS + tl.arange(0, ROWS)
+    em = e < E
+    wr = tl.load(
+        r_ptr + e.to(tl.int64)[:, None] * D + offs[None, :], mask=em[:, None] & m[None, :], other=0.0
+    )
+    tl.store(logits_ptr + t * E + e, tl.sum(wr * y[None, :], axis=1), mask=em)
+    if SELECT:
+        if last_to_finish(done_ptr + t):
+            oe = tl.arange(0, BLOCK_E)
+            me = oe < E
+            x = tl.load(logits_ptr + t * E + oe, mask=me, other=float("-inf"), volatile=True)  # not from L1
+            _topk_store(x, me, oe, w_ptr + t * K, ids_ptr + t * K, counts_ptr, K, KP2, NORM, COUNT)
+            tl.store(done_ptr + t, 0)
+
+
+def norm_route(
+    h: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router: torch.Tensor,
+    k: int,
+    norm: bool,
+    counts: torch.Tensor | None,
+    done: torch.Tensor,
+    out_dtype: torch.dtype | None,
+    f32_copy: bool,
+    q8: bool,
+    launch: tuple[int, int] | None = None,
+    select: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """h [T, D] float32 -> (rms_norm(h) as out_dtype or None, its float32 copy or None, its 8-bit form
+    (quantize_q8's layout) or None, top-k weights [T, k], ids [T, k]) for the router `router` [E, D] float32:
+    `rms_norm_q8` + the router's GEMV + `route` in one launch. `done` [>= T] int32 zeros, owned by the caller (one
+    per call site: the kernel counts in it and leaves it zeroed). `launch`: (router rows a program, warps), by
+    default the tuning file's; `select` False (or the tuning file's third value 0): the top-k in a `route` launch
+    of its own after this one."""
+    t, d = h.shape
+    e = router.shape[0]
+    dev = h.device
+    block = triton.next_power_of_2(d)
+    if (
+        launch is None
+    ):  # the tuning file's pick (bench/gemv_graph_micro.py measures them): rows, warps, select
+        from engine.kernels.gemv import _tuned
+
+        got = _tuned().get("F32", {}).get("norm_route") or [4, 4, 1]
+        launch, select = (got[0], got[1]), select and bool(got[2])
+    rows, warps = launch
+    rows = max(
+        1, min(rows, 8192 // block)
+    )  # the router rows a program holds: [ROWS, BLOCK] floats in registers
+    y = torch.empty(t, d, dtype=out_dtype, device=dev) if out_dtype is not None else None
+    y32 = torch.empty(t, d, dtype=torch.float32, device=dev) if f32_copy else None
+    yq = torch.empty(t, d, dtype=torch.float32, device=dev) if q8 else None
+    logits = torch.empty(t, e, dtype=torch.float32, device=dev)
+    w = torch.empty(t, k, dtype=torch.float32, device=dev)
+    ids = torch.empty(t, k, dtype=torch.int64, device=dev)
+    _norm_route_kernel[(triton.cdiv(e, rows), t)](
+        h.contiguous(), norm_weight, router, logits, done, y if y is not None else logits,
+        y32 if y32 is not None else logits, yq if yq is not None else logits, w, ids,
+        counts if counts is not None else ids, d, e, eps,
+        ROWS=rows, BLOCK=block, BLOCK_E=triton.next_power_of_2(e), K=k, KP2=triton.next_power_of_2(k), NORM=norm,
+        COUNT=counts is not None, OUT_Y=y is not None, OUT_Y32=f32_copy, Q8=q8, SELECT=select, num_warps=warps,
+    )  # fmt: skip
+    if not select:
+        w, ids = route(logits, k, norm, counts)
+    return y, y32, yq, w, ids

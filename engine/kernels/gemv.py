@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QT
 
+from engine.kernels.fused import last_to_finish, store_q8
+
 # qtype -> (constexpr id, elements per block, bytes per block)
 KERNEL_TYPES: dict[QT, tuple[int, int, int]] = {
     QT.Q4_K: (0, 256, 144),
@@ -538,10 +540,18 @@ def _moe_gemv_combine_kernel(
     BLOCK_N: tl.constexpr,
     SB: tl.constexpr,
     ASM: tl.constexpr = True,
+    NEXT_NORM: tl.constexpr = False,  # the next layer's attention norm, 8-bit form, by the last program of a row
+    done_ptr=None,  # int32 [>= T] zeros: programs of row t done (NEXT_NORM)
+    nw_ptr=None,  # [N] the next layer's norm weight (NEXT_NORM)
+    q_ptr=None,  # [T, N] float32 for quantize_q8's layout (NEXT_NORM)
+    eps=0.0,
+    BLOCK_D: tl.constexpr = 1,  # N rounded up to a power of two (NEXT_NORM)
 ):
     """y[t] = r[t] + sum over the token's slots s of w[s] * (W_ids[s] . x[s]): the down projection of every
     selected expert, the weighted combine and the residual add in one launch. The rows of all the slots form one
-    set (their loads go out together) and are summed in a fixed order, so the result does not vary run to run."""
+    set (their loads go out together) and are summed in a fixed order, so the result does not vary run to run.
+    With NEXT_NORM the last program of a row to finish (an atomic count) also writes rms_norm(y[t]) * nw rounded
+    to 8 bits, the next layer's q/k/v input, in place of that layer's own norm launch."""
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     r = tl.arange(0, SLOTS * BLOCK_N)
@@ -561,6 +571,15 @@ def _moe_gemv_combine_kernel(
     m1 = offs1 < N
     acc += tl.load(r_ptr + t * N + offs1, mask=m1, other=0.0)
     tl.store(y_ptr + t * N + offs1, acc, mask=m1)
+    if NEXT_NORM:
+        if last_to_finish(done_ptr + t):
+            od = tl.arange(0, BLOCK_D)
+            md = od < N
+            h = tl.load(y_ptr + t * N + od, mask=md, other=0.0, volatile=True)  # other programs' rows: not L1
+            yv = h * tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+            yv = yv * tl.load(nw_ptr + od, mask=md, other=0.0).to(tl.float32)
+            store_q8(tl.where(md, yv, 0.0), q_ptr + t * N, N, BLOCK_D)
+            tl.store(done_ptr + t, 0)
 
 
 _BLOCK_N = 16
@@ -721,9 +740,12 @@ def moe_down_combine(
     launch: tuple[int, int, int] | None = None,
     variant: int | None = None,
     q8: bool = False,
+    next_norm: tuple[torch.Tensor, float, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """ids, weights [T, topk], x [T * topk, k] (each slot's activation), residual [T, n] float32 ->
-    float32 [T, n] = residual + the routing-weighted sum of the selected experts' down projections."""
+    float32 [T, n] = residual + the routing-weighted sum of the selected experts' down projections.
+    `next_norm` (weight [n], eps, out float32 [T, n], done int32 [>= T] zeros): also rms_norm(y) * weight rounded
+    to 8 bits (quantize_q8's layout) into out, from the same launch."""
     t, topk = ids.shape
     y = torch.empty(t, n, dtype=torch.float32, device=x.device)
     block_n, sb, warps, tuned_variant = _config(qtype, n, k, "moe_down")
@@ -732,9 +754,15 @@ def moe_down_combine(
     qid = tuned_variant if variant is None else variant
     x = x.contiguous()
     x = _activations(x, qid, q8)
+    extra = {}
+    if next_norm is not None:
+        nw, eps, q_out, done = next_norm
+        extra = dict(
+            NEXT_NORM=True, done_ptr=done, nw_ptr=nw, q_ptr=q_out, eps=eps, BLOCK_D=triton.next_power_of_2(n)
+        )
     _moe_gemv_combine_kernel[(triton.cdiv(n, block_n), t)](
         table, row_bytes, ids.contiguous(), weights.contiguous(), x, residual.contiguous(), y,
         lut(qtype, x.device), n, k, TOPK=topk, SLOTS=triton.next_power_of_2(topk), QTYPE=qid, BLOCK_N=block_n, SB=sb,
-        ASM=not _INTERPRETED, num_warps=warps,
+        ASM=not _INTERPRETED, num_warps=warps, **extra,
     )  # fmt: skip
     return y

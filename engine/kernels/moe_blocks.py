@@ -14,14 +14,21 @@ class Blocks:
     from the per-expert counts in one launch (engine.kernels.moe_gemm.block_table) instead of the ~18 torch ops
     here; the blocks in use (b < nblocks) are the same either way."""
 
-    def __init__(self, ids: torch.Tensor, n_expert: int, schedule: "Schedule | None" = None) -> None:
+    def __init__(
+        self,
+        ids: torch.Tensor,
+        n_expert: int,
+        schedule: "Schedule | None" = None,
+        order: "Order | None" = None,
+    ) -> None:
         flat = ids.reshape(-1)  # [S]
         s = flat.numel()
-        self.order = torch.argsort(flat, stable=True)  # [S]
         # index_add_, not bincount: bincount sizes its output from the largest id, a host sync each layer that
         # kept the host from queueing the next layer's launches while this one ran
         counts = torch.zeros(n_expert, dtype=torch.int64, device=flat.device)
         counts.index_add_(0, flat, torch.ones(s, dtype=torch.int64, device=flat.device))  # [E]
+        # the pairs by expert, in index order within one (`order`: engine.kernels.moe_gemm.expert_order)
+        self.order = order(flat, counts) if order is not None else torch.argsort(flat, stable=True)  # [S]
         self.max_blocks = -(-s // BLOCK_M) + n_expert  # a bound known on the host: the launch grid
         if schedule is not None:
             self.expert, self.start, self.end, self.nblocks = schedule(counts, self.max_blocks)
@@ -39,3 +46,5 @@ class Blocks:
 
 # counts [E], max_blocks -> expert, start, end [max_blocks] and nblocks [1] (int64, on the counts' device)
 Schedule = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+# ids [S], counts [E] -> the stable sort order of the ids [S] (int64)
+Order = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

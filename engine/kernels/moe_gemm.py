@@ -6,15 +6,13 @@ expert; each program multiplies one block by one BLOCK_N-row tile of that expert
 through the expert cache's address table (a VRAM slot, or pinned host memory over PCIe). No host synchronisation
 and no dequantized copy of any expert: the chunk's routing decides the work on the device."""
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QT
 
 from engine.kernels.gemv import _GLU, k_scales
-from engine.kernels.moe_blocks import BLOCK_M, Blocks, Schedule
+from engine.kernels.moe_blocks import BLOCK_M, Blocks
 
 # Block types with a tile dequantizer here (K a multiple of 256): id as in engine.kernels.gemv.
 TILE_TYPES = {QT.Q4_K: 0, QT.Q6_K: 1, QT.Q8_0: 2, QT.Q4_0: 3, QT.Q5_K: 4, QT.MXFP4: 8, QT.IQ4_XS: 9}
@@ -199,75 +197,33 @@ def _block_table_kernel(
     counts_ptr, expert_ptr, start_ptr, end_ptr, nblocks_ptr, E, MAXB,
     BLOCK_M: tl.constexpr, EP: tl.constexpr, BB: tl.constexpr,
 ):  # fmt: skip
-    """One program: the per-expert slot counts -> for each block b, its expert, first and one-past-last sorted
-    position; and the number of blocks in use. Block b belongs to the expert whose cumulative block count first
-    exceeds b (searchsorted, right)."""
-    e = tl.arange(0, EP)
-    cnt = tl.load(counts_ptr + e, mask=e < E, other=0)
-    nblk = (cnt + BLOCK_M - 1) // BLOCK_M
-    cum_blk = tl.cumsum(nblk, axis=0)  # [EP]
-    first = tl.cumsum(cnt, axis=0) - cnt  # first sorted position of each expert
-    total = tl.sum(nblk, axis=0)
-    tl.store(nblocks_ptr, total.to(tl.int64))
-    for b0 in range(0, MAXB, BB):
-        b = b0 + tl.arange(0, BB)  # [BB]
-        # experts whose blocks all lie at or before b: the expert of b is their count (clamped)
-        ex = tl.sum(((cum_blk[None, :] <= b[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
-        ex = tl.minimum(ex, E - 1)
-        pick = e[None, :] == ex[:, None]  # [BB, EP] one-hot
-        c_first = tl.sum(tl.where(pick, first[None, :], 0), axis=1)
-        c_cnt = tl.sum(tl.where(pick, cnt[None, :], 0), axis=1)
-        c_blk0 = tl.sum(tl.where(pick, (cum_blk - nblk)[None, :], 0), axis=1)
-        start = c_first + (b - c_blk0) * BLOCK_M
-        end = tl.minimum(start + BLOCK_M, c_first + c_cnt)
-        m = b < MAXB
-        tl.store(expert_ptr + b, ex.to(tl.int64), mask=m)
-        tl.store(start_ptr + b, start.to(tl.int64), mask=m)
-        tl.store(end_ptr + b, end.to(tl.int64), mask=m)
-
-
-@triton.jit
-def _block_scatter_kernel(
-    counts_ptr, expert_ptr, start_ptr, end_ptr, nblocks_ptr, E, BLOCK_M: tl.constexpr, EP: tl.constexpr
-):  # fmt: skip
-    """One program, a lane per expert: each expert writes its own blocks (the j-th at its first block + j), one
-    block of every expert a step, as many steps as the busiest expert has blocks. The block table of
-    _block_table_kernel for the blocks in use (b < nblocks; the grouped kernel reads no other), with [EP] int32
-    lanes instead of [BB, EP] int64 tiles."""
+    """Blocks b0..b0+BB of the table, one program each BB: the per-expert slot counts -> for each block b, its
+    expert, first and one-past-last sorted position; and (program 0) the number of blocks in use. Block b belongs
+    to the expert whose cumulative block count first exceeds b (searchsorted, right). Every program recomputes
+    the E-long sums (cheaper than a second launch); int32 lanes and [BB, EP] tiles small enough for registers
+    (one program walking all blocks in [64, EP] int64 tiles spilled: 60 us a layer on an H200)."""
     e = tl.arange(0, EP)
     em = e < E
     cnt = tl.load(counts_ptr + e, mask=em, other=0).to(tl.int32)
     nblk = (cnt + BLOCK_M - 1) // BLOCK_M
-    blk0 = tl.cumsum(nblk, axis=0) - nblk  # the expert's first block
-    first = tl.cumsum(cnt, axis=0) - cnt  # its first sorted position
-    tl.store(nblocks_ptr, tl.sum(nblk, axis=0).to(tl.int64))
-    for j in range(0, tl.max(nblk, axis=0)):
-        m = em & (j < nblk)
-        b = blk0 + j
-        start = first + j * BLOCK_M
-        tl.store(expert_ptr + b, e.to(tl.int64), mask=m)
-        tl.store(start_ptr + b, start.to(tl.int64), mask=m)
-        tl.store(end_ptr + b, tl.minimum(start + BLOCK_M, first + cnt).to(tl.int64), mask=m)
-
-
-def block_scatter(
-    counts: torch.Tensor, max_blocks: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """block_table's schedule for the blocks in use, written expert by expert (_block_scatter_kernel); the
-    entries past nblocks are left unwritten."""
-    out = torch.empty(3, max_blocks, dtype=torch.int64, device=counts.device)
-    nblocks = torch.empty(1, dtype=torch.int64, device=counts.device)
-    e = counts.numel()
-    _block_scatter_kernel[(1,)](
-        counts, out[0], out[1], out[2], nblocks, e, BLOCK_M=BLOCK_M, EP=triton.next_power_of_2(e), num_warps=4
-    )
-    return out[0], out[1], out[2], nblocks
-
-
-def schedule() -> "Schedule":
-    """The block-table launch prompt chunks use: block_table, or block_scatter with STRATA_BLOCK_SCATTER=1 (it has
-    not run on a GPU yet: tests/engine/test_gpu_fused_decode.py::test_block_table_matches_the_torch_schedule)."""
-    return block_scatter if os.environ.get("STRATA_BLOCK_SCATTER") == "1" else block_table
+    cum_blk = tl.cumsum(nblk, axis=0)  # [EP]
+    first = tl.cumsum(cnt, axis=0) - cnt  # first sorted position of each expert
+    if tl.program_id(0) == 0:
+        tl.store(nblocks_ptr, tl.sum(nblk, axis=0).to(tl.int64))
+    b = tl.program_id(0) * BB + tl.arange(0, BB)  # [BB]
+    # experts whose blocks all lie at or before b: the expert of b is their count (clamped)
+    ex = tl.sum(((cum_blk[None, :] <= b[:, None]) & em[None, :]).to(tl.int32), axis=1)
+    ex = tl.minimum(ex, E - 1)
+    pick = e[None, :] == ex[:, None]  # [BB, EP] one-hot
+    c_first = tl.sum(tl.where(pick, first[None, :], 0), axis=1)
+    c_cnt = tl.sum(tl.where(pick, cnt[None, :], 0), axis=1)
+    c_blk0 = tl.sum(tl.where(pick, (cum_blk - nblk)[None, :], 0), axis=1)
+    start = c_first + (b - c_blk0) * BLOCK_M
+    end = tl.minimum(start + BLOCK_M, c_first + c_cnt)
+    m = b < MAXB
+    tl.store(expert_ptr + b, ex.to(tl.int64), mask=m)
+    tl.store(start_ptr + b, start.to(tl.int64), mask=m)
+    tl.store(end_ptr + b, end.to(tl.int64), mask=m)
 
 
 def block_table(
@@ -279,12 +235,40 @@ def block_table(
     out = torch.empty(3, max_blocks, dtype=torch.int64, device=dev)
     nblocks = torch.empty(1, dtype=torch.int64, device=dev)
     e = counts.numel()
-    _block_table_kernel[(1,)](
-        counts, out[0], out[1], out[2], nblocks, e, max_blocks,
-        BLOCK_M=BLOCK_M, EP=triton.next_power_of_2(e), BB=max(1, min(64, 8192 // triton.next_power_of_2(e))),
-        num_warps=4,
+    ep = triton.next_power_of_2(e)
+    bb = max(1, min(16, 2048 // ep))
+    _block_table_kernel[(triton.cdiv(max_blocks, bb),)](
+        counts, out[0], out[1], out[2], nblocks, e, max_blocks, BLOCK_M=BLOCK_M, EP=ep, BB=bb, num_warps=4,
     )  # fmt: skip
     return out[0], out[1], out[2], nblocks
+
+
+@triton.jit
+def _expert_order_kernel(ids_ptr, counts_ptr, order_ptr, S, E, EP: tl.constexpr, TILE: tl.constexpr):
+    """Program e: the positions of the (token, slot) pairs that chose expert e, in index order, written from its
+    first sorted position on (the exclusive sum of the counts of the experts before it): what a stable argsort of
+    the ids by expert gives, in one launch instead of a radix sort's."""
+    ex = tl.program_id(0)
+    e = tl.arange(0, EP)
+    before = tl.sum(tl.load(counts_ptr + e, mask=e < ex, other=0), axis=0)  # int64
+    offs = tl.arange(0, TILE)
+    for s0 in range(0, S, TILE):
+        s = s0 + offs
+        hit = (tl.load(ids_ptr + s, mask=s < S, other=-1) == ex).to(tl.int32)
+        rank = tl.cumsum(hit, axis=0) - hit  # exclusive: the hits before this one in the tile
+        tl.store(order_ptr + before + rank, s.to(tl.int64), mask=hit != 0)
+        before += tl.sum(hit, axis=0)
+
+
+def expert_order(flat: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """flat [S] expert ids, counts [E] (int64, how many of each) -> order [S] int64: torch.argsort(flat,
+    stable=True), one program per expert."""
+    s, e = flat.numel(), counts.numel()
+    order = torch.empty(s, dtype=torch.int64, device=flat.device)
+    _expert_order_kernel[(e,)](
+        flat.contiguous(), counts, order, s, e, EP=triton.next_power_of_2(e), TILE=1024
+    )
+    return order
 
 
 BLOCK_N = 64

@@ -3,12 +3,14 @@
 At batch 1 a step is bound by how many kernels it launches, not by the bytes it reads, so this path fuses what the
 general `DecoderLM.layer_at` runs as separate torch ops: one GEMV for q, k and v (their blocks concatenated at load),
 norm + RoPE of queries and keys together with the cache write, attention straight from the cache, the output
-projection with the residual add, the norm giving both the experts' and the router's copies, and the experts' down
+projection with the residual add, the FFN norm with the router and its top-k (one launch), and the experts' down
 projection with the weighted combine and the residual add. Same math as the general path; the tests compare them."""
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
+from gguf import GGMLQuantizationType as QT
 
 from engine.layers.kv_cache import KVCache, KVCacheError
 from engine.layers.moe import ACTIVATIONS, expert_tables, route_and_count
@@ -38,6 +40,18 @@ def available(model: "DecoderLM") -> bool:
     return capturable(model)  # the experts' block types have fused kernels
 
 
+def route_counts(model: "DecoderLM") -> dict[int, torch.Tensor] | None:
+    """Per MoE layer, zeroed int32 counts [2, FAST_MAX_ROWS] that two launches count their finished programs in:
+    the norm + router launch (fused.norm_route) and the down projection that also writes the next layer's norm
+    (gemv.moe_down_combine's next_norm). Made at load, outside any graph capture. None with STRATA_NORM_ROUTE=0
+    (the separate launches run instead)."""
+    moe = [i for i, lw in model.layers.items() if lw.experts is not None]
+    if os.environ.get("STRATA_NORM_ROUTE", "1") == "0" or not moe:
+        return None
+    buf = torch.zeros(len(moe), 2, FAST_MAX_ROWS, dtype=torch.int32, device=model.device)
+    return {i: buf[j] for j, i in enumerate(moe)}  # [2, rows]: the router's launch, the down projection's
+
+
 def fuse_qkv(q, k, v):  # -> (qkv QTensor, q view, k view, v view), or None where the block types differ
     """One weight for the three projections (one GEMV launch); q, k and v become views of its rows."""
     from engine.layers.qtensor import QTensor
@@ -60,7 +74,7 @@ def layer(
 ) -> torch.Tensor:
     """hidden [T, D] float32 at positions `pos` [T] -> hidden [T, D] float32 (T <= FAST_MAX_ROWS)."""
     from engine.kernels.attention import decode_attention, rope_store
-    from engine.kernels.fused import rms_norm, rms_norm_pair, rms_norm_q8
+    from engine.kernels.fused import norm_route, rms_norm, rms_norm_pair, rms_norm_q8
     from engine.kernels.gemv import moe_down_combine, moe_gemv, quantize_q8, wants_q8
 
     if span > cache.max_ctx:
@@ -70,12 +84,19 @@ def layer(
     c, lw, dt = model.cfg, model.layers[i], model.dtype
     qd, kd = c.n_head * c.head_dim_k, c.n_head_kv * c.head_dim_k
     lk = cache.layers[i]
+    pre, model.prenormed = model.prenormed, None
+    pre_q8 = (
+        pre[2] if pre is not None and pre[0] == i and pre[1] is h else None
+    )  # the last layer's launch wrote it
     h = h.float()
     # Under --activations int8 a launch may read activations rounded to 8 bits (wants_q8): the norms write
     # them beside their float outputs, other inputs are rounded in one launch.
     if lw.qkv is not None and wants_q8(lw.qkv.qtype, *lw.qkv.shape):
-        x, _, xq = rms_norm_q8(h, lw.attn_norm, c.rms_eps, dt)
-        qkv = lw.qkv.linear(x, q8=xq)  # [T, qd + kd + vd]
+        if pre_q8 is not None:
+            qkv = lw.qkv.linear(h, q8=pre_q8, out_dtype=dt)  # [T, qd + kd + vd]
+        else:
+            x, _, xq = rms_norm_q8(h, lw.attn_norm, c.rms_eps, dt)
+            qkv = lw.qkv.linear(x, q8=xq)
     else:
         x = rms_norm(h, lw.attn_norm, c.rms_eps, dt)
         qkv = (
@@ -109,23 +130,53 @@ def layer(
     g, dn = le.gate.host, le.down.host
     f, d = g.shape[1], c.n_embd
     xq = None
-    if wants_q8(g.qtype, f, d, "moe"):
-        x, x32, xq = rms_norm_q8(h, lw.ffn_norm, c.rms_eps, dt, f32_copy=True)
-        assert x32 is not None
-    else:
-        x, x32 = rms_norm_pair(h, lw.ffn_norm, c.rms_eps, dt)
+    q8 = wants_q8(g.qtype, f, d, "moe")
     counts = model.expert_counts[i] if model.expert_counts is not None else None
-    w, ids = route_and_count(x32, le.router, c.n_expert_used, c.expert_weights_norm, counts)  # [T, k]
+    done = model.route_done.get(i) if model.route_done is not None else None
+    if done is not None and le.router.qtype == QT.F32 and le.router.raw.is_contiguous():
+        # norm + router + top-k in one launch; the float copies only where a later op reads them
+        shexp = lw.shexp_gate is not None
+        x, x32, xq, w, ids = norm_route(
+            h, lw.ffn_norm, c.rms_eps, le.router.raw.view(torch.float32), c.n_expert_used, c.expert_weights_norm,
+            counts, done[0], dt if shexp or not q8 else None, lw.shexp_gate_inp is not None, q8,
+        )  # fmt: skip
+    else:
+        if q8:
+            x, x32, xq = rms_norm_q8(h, lw.ffn_norm, c.rms_eps, dt, f32_copy=True)
+        else:
+            x, x32 = rms_norm_pair(h, lw.ffn_norm, c.rms_eps, dt)
+        assert x32 is not None
+        w, ids = route_and_count(x32, le.router, c.n_expert_used, c.expert_weights_norm, counts)  # [T, k]
     gt, ut, dt, sid = expert_tables(model.expert_cache, i, ids)
-    hid = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, x if xq is None else xq, f, d, c.n_expert_used, up_table=ut,
-                   act=c.activation, q8=xq is not None)  # fmt: skip
+    xin = x if xq is None else xq
+    assert xin is not None
+    hid = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, xin, f, d, c.n_expert_used, up_table=ut, act=c.activation,
+                   q8=xq is not None)  # fmt: skip
     if lw.shexp_gate is not None:  # the shared expert joins the residual first; the routed ones add to that
-        assert lw.shexp_up is not None and lw.shexp_down is not None
+        assert lw.shexp_up is not None and lw.shexp_down is not None and x is not None
         act = ACTIVATIONS[c.activation]
         s = lw.shexp_down.linear(act(lw.shexp_gate.linear(x)) * lw.shexp_up.linear(x)).float()
         if lw.shexp_gate_inp is not None:
+            assert x32 is not None
             s = s * torch.sigmoid(x32 @ lw.shexp_gate_inp).unsqueeze(-1)  # [T, 1]
         h = h + s
-    if wants_q8(dn.qtype, d, f, "moe_down"):
-        return moe_down_combine(dt, dn.qtype, dn.raw.shape[-1], sid, w, quantize_q8(hid), h, d, f, q8=True)
-    return moe_down_combine(dt, dn.qtype, dn.raw.shape[-1], sid, w, hid, h, d, f)
+    nxt, next_norm = model.layers.get(i + 1), None
+    if (
+        done is not None
+        and nxt is not None
+        and nxt.qkv is not None
+        and wants_q8(nxt.qkv.qtype, *nxt.qkv.shape)
+    ):
+        # the next layer's attention norm from this launch's last program (one launch fewer a layer)
+        next_norm = (
+            nxt.attn_norm,
+            c.rms_eps,
+            torch.empty(h.shape, dtype=torch.float32, device=h.device),
+            done[1],
+        )
+    q8d = wants_q8(dn.qtype, d, f, "moe_down")
+    out = moe_down_combine(dt, dn.qtype, dn.raw.shape[-1], sid, w, quantize_q8(hid) if q8d else hid, h, d, f,
+                           q8=q8d, next_norm=next_norm)  # fmt: skip
+    if next_norm is not None:
+        model.prenormed = (i + 1, out, next_norm[2])
+    return out

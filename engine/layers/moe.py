@@ -204,12 +204,12 @@ def _grouped(
 ) -> torch.Tensor:
     """All the chunk's routed experts as two grouped launches (gate/up with the activation, down), then the
     weighted combine."""
-    from engine.kernels.moe_gemm import Blocks, moe_gemm, schedule
+    from engine.kernels.moe_gemm import Blocks, block_table, expert_order, moe_gemm
 
     g, dn = le.gate.host, le.down.host
     t, d = x.shape
     f = g.shape[1]
-    blocks = Blocks(ids, le.router.shape[0], schedule())
+    blocks = Blocks(ids, le.router.shape[0], block_table, expert_order)
     s = t * k
     h = moe_gemm(blocks, tabs[0], g.qtype, g.raw.shape[-1], x, f, d, k, s, up_table=tabs[1], act=act,
                  out_dtype=x.dtype)  # fmt: skip

@@ -104,12 +104,27 @@ class QTensor:
             part.cache = self.cache
         return part
 
+    def reads_q8(self, x: torch.Tensor) -> bool:
+        """Whether `linear(x)` runs a GEMV body on 8-bit activations (engine.kernels.gemv.wants_q8): a caller
+        that normalises x may then write that form in the same launch and pass it as `q8`."""
+        n_out, n_in = self.shape
+        if not (x.is_cuda and x.numel() <= _GEMV_MAX_ROWS * n_in and _gemv_for(self.qtype, n_in) is not None):
+            return False
+        from engine.kernels.gemv import wants_q8
+
+        return wants_q8(self.qtype, n_out, n_in)
+
     def linear(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, q8: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        q8: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """x @ W.T for a 2-D weight [n_out, n_in]; x [..., n_in] -> [..., n_out]. With `residual` (float32, the
         output's shape) the result is residual + x @ W.T in float32, one kernel on the GEMV path. `q8`: x rounded
-        to 8 bits (engine.kernels.gemv.quantize_q8), for a GEMV launch that reads it (wants_q8)."""
+        to 8 bits (engine.kernels.gemv.quantize_q8), for a GEMV launch that reads it (wants_q8); the launch then
+        reads q8 only, and gives out_dtype (default x's)."""
         n_out, n_in = self.shape
         if x.is_cuda and x.numel() <= _GEMV_MAX_ROWS * n_in:
             gemv = _gemv_for(self.qtype, n_in)
@@ -120,7 +135,8 @@ class QTensor:
                     y = gemv(self.raw, self.qtype, n_out, n_in, flat, out_dtype=torch.float32, residual=res,
                              q8=q8 is not None)  # fmt: skip
                 else:
-                    y = gemv(self.raw, self.qtype, n_out, n_in, flat, out_dtype=x.dtype, q8=q8 is not None)
+                    y = gemv(self.raw, self.qtype, n_out, n_in, flat, out_dtype=out_dtype or x.dtype,
+                             q8=q8 is not None)  # fmt: skip
                 return y.reshape(*x.shape[:-1], n_out)
         if residual is not None:
             return residual + self.linear(x).float()

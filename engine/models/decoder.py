@@ -52,6 +52,9 @@ class DecoderLM(FamilyLM):
     of `ModelConfig` (the stage surface - embed, layers, head, forward, CUDA graphs - is `FamilyLM`'s)."""
 
     fast = False  # the fused decode path (engine/layers/fast_decode.py), decided once loaded
+    route_done: dict[int, torch.Tensor] | None = None  # its fused launches' counts (fast_decode.route_counts)
+    # (next layer, its input, that input's attention norm in 8 bits), written by a layer's last launch
+    prenormed: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def _before_layers(self, gf: GGUFFile) -> None:
         freq_factors = Weights(gf, torch.device("cpu")).opt_f(
@@ -66,6 +69,7 @@ class DecoderLM(FamilyLM):
         if self.fast:
             for lw in self.layers.values():
                 self._fuse_qkv(lw)  # type: ignore[arg-type]
+            self.route_done = fast_decode.route_counts(self)
 
     def _fuse_qkv(self, lw: LayerWeights) -> None:
         fused = fast_decode.fuse_qkv(lw.q, lw.k, lw.v)

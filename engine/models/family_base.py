@@ -330,8 +330,13 @@ class FamilyLM:
     def head(self, h: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """hidden [T, D] -> logits [T, V] float32 ([1, V], the last row's, with `last_only`)"""
         assert self.output is not None and self.output_norm is not None
-        x = self.norm(h[-1:].float() if last_only else h.float(), self.output_norm, self.dtype)
-        return self.output.linear(x).float()
+        hf = h[-1:].float() if last_only else h.float()
+        if self.output.reads_q8(hf):  # the norm writes the head's 8-bit input too (one launch fewer)
+            from engine.kernels.fused import rms_norm_q8
+
+            x, _, xq = rms_norm_q8(hf, self.output_norm, self.cfg.rms_eps, self.dtype)
+            return self.output.linear(x, q8=xq).float()
+        return self.output.linear(self.norm(hf, self.output_norm, self.dtype)).float()
 
     def layer(self, i: int, h: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """hidden [T, D] at positions start..start+T -> hidden [T, D]"""

@@ -17,7 +17,6 @@ The recurrent state lives in a `RecurrentCache` (its docstring says how truncati
 and the prompt cache meet a state that cannot be indexed by position); a forward must start at `cache.length`.
 """
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,10 +54,9 @@ REPLAY_CHUNK = 512  # tokens per forward when positions lost to a truncation are
 
 
 def fused_delta_net(dk: int, dv: int) -> bool:
-    """The two-launch delta-net decode step (engine/kernels/delta_net.py): power-of-two head sizes, and not yet run
-    on a GPU (tests/engine/test_families_gpu.py::test_qwen3next_fused_delta_step_matches_the_torch_ops), so only
-    with STRATA_FUSED_DELTA_NET=1."""
-    return os.environ.get("STRATA_FUSED_DELTA_NET") == "1" and dk & (dk - 1) == 0 and dv & (dv - 1) == 0
+    """Whether the two-launch delta-net decode step (engine/kernels/delta_net.py) serves these head sizes (powers
+    of two); the torch ops run otherwise."""
+    return dk & (dk - 1) == 0 and dv & (dv - 1) == 0
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -85,9 +84,7 @@ class LocalStage:
         # Triton launches on the current card, not on its tensors' card: a stage on another card than the main
         # one makes its own current while it runs
         with on_device(self.device):
-            if self.graphs is not None and (
-                x.shape[0] == 1 or (x.shape[0] <= _WINDOW_ROWS and window_graphs())
-            ):
+            if self.graphs is not None and x.shape[0] <= _WINDOW_ROWS:
                 return self.graphs.step(x, cache, start)  # a decode step, or a verify window (--spec)
             m = self.model
             h = m.embed(x.to(self.device)) if m.has_embed else x  # [T, D]
@@ -104,15 +101,10 @@ class LocalStage:
         return m.head(h) if self.with_head else h
 
 
-# Verify windows (--spec) on a split's stages as graphs of their row count, as one-token steps are: a window ran
-# eagerly there, its few hundred launches one by one (on one H200 --spec 4 on a 2-stage split decoded at half the
-# speed of --spec 0). Not yet run on a GPU (tests/engine/spec/test_spec_gpu.py::test_split_windows_as_graphs), so
-# only with STRATA_STAGE_WINDOW_GRAPHS=1.
+# Verify windows (--spec) on a split's stages run as graphs of their row count, as one-token steps do: run eagerly,
+# a window's few hundred launches went one by one (on one H200 --spec 4 on a 2-stage split decoded at half the
+# speed of --spec 0; as graphs, at 2.05x it).
 _WINDOW_ROWS = 8  # the fused decode step's most rows (engine.layers.fast_decode.FAST_MAX_ROWS)
-
-
-def window_graphs() -> bool:
-    return os.environ.get("STRATA_STAGE_WINDOW_GRAPHS") == "1"
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -232,16 +224,37 @@ class SplitModel:
         self.clock = ForwardClock(self.devices) if self.measure else None  # a replay below counts in it
         if lost and start > 0:
             self._replay(cache, start)
+        recurrent = hasattr(
+            cache, "replay_from"
+        )  # a RecurrentCache (qwen3next): the bookkeeping its forward does
+        if recurrent:
+            self._reread(cache, start)
         if self.pipeline and len(self.stages) > 1 and t > self.pipe_chunk:
             logits = self._pipelined(tokens, cache, start)
         else:
             logits = self._serial(tokens, cache, start)
+        if recurrent:
+            cache.advance(start, [int(v) for v in tokens.tolist()])  # type: ignore[attr-defined]
+            if t > 1:
+                cache.checkpoint()  # type: ignore[attr-defined]
         cache.length = start + t
         self.history.extend(int(v) for v in tokens.tolist())
         self.timing.tokens = t
         if self.timing_sink is not None:
             self.timing_sink(self._timing_line(t, start))
         return logits
+
+    def _reread(self, cache: KVCache, start: int) -> None:
+        """Before a forward at `start` on a cache with recurrent state: the positions its state lost to a
+        truncation it could not undo exactly (a rejected verify window, see RecurrentCache) are read again."""
+        replay = cache.replay_from(start)  # type: ignore[attr-defined]
+        at = cache.state_pos  # type: ignore[attr-defined]
+        last_only, self._last_only = self._last_only, True
+        for a in range(0, len(replay), self.replay_chunk):
+            part = replay[a : a + self.replay_chunk]
+            self._serial(torch.tensor(part, dtype=torch.long), cache, at + a)
+            cache.advance(at + a, part)  # type: ignore[attr-defined]
+        self._last_only = last_only
 
     # ---- stages in other processes (engine/link) ----
 

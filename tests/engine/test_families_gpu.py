@@ -91,20 +91,22 @@ def test_qwen3next_prompt_chunks_on_cuda(tmp_path: Path) -> None:
 def test_qwen3next_fused_delta_step_matches_the_torch_ops(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """STRATA_FUSED_DELTA_NET=1: a decode step's delta-net layers in two launches each (engine/kernels/delta_net.py)
-    give the torch ops' logits, step after step (the states carried by both), and the same greedy tokens."""
+    """A decode step's delta-net layers in two launches each (engine/kernels/delta_net.py) give the torch ops'
+    logits, step after step (the states carried by both), and the same greedy tokens."""
+    import engine.models.qwen3next as q3n
+
     path = write_tiny_family(tmp_path / "q3n.gguf", "qwen3next", qtype="Q8_0", seed=7)
     m = load_model(path, device="cuda", dtype="f32").model
     logits = {}
-    for fused in ("0", "1"):
-        monkeypatch.setenv("STRATA_FUSED_DELTA_NET", fused)
+    for fused in (False, True):
+        monkeypatch.setattr(q3n, "fused_delta_net", lambda dk, dv, on=fused: on)
         cache = m.new_cache(256, "f32")
         m.forward(torch.tensor(PROMPT), cache, 0)
         steps = [m.forward(torch.tensor([t]), cache, len(PROMPT) + n) for n, t in enumerate(PROMPT[:12])]
         logits[fused] = torch.cat(steps)
-    assert (logits["1"] - logits["0"]).abs().max().item() <= 1e-4
-    monkeypatch.setenv("STRATA_FUSED_DELTA_NET", "0")
+    assert (logits[True] - logits[False]).abs().max().item() <= 1e-4
+    monkeypatch.setattr(q3n, "fused_delta_net", lambda dk, dv: False)
     plain, _ = _greedy(path)
-    monkeypatch.setenv("STRATA_FUSED_DELTA_NET", "1")
+    monkeypatch.setattr(q3n, "fused_delta_net", lambda dk, dv: True)
     fused_tokens, _ = _greedy(path)
     assert fused_tokens == plain

@@ -57,13 +57,12 @@ def test_greedy_same_with_windows_on_cuda(tiny_models: dict[str, Path]) -> None:
 
 
 def test_split_windows_as_graphs(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 2-stage split on one card with STRATA_STAGE_WINDOW_GRAPHS=1: each stage replays its verify windows from
+    """A 2-stage split on one card: each stage replays its verify windows from
     graphs of their row count; greedy tokens with --spec 4 (drafts right, wrong, and sometimes wrong) are the
     one-card model's without drafts, and the stages did capture window graphs."""
     from engine.pipeline.split import SplitOptions, load_split_model
     from engine.pipeline.stages import LocalStage, SplitModel
 
-    monkeypatch.setenv("STRATA_STAGE_WINDOW_GRAPHS", "1")
     lm = load_model(tiny_models["qwen3moe"], "cuda", "f32")
     n = 40
     ref = reference_greedy(lm.model, PROMPT, n, 256)

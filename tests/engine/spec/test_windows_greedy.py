@@ -72,8 +72,7 @@ def test_one_stage(tiny_models: dict[str, Path], arch: str) -> None:
         assert t.decode_windows < (N - 1) / 2
 
 
-# qwen3next: the split's one cache object does not carry the stages' recurrent states yet (engine/pipeline/stages.py)
-@pytest.mark.parametrize("arch", [a for a in EVERY_ARCHITECTURE if a != "qwen3next"])
+@pytest.mark.parametrize("arch", EVERY_ARCHITECTURE)
 def test_two_stage_split(tiny_models: dict[str, Path], arch: str) -> None:
     path = tiny_models[arch]
     ref_model = load_model(path, "cpu", "f32")
@@ -98,6 +97,9 @@ def test_two_stage_split(tiny_models: dict[str, Path], arch: str) -> None:
     # Guessed windows: with right drafts the front stages' guesses hold; forced misses read every window again.
     held = _run(sm, tok, SpecConfig(n=4, pipeline_windows=2), right)
     assert held.tokens == ref
+    if arch == "qwen3next":  # recurrent state: --pipeline-windows stays off (pipeline_support says why)
+        assert held.timings.guessed_windows == 0
+        return
     assert held.timings.guessed_kept >= 2 and held.timings.drafts_accepted == held.timings.drafts_proposed
     missed = _run(sm, tok, SpecConfig(n=4, pipeline_windows=2, force_guess_miss=True), right)
     assert missed.tokens == ref
