@@ -333,19 +333,16 @@ def _norm_route_kernel(
     Q8: tl.constexpr,
     SELECT: tl.constexpr,  # the top-k here (last program of a row), or logits only (`route` after)
 ):
-    """The FFN's RMS norm, the router's logits and the softmax + top-k in one launch. Every program normalises the
-    row itself (8 KB from L2: cheaper than a launch) and computes ROWS logits; the last program of a row to finish
-    (an atomic count) reads all E logits back and selects, then zeroes the count for the next launch (and replay)."""
+    """The FFN's RMS norm and the router's logits in one launch, and with SELECT the softmax + top-k too. Every
+    program normalises the row itself (8 KB from L2: cheaper than a launch) and computes ROWS logits; with SELECT
+    the last program of a row to finish (last_to_finish) reads all E logits back and selects."""
     p = tl.program_id(0)
     t = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     m = offs < D
     h = tl.load(h_ptr + t * D + offs, mask=m, other=0.0)
-    y = (
-        h
-        * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
-        * tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    )
+    nw = tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    y = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps) * nw
     if p == 0:
         if OUT_Y:
             tl.store(y_ptr + t * D + offs, y.to(y_ptr.dtype.element_ty), mask=m)
@@ -385,7 +382,7 @@ def norm_route(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """h [T, D] float32 -> (rms_norm(h) as out_dtype or None, its float32 copy or None, its 8-bit form
     (quantize_q8's layout) or None, top-k weights [T, k], ids [T, k]) for the router `router` [E, D] float32:
-    `rms_norm_q8` + the router's GEMV + `route` in one launch. `done` [>= T] int32 zeros, owned by the caller (one
+    `rms_norm_q8` + the router's GEMV + `route` in one launch (or two, with the top-k apart). `done` [>= T] int32 zeros, owned by the caller (one
     per call site: the kernel counts in it and leaves it zeroed). `launch`: (router rows a program, warps), by
     default the tuning file's; `select` False (or the tuning file's third value 0): the top-k in a `route` launch
     of its own after this one."""
@@ -393,17 +390,15 @@ def norm_route(
     e = router.shape[0]
     dev = h.device
     block = triton.next_power_of_2(d)
-    if (
-        launch is None
-    ):  # the tuning file's pick (bench/gemv_graph_micro.py measures them): rows, warps, select
+    if launch is None:
+        # the tuning file's pick (bench/gemv_graph_micro.py measures them): rows, warps, select
         from engine.kernels.gemv import _tuned
 
         got = _tuned().get("F32", {}).get("norm_route") or [4, 4, 1]
         launch, select = (got[0], got[1]), select and bool(got[2])
     rows, warps = launch
-    rows = max(
-        1, min(rows, 8192 // block)
-    )  # the router rows a program holds: [ROWS, BLOCK] floats in registers
+    # the router rows a program holds: [ROWS, BLOCK] floats in registers
+    rows = max(1, min(rows, 8192 // block))
     y = torch.empty(t, d, dtype=out_dtype, device=dev) if out_dtype is not None else None
     y32 = torch.empty(t, d, dtype=torch.float32, device=dev) if f32_copy else None
     yq = torch.empty(t, d, dtype=torch.float32, device=dev) if q8 else None

@@ -84,10 +84,8 @@ def layer(
     c, lw, dt = model.cfg, model.layers[i], model.dtype
     qd, kd = c.n_head * c.head_dim_k, c.n_head_kv * c.head_dim_k
     lk = cache.layers[i]
-    pre, model.prenormed = model.prenormed, None
-    pre_q8 = (
-        pre[2] if pre is not None and pre[0] == i and pre[1] is h else None
-    )  # the last layer's launch wrote it
+    pre, model.prenormed = model.prenormed, None  # the layer before may have written this one's norm (8 bits)
+    pre_q8 = pre[2] if pre is not None and pre[0] == i and pre[1] is h else None
     h = h.float()
     # Under --activations int8 a launch may read activations rounded to 8 bits (wants_q8): the norms write
     # them beside their float outputs, other inputs are rounded in one launch.
@@ -134,7 +132,8 @@ def layer(
     counts = model.expert_counts[i] if model.expert_counts is not None else None
     done = model.route_done.get(i) if model.route_done is not None else None
     if done is not None and le.router.qtype == QT.F32 and le.router.raw.is_contiguous():
-        # norm + router + top-k in one launch; the float copies only where a later op reads them
+        # the norm and the router's logits in one launch (the top-k too, where the tuning file says so); the
+        # float copies only where a later op reads them
         shexp = lw.shexp_gate is not None
         x, x32, xq, w, ids = norm_route(
             h, lw.ffn_norm, c.rms_eps, le.router.raw.view(torch.float32), c.n_expert_used, c.expert_weights_norm,
@@ -147,7 +146,7 @@ def layer(
             x, x32 = rms_norm_pair(h, lw.ffn_norm, c.rms_eps, dt)
         assert x32 is not None
         w, ids = route_and_count(x32, le.router, c.n_expert_used, c.expert_weights_norm, counts)  # [T, k]
-    gt, ut, dt, sid = expert_tables(model.expert_cache, i, ids)
+    gt, ut, dnt, sid = expert_tables(model.expert_cache, i, ids)  # gate, up, down tables; the ids they take
     xin = x if xq is None else xq
     assert xin is not None
     hid = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, xin, f, d, c.n_expert_used, up_table=ut, act=c.activation,
@@ -175,7 +174,7 @@ def layer(
             done[1],
         )
     q8d = wants_q8(dn.qtype, d, f, "moe_down")
-    out = moe_down_combine(dt, dn.qtype, dn.raw.shape[-1], sid, w, quantize_q8(hid) if q8d else hid, h, d, f,
+    out = moe_down_combine(dnt, dn.qtype, dn.raw.shape[-1], sid, w, quantize_q8(hid) if q8d else hid, h, d, f,
                            q8=q8d, next_norm=next_norm)  # fmt: skip
     if next_norm is not None:
         model.prenormed = (i + 1, out, next_norm[2])
