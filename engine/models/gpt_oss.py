@@ -213,7 +213,7 @@ class GptOssLM(FamilyLM):
         a = lw.o.linear(a.reshape(t, c.n_head * c.head_dim_v))
         if lw.o_bias is not None:
             a = a + lw.o_bias.to(a.dtype)
-        h = h + a.float()
+        h = h + a  # promoted to float32 inside the add
         x = self.norm(h, lw.ffn_norm, self.dtype)
         wts, ids = self.route(x, lw)
         count_experts(self._counts(i), ids)

@@ -289,7 +289,7 @@ class Qwen3NextLM(FamilyLM):
         else:
             assert lw.attn is not None
             a = self._attention(i, lw.attn, x, cache, pos, span, masks)
-        h = h + a.float()
+        h = h + a  # promoted to float32 inside the add
         x = self.norm(h, lw.ffn_norm, self.dtype)
         if lw.experts is None:
             assert lw.dense is not None
