@@ -366,10 +366,15 @@ class FamilyLM:
     ) -> torch.Tensor:
         """tokens [T] at device positions `pos` -> logits [T, V]; capturable in a CUDA graph."""
         h = self.embed(tokens)
-        masks = {w: causal_mask(pos, span, w) for w in self._windows()}
+        masks = self.step_masks(pos, span)
         for i in self.layer_range:
             h = self.layer_at(i, h, cache, pos, span, masks)
         return self.head(h, last_only)
+
+    def step_masks(self, pos: torch.Tensor, span: int) -> dict[int, torch.Tensor]:
+        """The attention masks of one step at device positions `pos`, one per window the layers use: made once
+        for all the layers a step runs, not once a layer (a few launches each)."""
+        return {w: causal_mask(pos, span, w) for w in self._windows()}
 
     def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
         c = self.cfg

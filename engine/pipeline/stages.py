@@ -88,16 +88,20 @@ class LocalStage:
                 return self.graphs.step(x, cache, start)  # a decode step, or a verify window (--spec)
             m = self.model
             h = m.embed(x.to(self.device)) if m.has_embed else x  # [T, D]
+            span = start + int(x.shape[0])
+            pos = torch.arange(start, span, device=self.device)
+            masks = m.step_masks(pos, span)  # once for the stage's layers
             for i in self.layers:
-                h = m.layer(i, h, cache, start)
+                h = m.layer_at(i, h, cache, pos, span, masks)
             return m.head(h, last_only) if self.with_head else h  # [T or 1, V] or [T, D]
 
     def body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int) -> torch.Tensor:
         """The stage at device positions `pos` and a static span: the capturable form of `run`."""
         m = self.model
         h = m.embed(x) if m.has_embed else x  # [T, D]
+        masks = m.step_masks(pos, span)
         for i in self.layers:
-            h = m.layer_at(i, h, cache, pos, span)
+            h = m.layer_at(i, h, cache, pos, span, masks)
         return m.head(h) if self.with_head else h
 
 
