@@ -176,14 +176,20 @@ def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
+def q4_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K blocks uint8 [N, 144] -> (codes [N, 8, 32] 0..15, scales [N, 8], offsets [N, 8] float32): element j of
+    sub-block s is scales[s] * codes[s, j] - offsets[s], so a Q4_K row is 4-bit codes with a scale and an offset per
+    32 (the form of group-wise 4-bit kernels)."""
     n = b.shape[0]
     d, dmin = _f16(b, 0), _f16(b, 2)
     sc, mn = _k_scale_min(b[:, 4:16])
-    ds = (d * sc.float()).reshape(n, 8, 1)
-    dm = (dmin * mn.float()).reshape(n, 8, 1)
     q = (b[:, 16:144].reshape(n, 4, 1, 32) >> _shifts([0, 4], (1, 1, 2, 1), b)) & 0x0F
-    return (ds * q.reshape(n, 8, 32).float() - dm).reshape(n, QK_K)
+    return q.reshape(n, 8, 32), d * sc.float(), dmin * mn.float()
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    q, ds, dm = q4_k_parts(b)
+    return (ds[..., None] * q.float() - dm[..., None]).reshape(b.shape[0], QK_K)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
