@@ -121,10 +121,10 @@ def test_tuner_on_two_emulated_pcs(
     # The config: installer's format, the engine's flags from it, the remote options it checks.
     cfg = read_config(res.config_path, layers=6)
     k1, k2 = res.best_split
-    assert [(w.host, w.port, w.begin, w.end) for w in cfg.workers] == [
-        ("127.0.0.1", p1.agent.workers.ports.start, k1, k2),
-        ("127.0.0.1", p2.agent.workers.ports.start, k2, 6),
-    ]
+    assert [(w.host, w.begin, w.end) for w in cfg.workers] == [("127.0.0.1", k1, k2), ("127.0.0.1", k2, 6)]
+    # the first of each agent's worker ports, or another of them where a measurement found it taken (the chain,
+    # and then the config, use the port the worker got: engine/node/chain.py)
+    assert cfg.workers[0].port in p1.agent.workers.ports and cfg.workers[1].port in p2.agent.workers.ports
     assert cfg.args == ("--prefill", str(res.best_chunk)) and cfg.max_context == 128
     from engine.cli import build_parser
     from engine.pipeline.split import check_remote_options
