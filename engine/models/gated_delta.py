@@ -8,6 +8,7 @@ Per value head, with a state S [Dk, Dv], a decay g_t <= 0 (log space), a write s
 unit-lower-triangular system, so the work is a few matrix products per block instead of one rank-1 update per token.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -208,6 +209,30 @@ class RecurrentCache(KVCache):
         del self.history[start:]
         self.history.extend(tokens)
         self._length = self.state_pos = start + len(tokens)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        step: Callable[[torch.Tensor, int, bool], torch.Tensor],
+        last_only: bool,
+        chunk: int,
+    ) -> torch.Tensor:
+        """A forward of `tokens` [T] at `start` with the bookkeeping the states need, for a model or a split of one:
+        the positions the states lost to a truncation are read again first (replay_from; pieces of `chunk` tokens,
+        their logits unread), then `step(tokens, start, last_only) -> logits` runs, the cache advances, and a
+        forward of more than one token leaves a checkpoint."""
+        replay = self.replay_from(start)
+        at = self.state_pos
+        for a in range(0, len(replay), chunk):
+            part = replay[a : a + chunk]
+            step(torch.tensor(part, dtype=torch.long), at + a, True)
+            self.advance(at + a, part)
+        logits = step(tokens, start, last_only)
+        self.advance(start, [int(x) for x in tokens.tolist()])
+        if tokens.shape[0] > 1:
+            self.checkpoint()
+        return logits
 
     # ---- snapshots, checkpoints, truncation ----
 

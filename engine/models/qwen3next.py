@@ -313,17 +313,9 @@ class Qwen3NextLM(FamilyLM):
         state lost to a truncation (see RecurrentCache) are read again first."""
         if not isinstance(cache, RecurrentCache):
             raise TypeError("qwen3next needs the RecurrentCache its new_cache makes")
-        replay = cache.replay_from(start)
-        at = cache.state_pos
-        for a in range(0, len(replay), REPLAY_CHUNK):
-            part = replay[a : a + REPLAY_CHUNK]
-            self._step(torch.tensor(part, dtype=torch.long), cache, at + a, last_only=True)
-            cache.advance(at + a, part)
-        logits = self._step(tokens, cache, start, last_only)
-        cache.advance(start, [int(x) for x in tokens.tolist()])
-        if tokens.shape[0] > 1:
-            cache.checkpoint()
-        return logits
+        return cache.forward(
+            tokens, start, lambda x, at, lo: self._step(x, cache, at, last_only=lo), last_only, REPLAY_CHUNK
+        )
 
     def _decode_graphs(self) -> Any:
         from engine.pipeline.cuda_graphs import DecodeGraphs

@@ -28,6 +28,7 @@ import torch
 from engine.layers.kv_cache import KVCache
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderLM
+from engine.models.gated_delta import RecurrentCache
 from engine.pipeline.cuda_graphs import StepGraphs
 from engine.pipeline.handoff import Handoff, HandoffMode
 from engine.pipeline.stage_clock import ForwardClock
@@ -228,37 +229,24 @@ class SplitModel:
         self.clock = ForwardClock(self.devices) if self.measure else None  # a replay below counts in it
         if lost and start > 0:
             self._replay(cache, start)
-        recurrent = hasattr(
-            cache, "replay_from"
-        )  # a RecurrentCache (qwen3next): the bookkeeping its forward does
-        if recurrent:
-            self._reread(cache, start)
-        if self.pipeline and len(self.stages) > 1 and t > self.pipe_chunk:
-            logits = self._pipelined(tokens, cache, start)
+
+        def step(x: torch.Tensor, at: int, last: bool) -> torch.Tensor:
+            self._last_only = last
+            if self.pipeline and len(self.stages) > 1 and int(x.shape[0]) > self.pipe_chunk:
+                return self._pipelined(x, cache, at)
+            return self._serial(x, cache, at)
+
+        # qwen3next: the states' bookkeeping, as the model's own forward does
+        if isinstance(cache, RecurrentCache):
+            logits = cache.forward(tokens, start, step, last_only, self.replay_chunk)
         else:
-            logits = self._serial(tokens, cache, start)
-        if recurrent:
-            cache.advance(start, [int(v) for v in tokens.tolist()])  # type: ignore[attr-defined]
-            if t > 1:
-                cache.checkpoint()  # type: ignore[attr-defined]
+            logits = step(tokens, start, last_only)
         cache.length = start + t
         self.history.extend(int(v) for v in tokens.tolist())
         self.timing.tokens = t
         if self.timing_sink is not None:
             self.timing_sink(self._timing_line(t, start))
         return logits
-
-    def _reread(self, cache: KVCache, start: int) -> None:
-        """Before a forward at `start` on a cache with recurrent state: the positions its state lost to a
-        truncation it could not undo exactly (a rejected verify window, see RecurrentCache) are read again."""
-        replay = cache.replay_from(start)  # type: ignore[attr-defined]
-        at = cache.state_pos  # type: ignore[attr-defined]
-        last_only, self._last_only = self._last_only, True
-        for a in range(0, len(replay), self.replay_chunk):
-            part = replay[a : a + self.replay_chunk]
-            self._serial(torch.tensor(part, dtype=torch.long), cache, at + a)
-            cache.advance(at + a, part)  # type: ignore[attr-defined]
-        self._last_only = last_only
 
     # ---- stages in other processes (engine/link) ----
 
