@@ -382,10 +382,10 @@ def norm_route(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """h [T, D] float32 -> (rms_norm(h) as out_dtype or None, its float32 copy or None, its 8-bit form
     (quantize_q8's layout) or None, top-k weights [T, k], ids [T, k]) for the router `router` [E, D] float32:
-    `rms_norm_q8` + the router's GEMV + `route` in one launch (or two, with the top-k apart). `done` [>= T] int32 zeros, owned by the caller (one
-    per call site: the kernel counts in it and leaves it zeroed). `launch`: (router rows a program, warps), by
-    default the tuning file's; `select` False (or the tuning file's third value 0): the top-k in a `route` launch
-    of its own after this one."""
+    `rms_norm_q8` + the router's GEMV + `route` in one launch (or two, with the top-k apart). `done` [>= T] int32
+    zeros, owned by the caller (one per call site: the kernel counts in it and leaves it zeroed). `launch`: (router
+    rows a program, warps), by default the tuning file's; `select` False (or the tuning file's third value 0): the
+    top-k in a `route` launch of its own after this one."""
     t, d = h.shape
     e = router.shape[0]
     dev = h.device

@@ -104,15 +104,18 @@ class QTensor:
             part.cache = self.cache
         return part
 
+    def _gemv(self, x: torch.Tensor):  # -> the GEMV kernel `linear(x)` runs, or None (the other paths)
+        n_in = self.shape[1]
+        return _gemv_for(self.qtype, n_in) if x.is_cuda and x.numel() <= _GEMV_MAX_ROWS * n_in else None
+
     def reads_q8(self, x: torch.Tensor) -> bool:
         """Whether `linear(x)` runs a GEMV body on 8-bit activations (engine.kernels.gemv.wants_q8): a caller
         that normalises x may then write that form in the same launch and pass it as `q8`."""
-        n_out, n_in = self.shape
-        if not (x.is_cuda and x.numel() <= _GEMV_MAX_ROWS * n_in and _gemv_for(self.qtype, n_in) is not None):
+        if self._gemv(x) is None:
             return False
         from engine.kernels.gemv import wants_q8
 
-        return wants_q8(self.qtype, n_out, n_in)
+        return wants_q8(self.qtype, *self.shape)
 
     def linear(
         self,
@@ -126,18 +129,18 @@ class QTensor:
         to 8 bits (engine.kernels.gemv.quantize_q8), for a GEMV launch that reads it (wants_q8); the launch then
         reads q8 only, and gives out_dtype (default x's)."""
         n_out, n_in = self.shape
-        if x.is_cuda and x.numel() <= _GEMV_MAX_ROWS * n_in:
-            gemv = _gemv_for(self.qtype, n_in)
-            if gemv is not None:  # decode: compute on the blocks, no dequantized copy
-                flat = x.reshape(-1, n_in) if q8 is None else q8.reshape(-1, n_in)
-                if residual is not None:
-                    res = residual.reshape(-1, n_out)
-                    y = gemv(self.raw, self.qtype, n_out, n_in, flat, out_dtype=torch.float32, residual=res,
-                             q8=q8 is not None)  # fmt: skip
-                else:
-                    y = gemv(self.raw, self.qtype, n_out, n_in, flat, out_dtype=out_dtype or x.dtype,
-                             q8=q8 is not None)  # fmt: skip
-                return y.reshape(*x.shape[:-1], n_out)
+        gemv = self._gemv(x)
+        if gemv is not None:  # decode: compute on the blocks, no dequantized copy
+            flat = x.reshape(-1, n_in) if q8 is None else q8.reshape(-1, n_in)
+            if residual is not None:
+                res = residual.reshape(-1, n_out)
+                y = gemv(self.raw, self.qtype, n_out, n_in, flat, out_dtype=torch.float32, residual=res,
+                         q8=q8 is not None)  # fmt: skip
+            else:
+                y = gemv(
+                    self.raw, self.qtype, n_out, n_in, flat, out_dtype=out_dtype or x.dtype, q8=q8 is not None
+                )
+            return y.reshape(*x.shape[:-1], n_out)
         if residual is not None:
             return residual + self.linear(x).float()
         if self.dense is not None and self.dense.dtype == x.dtype:
