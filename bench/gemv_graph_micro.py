@@ -136,7 +136,8 @@ def _measure(
 
 def _norm_route_rows() -> list[dict]:
     """The FFN norm + router + top-k of a decode step: three launches (rms_norm_q8, the router's GEMV, route)
-    against the one of fused.norm_route, each over 48 layers' own router weights in a graph."""
+    against fused.norm_route at each launch shape, with the top-k in its launch and in a route launch after it,
+    each over 48 layers' own router weights in a graph."""
     from engine.kernels.fused import norm_route, rms_norm_q8, route
 
     h = [torch.randn(1, D, device="cuda") for _ in range(LAYERS)]
@@ -172,7 +173,9 @@ def _norm_route_rows() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
-    ap.add_argument("--tuned", help="write the best launch per type and class (gemv_tuned.json format)")
+    ap.add_argument(
+        "--tuned", help="write the best launch per type and class into this tuning file (others kept)"
+    )
     ap.add_argument("--shapes", help="comma-separated subset of: " + ", ".join(s[0] for s in SHAPES))
     ap.add_argument(
         "--variants", help="comma-separated kernel variants to measure (default: all of the type's)"
@@ -228,12 +231,16 @@ def main() -> None:
                 tuned[r["type"]][cls] = (r["launch"] + [r["variant"]], r["us"])
         out = {t: {c: v[0] for c, v in d.items()} for t, d in tuned.items()}
         fused = [r for r in rows if r["shape"] in ("norm_route", "norm_router+route")]
-        if (
-            fused
-        ):  # the FFN norm + router launch: [router rows a program, warps, top-k in the launch (1) or not]
+        # the FFN norm + router launch: [router rows a program, warps, top-k in the launch (1) or not]
+        if fused:
             r = min(fused, key=lambda r: r["us"])
             out.setdefault("F32", {})["norm_route"] = r["launch"] + [int(r["shape"] == "norm_route")]
-        Path(a.tuned).write_text(json.dumps(out, indent=1) + "\n")
+        # into the file's own entries: the classes and types not measured here (Q8_0, "moe_gemm") stay as they were
+        path = Path(a.tuned)
+        merged = json.loads(path.read_text()) if path.exists() else {}
+        for t, classes in out.items():
+            merged.setdefault(t, {}).update(classes)
+        path.write_text(json.dumps(merged, indent=1) + "\n")
         print(json.dumps(out))
 
 
