@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from engine.experts.cpu_experts import q4k_int4pack
+
 SHAPES = {"gate_up": (768, 2048), "down": (2048, 768)}  # (rows, cols)
 GROUP = 32  # Q4_K's sub-block: one scale and one offset per 32 weights
 
@@ -51,20 +53,6 @@ def _kernels(n: int, k: int) -> dict[str, tuple[Callable[[], object], int]]:
     }
 
 
-def q4k_int4pack(raw: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K rows uint8 [n, k / 256 * 144] -> (the 4-bit kernel's packed weight, its scales and zeros
-    [k / 32, n, 2] in dtype): the kernel computes (code - 8) * scale + zero, so zero = 8 * scale - offset."""
-    from engine.gguf.quants import q4_k_parts
-
-    q, scale, offset = q4_k_parts(raw.reshape(-1, 144))  # [n * k / 256, 8, 32], [n * k / 256, 8] twice
-    codes = q.reshape(n, k).int()
-    scale, offset = scale.reshape(n, k // GROUP), offset.reshape(n, k // GROUP)
-    sz = (
-        torch.stack((scale, 8 * scale - offset), dim=-1).transpose(0, 1).contiguous().to(dtype)
-    )  # [k/32, n, 2]
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), sz
-
-
 def _q4k_rows(reps: int) -> list[dict]:
     from gguf import GGMLQuantizationType as QT
 
@@ -93,6 +81,36 @@ def _q4k_rows(reps: int) -> list[dict]:
     return rows
 
 
+def _mix_row(reps: int) -> dict:
+    """CpuExperts.mix for one token and k = 8 distinct held experts of the Qwen3-30B-A3B shapes (Q4_K)."""
+    from gguf import GGMLQuantizationType as QT
+
+    from engine.experts.cpu_experts import CpuExperts
+    from engine.gguf.random_blocks import random_blocks
+    from engine.layers.qtensor import QTensor
+
+    k = 8
+    (f, d) = SHAPES["gate_up"]
+
+    def experts(rows: int, cols: int, seed: int) -> QTensor:
+        raw = torch.stack(
+            [torch.from_numpy(random_blocks(QT.Q4_K, rows, cols, seed=seed * k + e)) for e in range(k)]
+        )
+        return QTensor(raw, QT.Q4_K, (k, rows, cols))
+
+    gate, up, down = experts(f, d, 1), experts(f, d, 2), experts(d, f, 3)
+    ce = CpuExperts(gate, up, down, range(k))
+    x, ids = torch.randn(1, d), torch.arange(k).view(1, k)
+    w, take = torch.softmax(torch.randn(1, k), dim=-1), torch.ones(1, k, dtype=torch.bool)
+    us = _us(lambda: ce.mix(x, ids, w, take), reps)
+    nbytes = gate.nbytes + up.nbytes + down.nbytes  # the Q4_K blocks of the 8 experts
+    row = {"what": f"CpuExperts.mix, 1 token, k={k} Q4_K experts (D={d}, F={f})", "kernels": list(ce.kernels),
+           "us": round(us, 1), "us_per_expert": round(us / k, 1), "GBps_q4k": round(nbytes / us / 1e3, 2),
+           "q4k_bytes": nbytes, "repacked_bytes": ce.nbytes}  # fmt: skip
+    print(f"{row['what']}: {us:.1f} us, {us / k:.1f} us an expert, {nbytes / us / 1e3:.2f} GB/s (Q4_K bytes)")
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -109,7 +127,12 @@ def main() -> None:
             )
             print(f"{shape:8s} {name:58s} {us:9.1f} us {nbytes / us / 1e3:7.2f} GB/s")
     rows += _q4k_rows(a.reps)
-    res = {"torch": torch.__version__, "threads": a.threads, "rows": rows}
+    res = {
+        "torch": torch.__version__,
+        "threads": a.threads,
+        "rows": rows,
+        "cpu_experts_mix": _mix_row(a.reps),
+    }
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
 

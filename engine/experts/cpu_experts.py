@@ -1,0 +1,201 @@
+"""One MoE layer's routed experts computed on the CPU: the expert cache's misses, beside the GPU's PCIe copies.
+
+4-bit block types (Q4_K, Q4_0, Q4_1) are repacked once into the operand of torch's group-wise 4-bit CPU kernel
+(`_weight_int4pack_mm_for_cpu`, groups of 32, bf16 activations and scales): per 32 weights a scale and a zero with
+element = (code - 8) * scale + zero. It reads 0.625 bytes a weight (Q4_K: 0.5625), against 2 for a bf16 matmul, and a token's
+expert matrix-vector product is bound by memory reads. Other block types are dequantized once to bf16 matrices.
+Gate and up of an expert are one [2F, D] matrix: one kernel call for both.
+
+Made for decode (a token's few missed experts): the 4-bit kernel's time grows about linearly with the rows it is
+given beyond ~4 (it decodes the weights per row), so prompt chunks are better served by the GPU."""
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QT
+
+from engine.gguf.quants import q4_k_parts
+from engine.layers.moe import ACTIVATIONS
+from engine.layers.qtensor import QTensor
+
+GROUP = 32  # the kernel's group: one scale and one zero per 32 weights of a row
+_PACK_ROWS = 16  # the packer wants the output rows (N) in multiples of 16
+INT4_TYPES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q4_K})
+# Added in torch 2.6 (the project allows older): without it every block type takes the bf16 path.
+_HAS_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+    torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+)
+
+
+def _f16_field(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of each block uint8 [N, block_bytes] -> float32 [N, 1]."""
+    return b[:, at : at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_0/Q4_1 code bytes [N, 16] -> codes [N, 32]: element j is the low nibble of byte j, element 16 + j its
+    high nibble."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def int4_parts(raw: torch.Tensor, qtype: QT, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit block rows uint8 [n, row_bytes] of a matrix [n, k] -> (codes int32 [n, k] 0..15, scales and zeros
+    float32 [k / 32, n, 2]) with element = (code - 8) * scale + zero, the form of the 4-bit CPU kernel."""
+    if qtype == QT.Q4_K:
+        q, scale, offset = q4_k_parts(raw.reshape(-1, 144))  # [n*k/256, 8, 32], [n*k/256, 8] twice
+        codes = q.reshape(n, k)
+        scale, zero = scale.reshape(n, k // GROUP), (8 * scale - offset).reshape(n, k // GROUP)
+    elif qtype == QT.Q4_0:  # d * (q - 8)
+        b = raw.reshape(-1, 18)  # [n*k/32, 18]
+        codes = _nibbles(b[:, 2:18]).reshape(n, k)
+        scale = _f16_field(b, 0).reshape(n, k // GROUP)
+        zero = torch.zeros_like(scale)
+    elif qtype == QT.Q4_1:  # d * q + m = d * (q - 8) + (8 * d + m)
+        b = raw.reshape(-1, 20)  # [n*k/32, 20]
+        codes = _nibbles(b[:, 4:20]).reshape(n, k)
+        d, m = _f16_field(b, 0), _f16_field(b, 2)  # [n*k/32, 1]
+        scale, zero = d.reshape(n, k // GROUP), (8 * d + m).reshape(n, k // GROUP)
+    else:
+        raise ValueError(
+            f"int4_parts takes {', '.join(t.name for t in sorted(INT4_TYPES))}, not {qtype.name}"
+        )
+    sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()  # [k/32, n, 2]
+    return codes.int(), sz
+
+
+def _int4pack(codes: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), sz.to(dtype)
+
+
+def q4k_int4pack(raw: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K rows uint8 [n, k / 256 * 144] -> (the 4-bit kernel's packed weight, its scales and zeros
+    [k / 32, n, 2] in dtype): the kernel computes (code - 8) * scale + zero, so zero = 8 * scale - offset."""
+    return _int4pack(*int4_parts(raw, QT.Q4_K, n, k), dtype)
+
+
+def _int4_fits(qtypes: Iterable[QT], n: int, k: int) -> bool:
+    return _HAS_INT4 and all(t in INT4_TYPES for t in qtypes) and n % _PACK_ROWS == 0 and k % GROUP == 0
+
+
+class _Proj:
+    """One expert's matrix [N, K] (or gate and up stacked) as its matmul reads it: int4 codes with bf16 scales and
+    zeros, or a bf16 matrix."""
+
+    __slots__ = ("dense", "packed", "sz")
+
+    def __init__(self, parts: list[tuple[torch.Tensor, QT]], k: int, int4: bool) -> None:
+        """parts: (raw rows uint8 [n_i, row_bytes], block type), stacked along the rows into N = sum n_i."""
+        self.packed: torch.Tensor | None = None
+        self.sz: torch.Tensor | None = None
+        self.dense: torch.Tensor | None = None
+        if int4:
+            split = [int4_parts(raw, qt, raw.shape[0], k) for raw, qt in parts]
+            codes = torch.cat([c for c, _ in split])  # [N, k]
+            sz = torch.cat([s for _, s in split], dim=1)  # [k/32, N, 2]
+            self.packed, self.sz = _int4pack(codes, sz, torch.bfloat16)
+        else:
+            mats = [QTensor(raw, qt, (raw.shape[0], k)).dequant(torch.bfloat16) for raw, qt in parts]
+            self.dense = torch.cat(mats) if len(mats) > 1 else mats[0]  # [N, k]
+
+    @property
+    def nbytes(self) -> int:
+        ts = (self.packed, self.sz) if self.dense is None else (self.dense,)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x bf16 [n, K], contiguous -> bf16 [n, N]"""
+        if self.dense is not None:
+            return F.linear(x, self.dense)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.sz)
+
+
+class CpuExperts:
+    """One MoE layer's routed experts (a chosen subset) held for computing on the CPU."""
+
+    def __init__(
+        self, gate: QTensor, up: QTensor, down: QTensor, experts: Iterable[int], act: str = "silu"
+    ) -> None:
+        """gate, up: [E, F, D]; down: [E, D, F]; their `raw` uint8 CPU [E, rows, row_bytes] (pinned or a view of a
+        mapped file: only read). The held experts are repacked (or dequantized) once, here."""
+        if len(gate.shape) != 3 or up.shape != gate.shape:
+            raise ValueError(f"expert gate and up must both be [E, F, D], got {gate.shape} and {up.shape}")
+        n_exp, f, d = gate.shape
+        if down.shape != (n_exp, d, f):
+            raise ValueError(f"expert down must be [E, D, F] = {(n_exp, d, f)} beside gate {gate.shape}, "
+                             f"got {down.shape}")  # fmt: skip
+        for name, t in (("gate", gate), ("up", up), ("down", down)):
+            if t.raw.device.type != "cpu":
+                raise ValueError(
+                    f"CpuExperts reads expert blocks in host memory; {name} is on {t.raw.device}"
+                )
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unknown expert activation {act!r}; expected one of {', '.join(ACTIVATIONS)}")
+        held = sorted(set(int(e) for e in experts))
+        bad = [e for e in held if not 0 <= e < n_exp]
+        if bad:
+            raise ValueError(f"expert ids {bad} out of range: this layer has experts 0..{n_exp - 1}")
+        self.n_experts, self.d, self.f = n_exp, d, f
+        self._act = ACTIVATIONS[act]
+        gu_int4 = _int4_fits((gate.qtype, up.qtype), 2 * f, d)
+        down_int4 = _int4_fits((down.qtype,), d, f)
+        self.kernels: tuple[str, str] = ("int4" if gu_int4 else "bf16", "int4" if down_int4 else "bf16")
+        self._gate_up: dict[int, _Proj] = {}
+        self._down: dict[int, _Proj] = {}
+        for e in held:
+            self._gate_up[e] = _Proj([(gate.raw[e], gate.qtype), (up.raw[e], up.qtype)], d, gu_int4)
+            self._down[e] = _Proj([(down.raw[e], down.qtype)], f, down_int4)
+
+    def holds(self, e: int) -> bool:
+        return e in self._gate_up
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the repacked copies."""
+        return sum(p.nbytes for p in self._gate_up.values()) + sum(p.nbytes for p in self._down.values())
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x bf16 [n, D] -> bf16 [n, D]: down(act(gate x) * up x). The activation runs on the kernel's bf16
+        output: in float32 it cost ~8% more time an expert at one token (two more small ops) for ~1e-3 less error."""
+        g, u = self._gate_up[e](x).split(self.f, dim=1)  # [n, F] twice
+        return self._down[e](self._act(g) * u)  # [n, D]
+
+    def mix(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
+        """x [T, D] float32, ids [T, k] int64, w [T, k] float32 routing weights, take [T, k] bool: the (token, slot)
+        pairs computed here -> float32 [T, D]: per token the sum over its taken slots of w * expert(x); zero rows
+        where nothing is taken."""
+        t = x.shape[0]
+        if x.dim() != 2 or x.shape[1] != self.d:
+            raise ValueError(f"x must be [T, {self.d}], got {tuple(x.shape)}")
+        if ids.dim() != 2 or ids.shape[0] != t or w.shape != ids.shape or take.shape != ids.shape:
+            raise ValueError(f"ids, w and take must all be [T={t}, k], got {tuple(ids.shape)}, "
+                             f"{tuple(w.shape)} and {tuple(take.shape)}")  # fmt: skip
+        out = torch.zeros(t, self.d, dtype=torch.float32)  # [T, D]
+        tok, slot = take.nonzero(as_tuple=True)  # [P] each
+        if tok.numel() == 0:
+            return out
+        eid = ids[tok, slot]  # [P]
+        wsel = w[tok, slot].float()  # [P]
+        if t == 1:  # decode: one expert call a taken slot
+            experts, counts = eid.tolist(), None
+        else:  # group the pairs by expert: one matmul per expert over all its tokens
+            eid, order = torch.sort(eid, stable=True)
+            tok, wsel = tok[order], wsel[order]
+            uniq, cnt = torch.unique_consecutive(eid, return_counts=True)
+            experts, counts = uniq.tolist(), cnt.tolist()
+        missing = [e for e in experts if e not in self._gate_up]
+        if missing:
+            raise ValueError(f"expert {missing[0]} is not held by this CpuExperts (it holds "
+                             f"{len(self._gate_up)} of {self.n_experts}); compute it elsewhere")  # fmt: skip
+        xb = x.to(torch.bfloat16).contiguous()  # [T, D]: the kernel wants contiguous bf16 rows
+        if counts is None:
+            for e, we in zip(experts, wsel.tolist(), strict=True):
+                out.add_(self._expert(e, xb), alpha=we)  # accumulated in float32
+            return out
+        start = 0
+        for e, n in zip(experts, counts, strict=True):
+            te = tok[start : start + n]  # [n]
+            y = self._expert(e, xb.index_select(0, te))  # [n, D]
+            out.index_add_(0, te, y.float() * wsel[start : start + n, None])
+            start += n
+        return out
