@@ -227,7 +227,7 @@ def _block_table_kernel(
 
 
 def block_table(
-    counts: torch.Tensor, max_blocks: int
+    counts: torch.Tensor, max_blocks: int, block_m: int = BLOCK_M
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Blocks schedule (engine/kernels/moe_blocks.py) in one launch: counts [E] -> expert, start, end
     [max_blocks], nblocks [1], int64."""
@@ -238,7 +238,7 @@ def block_table(
     ep = triton.next_power_of_2(e)
     bb = max(1, min(16, 2048 // ep))
     _block_table_kernel[(triton.cdiv(max_blocks, bb),)](
-        counts, out[0], out[1], out[2], nblocks, e, max_blocks, BLOCK_M=BLOCK_M, EP=ep, BB=bb, num_warps=4,
+        counts, out[0], out[1], out[2], nblocks, e, max_blocks, BLOCK_M=block_m, EP=ep, BB=bb, num_warps=4,
     )  # fmt: skip
     return out[0], out[1], out[2], nblocks
 
@@ -284,6 +284,15 @@ def tile_variant(qtype: QT) -> int:
     return got[0] if got and got[0] in TILE_VARIANTS.get(qtype, ()) else base
 
 
+def tile_launch(qtype: QT) -> tuple[int, int, int]:
+    """(BLOCK_N, warps, stages; 0 = Triton's default) of the grouped kernel for a block type: the tuning file's
+    "moe_gemm": [decoder, BLOCK_N, warps, stages] where it names them (bench/moe_gemm_micro.py --sweep)."""
+    from engine.kernels.gemv import _tuned
+
+    got = _tuned().get(qtype.name, {}).get("moe_gemm") or []
+    return (got[1], got[2], got[3]) if len(got) == 4 else (BLOCK_N, 8, 0)
+
+
 def decodes(qtype: QT, k: int) -> bool:
     """Whether _deq_tile decodes rows of k elements of this block type."""
     return qtype in TILE_TYPES and k % (32 if qtype in _BLOCK32 else 256) == 0
@@ -308,19 +317,25 @@ def moe_gemm(
     act: str | None = None,
     out_dtype: torch.dtype = torch.float32,
     variant: int | None = None,
+    launch: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """For every (token, slot) s with expert e: y[s] = W_e . x (or act(W_e . x) * U_e . x with `up_table`).
     x [T, k] (or [S, k] with x_per_slot) -> [S, n] in out_dtype, S = `slots`. `variant`: the tile decoder
-    (default: tile_variant's choice)."""
+    (default: tile_variant's choice); `launch`: (BLOCK_N, warps, stages), default tile_launch's."""
     x = x.contiguous()
     y = torch.empty(slots, n, dtype=out_dtype, device=x.device)
     glu = _GLU[act] if up_table is not None and act is not None else 0
-    grid = (blocks.max_blocks, triton.cdiv(n, BLOCK_N))
+    block_n, warps, stages = launch if launch is not None else tile_launch(qtype)
+    # float32 tiles take twice the shared memory of the tuned shape
+    if launch is None and x.dtype == torch.float32:
+        block_n = min(block_n, BLOCK_N)
+    extra = {"num_stages": stages} if stages else {}
+    grid = (blocks.max_blocks, triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
         table, up_table if up_table is not None else table, row_bytes, x, blocks.order, blocks.expert,
         blocks.start, blocks.end, blocks.nblocks, y, n, k, topk,
-        QTYPE=tile_variant(qtype) if variant is None else variant, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        QTYPE=tile_variant(qtype) if variant is None else variant, BLOCK_M=blocks.block_m, BLOCK_N=block_n,
         X_PER_SLOT=int(x_per_slot), GLU=glu,
-        IEEE=x.dtype == torch.float32, num_warps=8,
+        IEEE=x.dtype == torch.float32, num_warps=warps, **extra,
     )  # fmt: skip
     return y
