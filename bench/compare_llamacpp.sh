@@ -4,7 +4,7 @@
 # The kit (the model writer, the vocabulary, llama.cpp's source and device_llamacpp.sh) is the project's shared
 # benchmark kit; llama.cpp is built here for sm_90 and the Qwen3-30B-A3B-geometry Q4_K model written to /tmp/anchor.
 # GPU_TESTS=0 skips the GPU tests run while llama.cpp builds; GPU_TEST_ARGS chooses them (default: tests/engine).
-# CURVE=1 also runs bench/cache_curve.py (decode against the cached fraction, VRAM under 10/16/24 GB budgets).
+# FLOAT=0 skips the decode with float activations. CURVE=1 also runs bench/cache_curve.py (decode against the cached fraction, VRAM under 10/16/24 GB budgets).
 set -u
 KIT=${KIT:?set KIT to the benchmark kit folder}
 OUT=${OUT:-bench/results}
@@ -24,8 +24,8 @@ bash "$KIT/device_llamacpp.sh" wait
 M=/tmp/anchor/a3b-q4k.gguf B=/tmp/anchor/llama.cpp/build/bin/llama-bench
 timeout 200 python3 bench/engine_bench.py --model $M --prompts 512,4096 --decode 128 --reps 2 --profile \
     --out "$OUT/ours_full.json" | grep -E "tok_s|vram_" | head -6
-# the exact path beside it: decode with float activations (--activations float)
-STRATA_ACTIVATIONS=float timeout 90 python3 bench/engine_bench.py --model $M --prompts 512 --decode 128 --reps 1 \
+# the exact path beside it: decode with float activations (--activations float); FLOAT=0 skips it
+[ "${FLOAT:-1}" = 1 ] && STRATA_ACTIVATIONS=float timeout 90 python3 bench/engine_bench.py --model $M --prompts 512 --decode 128 --reps 1 \
     --out "$OUT/ours_float.json" | grep -E "decode_tok_s" | head -2
 if [ "${NCMOE:-1}" = 1 ]; then  # NCMOE=0 skips the matched-VRAM pair (~2 min)
     # llama.cpp with the experts of 36 of 48 layers in host RAM; its VRAM (nvidia-smi, the whole process) becomes ours.

@@ -140,6 +140,55 @@ def profile_prompt(model, n: int) -> dict:
     return {"tokens": n, "wall_ms": round(wall * 1e3, 2), **_kernel_table(prof, 1)}
 
 
+def host_profile(model, n: int) -> dict:
+    """Where the host's time goes in one n-token prompt chunk: its wall time without a profiler, the CUDA runtime
+    calls that wait for the device (synchronisations, blocking copies) from a CPU-side torch profile, and the
+    Python functions with the most own time (cProfile)."""
+    import cProfile
+    import pstats
+
+    ids = torch.randint(100, 10000, (n,), generator=torch.Generator().manual_seed(n))
+    cache = model.new_cache(n + 8, "bf16")
+    model.forward(ids, cache, 0, last_only=True)
+    _sync()
+    walls = []
+    for _ in range(3):
+        t = time.perf_counter()
+        model.forward(ids, cache, 0, last_only=True)
+        walls.append((time.perf_counter() - t) * 1e3)  # host time: the launches, before the device finishes
+        _sync()
+        walls[-1] = (walls[-1], (time.perf_counter() - t) * 1e3)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model.forward(ids, cache, 0, last_only=True)
+        _sync()
+    runtime = Counter()
+    runtime_us = Counter()
+    for ev in prof.events():
+        if ev.name.startswith(("cuda", "cu")) and ev.device_type == torch.autograd.DeviceType.CPU:
+            runtime[ev.name] += 1
+            runtime_us[ev.name] += ev.cpu_time_total
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]
+    pr = cProfile.Profile()
+    pr.enable()
+    model.forward(ids, cache, 0, last_only=True)
+    _sync()
+    pr.disable()
+    st = pstats.Stats(pr)
+    funcs = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:30]  # by own time
+    return {
+        "tokens": n,
+        "host_then_wall_ms": [[round(a, 2), round(b, 2)] for a, b in walls],
+        "runtime_calls": {k: [runtime[k], round(runtime_us[k] / 1e3, 2)] for k, _ in runtime.most_common(15)},
+        "ops_self_cpu_ms": [[e.key[:70], e.count, round(e.self_cpu_time_total / 1e3, 2)] for e in ops],
+        "python_own_ms": [
+            [f"{Path(f).name}:{line}:{fn}", cc, round(tt * 1e3, 2), round(ct * 1e3, 2)]
+            for (f, line, fn), (cc, _nc, tt, ct, _callers) in funcs
+        ],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -165,6 +214,9 @@ def main() -> None:
     )
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--host-profile", type=int, default=0, help="where the host's time goes in an N-token chunk"
+    )
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -214,6 +266,8 @@ def main() -> None:
         res["prompt_profile"] = profile_prompt(
             lm.model, min(int(x) for x in a.prompts.split(",") if x) if a.prompts else 512
         )
+    if a.host_profile:
+        res["host_profile"] = host_profile(lm.model, a.host_profile)
     text = json.dumps(res, indent=1)
     print(text)
     if a.out:

@@ -4,6 +4,7 @@ Each family's file only turns its metadata into a `ModelConfig`; the differences
 post norms, sliding windows, shared experts, RoPE layout) are flags of that config. A model can be loaded for a
 range of layers only (a pipeline stage), with or without the embedding and the output head."""
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,16 @@ class DecoderLM(FamilyLM):
         self.rope_swa = Rope(self.cfg.rope, freq_factors, base=base_swa) if base_swa else self.rope
 
     def _after_load(self) -> None:
+        from engine.pipeline.cuda_graphs import PromptGraphs
+
+        if (
+            self.graphs is not None
+            and self.has_embed
+            and self.has_head
+            and os.environ.get("STRATA_PROMPT_GRAPHS", "1") != "0"
+            and PromptGraphs.usable(self)
+        ):
+            self.prompt_graphs = PromptGraphs(self)
         self.fast = fast_decode.available(self)
         if self.fast:
             for lw in self.layers.values():
@@ -161,10 +172,22 @@ class DecoderLM(FamilyLM):
     ) -> torch.Tensor:
         """One layer for the tokens at positions `pos` [T] (device), attending to cache positions below `span`
         (a static bound, so that a decode step can be captured in a CUDA graph)."""
-        c, lw = self.cfg, self.layers[i]
         t = h.shape[0]
         if self.fast and t <= fast_decode.FAST_MAX_ROWS and cache.kv_type != "int8" and h.is_cuda:
             return fast_decode.layer(self, i, h, cache, pos, span)
+        h, q, k, v = self.attn_in(i, h, pos)
+        return self.attn_out_ffn(i, h, self.attn_core(i, q, k, v, cache, pos, span, masks))
+
+    # A layer in three pieces: the prompt path's CUDA graphs (engine/pipeline/cuda_graphs.py, PromptGraphs) capture
+    # the first and the last, which touch neither the KV cache nor the span; the attention between runs eagerly.
+
+    def attn_in(
+        self, i: int, h: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, D] -> (hidden as float32, queries [T, H, Dk], keys [T, Hkv, Dk], values [T, Hkv, Dv]): the
+        attention norm, the projections and RoPE at positions `pos`."""
+        c, lw = self.cfg, self.layers[i]
+        t = h.shape[0]
         h = h.float()
         x = rms_norm(h, lw.attn_norm, c.rms_eps, self.dtype)
         if lw.qkv is not None:  # the fused weight: one decode and one matmul for the three (prompt chunks)
@@ -178,14 +201,32 @@ class DecoderLM(FamilyLM):
         q = q.view(t, c.n_head, c.head_dim_k)
         k = k.view(t, c.n_head_kv, c.head_dim_k)
         v = v.view(t, c.n_head_kv, c.head_dim_v)
-        swa = c.is_swa(i)
-        rope = self.rope_swa if swa else self.rope
-        q = rope.apply_at(q, pos, lw.q_norm, c.rms_eps)
-        k = rope.apply_at(k, pos, lw.k_norm, c.rms_eps)
+        rope = self.rope_swa if c.is_swa(i) else self.rope
+        return h, rope.apply_at(q, pos, lw.q_norm, c.rms_eps), rope.apply_at(k, pos, lw.k_norm, c.rms_eps), v
+
+    def attn_core(
+        self,
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        pos: torch.Tensor,
+        span: int,
+        masks: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Store k, v at `pos` and attend to cache positions below `span` -> [T, H * Dv]."""
+        c = self.cfg
         keys, values = cache.store(i, pos, k, v, span)
-        window = c.sliding_window if swa else 0
+        window = c.sliding_window if c.is_swa(i) else 0
         mask = masks[window] if masks is not None and window in masks else causal_mask(pos, span, window)
-        a = attention(q, keys, values, mask, c.attn_scale, c.attn_softcap).reshape(t, c.n_head * c.head_dim_v)
+        a = attention(q, keys, values, mask, c.attn_scale, c.attn_softcap)
+        return a.reshape(q.shape[0], c.n_head * c.head_dim_v)
+
+    def attn_out_ffn(self, i: int, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """float32 hidden [T, D] and the attention's output [T, H * Dv] -> the layer's output [T, D]: the output
+        projection, the residual adds and the FFN or experts."""
+        c, lw = self.cfg, self.layers[i]
         a = lw.o.linear(a)
         if lw.post_attn_norm is not None:
             a = rms_norm(a, lw.post_attn_norm, c.rms_eps)

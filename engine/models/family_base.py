@@ -227,6 +227,10 @@ class FamilyLM:
     """Layers `layers` of a model of one family on `device`, computing in `dtype`; the residual stream stays
     float32. Subclasses load their layers (`_load_layer`) and run them (`layer_at`)."""
 
+    prompt_graphs: Any = (
+        None  # prompt chunks as CUDA graphs (engine/pipeline/cuda_graphs.py), where a family has them
+    )
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -358,6 +362,10 @@ class FamilyLM:
         t = tokens.shape[0]
         if t == 1 and self.graphs is not None and self.graphs.usable:
             return self.graphs.step(tokens, cache, start)
+        if last_only and self.prompt_graphs is not None:
+            logits = self.prompt_graphs.step(tokens.to(self.device), cache, start)
+            if logits is not None:
+                return logits
         pos = torch.arange(start, start + t, device=self.device)
         return self.forward_at(tokens.to(self.device), cache, pos, start + t, last_only)
 

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
@@ -162,3 +163,146 @@ class DecodeGraphs(StepGraphs):
     def step(self, inp: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         self.counts = self.model.expert_counts  # created after the graphs object
         return super().step(inp, cache, start)
+
+
+PROMPT_GRAPH_ROWS = range(9, 1025)  # prompt chunks whose launches cost more host time than device time
+PROMPT_GRAPH_SIZES = 2  # chunk sizes kept captured (each holds a pool of one layer's temporaries)
+
+
+@dataclass
+class _PromptGraph:
+    graphs: list[
+        torch.cuda.CUDAGraph
+    ]  # a layer's pieces: embed + attn_in(0), attn_out_ffn(i) + attn_in(i+1), ..
+    tok: torch.Tensor  # [T] token ids
+    offsets: torch.Tensor  # [T] long: 0..T-1
+    pos: torch.Tensor  # [T] long: start + offsets
+    h: torch.Tensor  # [T, D] float32: the residual stream between pieces
+    q: torch.Tensor  # [T, H, Dk]
+    k: torch.Tensor  # [T, Hkv, Dk]
+    v: torch.Tensor  # [T, Hkv, Dv]
+    a: torch.Tensor  # [T, H * Dv]: the attention's output, written between the pieces
+    out: torch.Tensor  # [1, V]: the last row's logits
+
+
+class PromptGraphs:
+    """A prompt chunk's layers as CUDA graphs, with the attention between them run eagerly: a 512-token chunk of
+    Qwen3-30B-A3B launches ~1,600 kernels, which took longer to issue from Python (~50 ms on an H200's host) than to
+    run (~29 ms). The graphs hold everything but the attention (norms, projections, RoPE, router, grouped experts,
+    residual adds), so they depend on the chunk's size only: not on the KV cache, its position or its span. One set
+    of graphs per chunk size, captured the second time a size is seen (the first runs eagerly, which also builds
+    its kernels), the least recently used set dropped past PROMPT_GRAPH_SIZES. Only chunks whose last row's logits
+    are wanted (a prompt) take this path."""
+
+    def __init__(self, model: "DecoderLM") -> None:
+        self.model = model
+        self.seen: set[int] = set()
+        self.sets: OrderedDict[int, _PromptGraph] = OrderedDict()
+        self.stream = torch.cuda.Stream(model.device)
+
+    @staticmethod
+    def usable(model: "DecoderLM") -> bool:
+        """Whether every piece can be captured: the experts (if any) all in VRAM with grouped kernels for their
+        block types; prompt chunks of layers with experts in host memory stage them from the host first."""
+        from engine.layers.moe import _grouped_ok
+
+        ec = model.expert_cache
+        if model.cfg.is_moe and ec is None:
+            return False
+        if ec is None:
+            return True
+        c = model.cfg
+        return all(
+            le.host_tables is None
+            and _grouped_ok(le.gate.host.qtype, le.up.host.qtype, le.down.host.qtype, c.n_embd, c.n_ff_exp)
+            for le in ec.layers.values()
+        )
+
+    def step(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor | None:
+        """The last row's logits [1, V] of tokens [T] at positions start..start+T-1, or None where this chunk runs
+        eagerly (a size outside PROMPT_GRAPH_ROWS, or seen for the first time)."""
+        t = int(tokens.shape[0])
+        if t not in PROMPT_GRAPH_ROWS:
+            return None
+        g = self.sets.get(t)
+        if g is None:
+            if t not in self.seen:
+                self.seen.add(t)
+                return None
+            g = self._capture(t)
+            self.sets[t] = g
+            while len(self.sets) > PROMPT_GRAPH_SIZES:
+                self.sets.popitem(last=False)
+        else:
+            self.sets.move_to_end(t)
+        m = self.model
+        g.tok.copy_(tokens.view(t), non_blocking=True)
+        torch.add(g.offsets, start, out=g.pos)
+        span = start + t
+        masks = m.step_masks(g.pos, span)
+        for n, i in enumerate(m.layer_range):
+            g.graphs[n].replay()
+            g.a.copy_(m.attn_core(i, g.q, g.k, g.v, cache, g.pos, span, masks))
+        g.graphs[-1].replay()
+        return g.out.clone()  # the next replay overwrites it
+
+    def _pieces(self, g: _PromptGraph) -> list[Callable[[], None]]:
+        """The chunk's captured pieces, each writing its results into g's buffers."""
+        m = self.model
+        layers = list(m.layer_range)
+
+        def into(i: int, h: torch.Tensor) -> None:
+            hf, q, k, v = m.attn_in(i, h, g.pos)
+            g.h.copy_(hf)
+            g.q.copy_(q)
+            g.k.copy_(k)
+            g.v.copy_(v)
+
+        def first() -> None:
+            into(layers[0], m.embed(g.tok))
+
+        def between(prev: int, nxt: int) -> Callable[[], None]:
+            return lambda: into(nxt, m.attn_out_ffn(prev, g.h, g.a))
+
+        def last() -> None:
+            g.out.copy_(m.head(m.attn_out_ffn(layers[-1], g.h, g.a), last_only=True))
+
+        return [first, *(between(a, b) for a, b in pairwise(layers)), last]
+
+    def _capture(self, t: int) -> _PromptGraph:
+        m, c, dev = self.model, self.model.cfg, self.model.device
+        dt = m.dtype
+        offsets = torch.arange(t, dtype=torch.long, device=dev)
+        g = _PromptGraph(
+            graphs=[],
+            tok=torch.zeros(t, dtype=torch.long, device=dev),
+            offsets=offsets,
+            pos=offsets.clone(),
+            h=torch.zeros(t, c.n_embd, dtype=torch.float32, device=dev),
+            q=torch.zeros(t, c.n_head, c.head_dim_k, dtype=dt, device=dev),
+            k=torch.zeros(t, c.n_head_kv, c.head_dim_k, dtype=dt, device=dev),
+            v=torch.zeros(t, c.n_head_kv, c.head_dim_v, dtype=dt, device=dev),
+            a=torch.zeros(t, c.n_head * c.head_dim_v, dtype=dt, device=dev),
+            out=torch.zeros(1, c.n_vocab, dtype=torch.float32, device=dev),
+        )
+        pieces = self._pieces(g)
+        # A warm-up pass on the capture stream (cuBLAS sets up its workspace for a stream at first use); the
+        # selection counts it bumps, which the expert cache's hit rates derive from, are put back.
+        counts = m.expert_counts
+        saved = counts.clone() if counts is not None else None
+        self.stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(self.stream):
+            for p in pieces:
+                p()
+        torch.cuda.current_stream(dev).wait_stream(self.stream)
+        pool = None
+        for p in pieces:  # one pool for the set: each piece's temporaries are free again when the next runs
+            graph = torch.cuda.CUDAGraph()
+            with capturing(graph, pool, self.stream):
+                p()
+            pool = graph.pool()
+            g.graphs.append(graph)
+        if saved is not None and counts is not None:
+            counts.copy_(saved)
+        log.debug("prompt chunks of %d tokens: %d graphs captured", t, len(g.graphs))
+        return g
