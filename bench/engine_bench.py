@@ -197,6 +197,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--expert-slots", type=int, default=None)
     ap.add_argument("--expert-misses", choices=("direct", "copy"), default="copy")
+    ap.add_argument("--cpu-experts", type=float, default=0.0, help="the engine's --cpu-experts F")
+    ap.add_argument("--threads", type=int, default=None, help="torch's CPU threads (the CPU's expert share)")
     ap.add_argument("--vram-budget-mib", type=int, default=None, help="the card behaves as one of this size")
     ap.add_argument(
         "--vram-reserve-mib",
@@ -220,6 +222,8 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     torch.cuda.init()
     torch.empty(1, device="cuda")
     free, total = torch.cuda.mem_get_info()
@@ -234,6 +238,7 @@ def main() -> None:
         experts=ExpertPolicy(
             slots=a.expert_slots,
             miss_path=a.expert_misses,
+            cpu_share=a.cpu_experts,
             vram_budget_mib=a.vram_budget_mib,
             reserve_mib=a.vram_reserve_mib,
             kv_bytes=_kv_bytes(a.model, max(int(x) for x in a.prompts.split(",") if x) + 8)
@@ -247,6 +252,8 @@ def main() -> None:
         "load_s": time.perf_counter() - t0,
         "expert_slots": a.expert_slots,
         "expert_misses": a.expert_misses,
+        "cpu_experts": a.cpu_experts,
+        "threads": torch.get_num_threads(),
         "vram_budget_mib": a.vram_budget_mib,
         "vram_process_mib": a.vram_process_mib,
         "vram_reserve_mib": a.vram_reserve_mib,

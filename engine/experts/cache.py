@@ -16,6 +16,7 @@ from engine.layers.moe import ExpertWeights
 from engine.layers.qtensor import QTensor
 
 if TYPE_CHECKING:
+    from engine.experts.cpu_misses import CpuMisses
     from engine.kernels.stage_copy import Stager
 
 log = logging.getLogger("strata.engine")
@@ -164,6 +165,7 @@ class ExpertCache:
             miss_path  # "direct": kernels read missed experts from host memory; "copy": staged first
         )
         self.stager: Stager | None = None
+        self.cpu_misses: CpuMisses | None = None  # --cpu-experts: the CPU's share of decode misses
         self.prompt_area: list[torch.Tensor] | None = None  # prompt chunks' staged experts, per projection
         self.layers: dict[int, LayerExperts] = {}
         self.counts: torch.Tensor | None = None
@@ -233,10 +235,12 @@ class ExpertCache:
             p.table.copy_(torch.tensor(addrs, dtype=torch.int64))
         le.resident.copy_(torch.tensor([c >= 0 for c in le.slot_of]))
 
-    def staged_tables(self, li: int, ids: torch.Tensor) -> torch.Tensor | None:
+    def staged_tables(
+        self, li: int, ids: torch.Tensor, claim: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """With `--expert-misses copy`, for a one-token step of layer li that has experts in host memory: stage
         the missed ones in VRAM and return the per-slot tables [3, k] (read with `Stager.identity` as ids);
-        None where the kernels read the cache's own tables."""
+        None where the kernels read the cache's own tables. `claim` [k]: slots the CPU computes (not copied)."""
         le = self.layers[li]
         if self.miss_path != "copy" or le.host_tables is None or ids.shape[0] != 1:
             return None
@@ -246,7 +250,7 @@ class ExpertCache:
             stride = max(p.expert_bytes for lx in self.layers.values() for p in lx.projections)
             self.stager = Stager(self.device, ids.numel(), stride)
         assert le.tables is not None and le.nbytes is not None
-        return self.stager.stage(ids, le.tables, le.host_tables, le.nbytes)
+        return self.stager.stage(ids, le.tables, le.host_tables, le.nbytes, claim)
 
     def prompt_tables(self, li: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The gate, up and down tables a prompt chunk's grouped kernels read for layer li. Where the layer has

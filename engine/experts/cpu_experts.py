@@ -150,6 +150,10 @@ class CpuExperts:
         return e in self._gate_up
 
     @property
+    def n_held(self) -> int:
+        return len(self._gate_up)
+
+    @property
     def nbytes(self) -> int:
         """Host bytes of the repacked copies."""
         return sum(p.nbytes for p in self._gate_up.values()) + sum(p.nbytes for p in self._down.values())

@@ -28,6 +28,9 @@ class ExpertPolicy:
     miss_path: str = (
         "copy"  # --expert-misses: "copy" (staged in VRAM first) or "direct" (kernels read host memory)
     )
+    cpu_share: float = (
+        0.0  # --cpu-experts F: of the experts in host RAM, the fraction the CPU computes on a miss
+    )
 
 
 def expert_budget(device: torch.device, policy: ExpertPolicy) -> int:
@@ -65,7 +68,7 @@ def build_expert_cache(model: "DecoderLM", policy: ExpertPolicy) -> ExpertCache:
         )
     if policy.miss_path not in MISS_PATHS:
         raise ValueError(f"--expert-misses {policy.miss_path!r}: use one of {', '.join(MISS_PATHS)}")
-    return ExpertCache(
+    cache = ExpertCache(
         experts,
         model.device,
         capacity,
@@ -73,6 +76,15 @@ def build_expert_cache(model: "DecoderLM", policy: ExpertPolicy) -> ExpertCache:
         device_label=_label(model.device),
         miss_path=policy.miss_path,
     )
+    if policy.cpu_share > 0:
+        if policy.miss_path != "copy":
+            raise ValueError("--cpu-experts works with --expert-misses copy (the default)")
+        from engine.experts.cpu_misses import CpuMisses
+
+        cache.cpu_misses = CpuMisses(
+            cache, policy.cpu_share, model.cfg.n_expert_used, model.cfg.activation, policy.profile
+        )
+    return cache
 
 
 def _label(device: torch.device) -> str:

@@ -15,6 +15,7 @@ import triton.language as tl
 @triton.jit
 def _stage_kernel(
     ids_ptr,  # int64 [S]: expert of each (token, slot)
+    claim_ptr,  # int32 [S]: 1 where the CPU computes the slot (engine/experts/cpu_misses.py): no copy
     tab_ptr,  # int64 [3, E]: the cache's tables (gate, up, down): VRAM slot or host address per expert
     host_ptr,  # int64 [3, E]: each expert's address in pinned host memory
     nbytes_ptr,  # int64 [3]: bytes of one expert per projection
@@ -25,6 +26,7 @@ def _stage_kernel(
     STRIDE,  # bytes a staging slot holds (a multiple of 8)
     CHUNK: tl.constexpr,  # 8-byte words a program copies
     BLOCK: tl.constexpr,
+    CLAIM: tl.constexpr,
 ):
     s = tl.program_id(0)
     c = tl.program_id(1)
@@ -35,7 +37,10 @@ def _stage_kernel(
     dst = stage_addr + (p * S + s).to(tl.int64) * STRIDE
     if c == 0:
         tl.store(out_ptr + p * S + s, tl.where(a == h, dst, a))
-    if a == h:  # a miss: this program's chunk of the expert crosses PCIe in wide loads
+    skip = False
+    if CLAIM:
+        skip = tl.load(claim_ptr + s) != 0
+    if a == h and not skip:  # a miss: this program's chunk of the expert crosses PCIe in wide loads
         words = tl.load(nbytes_ptr + p) // 8
         src_w = h.to(tl.pointer_type(tl.int64))
         dst_w = dst.to(tl.pointer_type(tl.int64))
@@ -56,20 +61,28 @@ class Stager:
     def __init__(self, device: torch.device, slots: int, stride: int) -> None:
         self.slots = slots
         self.stride = -(-stride // 8) * 8
-        self.area = torch.empty(3, slots, self.stride, dtype=torch.uint8, device=device)
+        # zeros: a slot the CPU claims is read from whatever its staging slot last held (its weight is zero), and
+        # zero bytes decode as zero weights where that is nothing yet
+        self.area = torch.zeros(3, slots, self.stride, dtype=torch.uint8, device=device)
         self.out = torch.empty(3, slots, dtype=torch.int64, device=device)
         self.identity = torch.arange(slots, dtype=torch.int64, device=device).view(1, slots)
 
     def stage(
-        self, ids: torch.Tensor, tables: torch.Tensor, host: torch.Tensor, nbytes: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        tables: torch.Tensor,
+        host: torch.Tensor,
+        nbytes: torch.Tensor,
+        claim: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """ids [1, k] -> int64 [3, k]: the address each slot's gate, up and down kernels read."""
+        """ids [1, k] -> int64 [3, k]: the address each slot's gate, up and down kernels read. `claim` int32 [k]:
+        slots the CPU computes, not copied."""
         s = ids.numel()
         assert s == self.slots
         words = int(self.stride // 8)
         grid = (s, triton.cdiv(words, CHUNK_WORDS), 3)
         _stage_kernel[grid](
-            ids.reshape(-1), tables, host, nbytes, self.out, self.area.data_ptr(), tables.shape[1], s, self.stride,
-            CHUNK=CHUNK_WORDS, BLOCK=1024,
+            ids.reshape(-1), claim if claim is not None else ids, tables, host, nbytes, self.out, self.area.data_ptr(),
+            tables.shape[1], s, self.stride, CHUNK=CHUNK_WORDS, BLOCK=1024, CLAIM=claim is not None,
         )  # fmt: skip
         return self.out

@@ -35,9 +35,9 @@ def available(model: "DecoderLM") -> bool:
         return False
     if c.is_moe and model.expert_cache is None:
         return False
-    from engine.pipeline.cuda_graphs import capturable
+    from engine.pipeline.cuda_graphs import fused_experts
 
-    return capturable(model)  # the experts' block types have fused kernels
+    return fused_experts(model)
 
 
 def route_counts(model: "DecoderLM") -> dict[int, torch.Tensor] | None:
@@ -131,13 +131,14 @@ def layer(
     q8 = wants_q8(g.qtype, f, d, "moe")
     counts = model.expert_counts[i] if model.expert_counts is not None else None
     done = model.route_done.get(i) if model.route_done is not None else None
+    cpu = model.expert_cache.cpu_misses  # --cpu-experts: reads the float32 input on the host
     if done is not None and le.router.qtype == QT.F32 and le.router.raw.is_contiguous():
         # the norm and the router's logits in one launch (the top-k too, where the tuning file says so); the
         # float copies only where a later op reads them
         shexp = lw.shexp_gate is not None
         x, x32, xq, w, ids = norm_route(
             h, lw.ffn_norm, c.rms_eps, le.router.raw.view(torch.float32), c.n_expert_used, c.expert_weights_norm,
-            counts, done[0], dt if shexp or not q8 else None, lw.shexp_gate_inp is not None, q8,
+            counts, done[0], dt if shexp or not q8 else None, lw.shexp_gate_inp is not None or cpu is not None, q8,
         )  # fmt: skip
     else:
         if q8:
@@ -146,7 +147,11 @@ def layer(
             x, x32 = rms_norm_pair(h, lw.ffn_norm, c.rms_eps, dt)
         assert x32 is not None
         w, ids = route_and_count(x32, le.router, c.n_expert_used, c.expert_weights_norm, counts)  # [T, k]
-    gt, ut, dnt, sid = expert_tables(model.expert_cache, i, ids)  # gate, up, down tables; the ids they take
+    claim = cpu.begin(i, ids, w, x32) if cpu is not None and x32 is not None else None
+    if claim is not None:  # the CPU's slots: not copied, and no weight in the GPU's sum
+        w = w.masked_fill(claim.view(1, -1) != 0, 0.0)
+    # gate, up, down tables; the ids they take
+    gt, ut, dnt, sid = expert_tables(model.expert_cache, i, ids, claim)
     xin = x if xq is None else xq
     assert xin is not None
     hid = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, xin, f, d, c.n_expert_used, up_table=ut, act=c.activation,
@@ -162,6 +167,7 @@ def layer(
     nxt, next_norm = model.layers.get(i + 1), None
     if (
         done is not None
+        and claim is None  # the CPU's share joins the output after this launch
         and nxt is not None
         and nxt.qkv is not None
         and wants_q8(nxt.qkv.qtype, *nxt.qkv.shape)
@@ -178,4 +184,4 @@ def layer(
                            q8=q8d, next_norm=next_norm)  # fmt: skip
     if next_norm is not None:
         model.prenormed = (i + 1, out, next_norm[2])
-    return out
+    return cpu.finish(out) if claim is not None else out

@@ -141,12 +141,12 @@ _FUSED_MAX_ROWS = 8
 
 
 def expert_tables(
-    cache: "ExpertCache", layer: int, ids: torch.Tensor
+    cache: "ExpertCache", layer: int, ids: torch.Tensor, claim: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gate, up and down address tables a decode step's expert kernels read, and the ids to read them with:
     the cache's own tables and the experts' ids, or (with `--expert-misses copy`) per-slot tables with the missed
-    experts staged in VRAM, read with the identity."""
-    staged = cache.staged_tables(layer, ids)
+    experts staged in VRAM, read with the identity. `claim` [k]: slots the CPU computes (not staged)."""
+    staged = cache.staged_tables(layer, ids, claim)
     if staged is not None:
         assert cache.stager is not None
         return staged[0], staged[1], staged[2], cache.stager.identity

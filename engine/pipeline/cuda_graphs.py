@@ -138,7 +138,14 @@ class StepGraphs:
 
 
 def capturable(model: "DecoderLM") -> bool:
-    """Whether the model's decode step has no host synchronisation (every expert type has a fused kernel)."""
+    """Whether the model's decode step has no host synchronisation: every expert type has a fused kernel, and no
+    miss is computed on the CPU (a host sync a layer: the host reads the step's expert ids)."""
+    ec = model.expert_cache
+    return fused_experts(model) and (ec is None or ec.cpu_misses is None)
+
+
+def fused_experts(model: "DecoderLM") -> bool:
+    """Whether every routed expert's block types have the fused decode kernels."""
     from engine.layers.moe import fused_moe_available
 
     if model.expert_cache is None:
@@ -158,7 +165,8 @@ class DecodeGraphs(StepGraphs):
         self.model = model
         self.usable = capturable(model)
         if not self.usable:
-            log.info("decode runs without CUDA graphs: some expert block types have no fused kernel")
+            log.info("decode runs without CUDA graphs: some expert block types have no fused kernel, or the CPU "
+                     "computes some misses (--cpu-experts)")  # fmt: skip
 
     def step(self, inp: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         self.counts = self.model.expert_counts  # created after the graphs object

@@ -76,6 +76,14 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
         "one kernel a layer; the faster) or direct (the expert kernels read them over PCIe)",
     )
     e.add_argument(
+        "--cpu-experts",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="of each layer's experts in host RAM, the fraction (0-1) the CPU computes when a decode step misses "
+        "them, beside the GPU's copies of the others (more host RAM; decode without CUDA graphs); default 0: off",
+    )
+    e.add_argument(
         "--profile",
         metavar="PATH",
         help="the usage profile that fills the caches and weighs --layer-split auto (default: the one saved for "
@@ -124,12 +132,16 @@ def options_from_args(args: argparse.Namespace) -> SplitOptions:
                         ("--cpu-weights-mib", getattr(args, "cpu_weights_mib", None))):  # fmt: skip
         if value is not None and value < 0:
             raise PlacementError(f"{flag} must be 0 or more, not {value}")
+    share = getattr(args, "cpu_experts", 0.0)
+    if not 0.0 <= share <= 1.0:
+        raise PlacementError(f"--cpu-experts is a fraction from 0 to 1, not {share}")
     gpus = getattr(args, "gpus", None)
     return SplitOptions(
         expert_slots=getattr(args, "expert_cache", None),
         vram_budget_mib=getattr(args, "vram_budget_mib", None),
         cpu_weights_mib=getattr(args, "cpu_weights_mib", None),
         expert_misses=getattr(args, "expert_misses", "copy"),
+        cpu_share=getattr(args, "cpu_experts", 0.0),
         device=getattr(args, "device", "auto"),
         gpu=getattr(args, "gpu", None),
         gpus=parse_gpus(gpus) if gpus else None,

@@ -245,6 +245,15 @@ def test_missed_experts_are_staged_and_hits_keep_their_slot() -> None:
             else:
                 assert out[p, j].item() == st.area[p, j].data_ptr()
                 assert torch.equal(st.area[p, j, : host[p][e].numel()], host[p][e].reshape(-1))
+    # a slot the CPU claims (--cpu-experts) is not copied: its staging slot keeps what it held
+    before = st.area.clone()
+    out = st.stage(
+        torch.tensor([[2, 3, 1]]), tables, host_tables, nbytes, torch.tensor([1, 0, 0], dtype=torch.int32)
+    )
+    for p in range(3):
+        assert torch.equal(st.area[p, 0], before[p, 0])
+        assert torch.equal(st.area[p, 1, : host[p][3].numel()], host[p][3].reshape(-1))
+        assert out[p, 2].item() == vram[p][1].data_ptr()
 
 
 @pytest.mark.parametrize(

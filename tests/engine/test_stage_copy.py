@@ -1,4 +1,4 @@
-"""--expert-misses: the flag reaches the expert policy (the staging kernel itself: test_kernels_interpreter.py on the
+"""--expert-misses and --cpu-experts: the flags reach the expert policy (the staging kernel itself: test_kernels_interpreter.py on the
 CPU, test_gpu_fast_path.py on a GPU)."""
 
 import pytest
@@ -17,3 +17,16 @@ def test_the_flag_reaches_the_policy() -> None:
     assert options_from_args(ap.parse_args(["--expert-misses", "direct"])).expert_misses == "direct"
     with pytest.raises(SystemExit):
         ap.parse_args(["--expert-misses", "sometimes"])
+
+
+def test_cpu_experts_flag_reaches_the_policy() -> None:
+    import argparse
+
+    from engine.experts.placement import PlacementError
+
+    ap = argparse.ArgumentParser()
+    add_split_args(ap)
+    assert options_from_args(ap.parse_args([])).cpu_share == 0.0  # off unless asked for
+    assert options_from_args(ap.parse_args(["--cpu-experts", "0.5"])).cpu_share == 0.5
+    with pytest.raises(PlacementError, match="--cpu-experts is a fraction from 0 to 1"):
+        options_from_args(ap.parse_args(["--cpu-experts", "1.5"]))
