@@ -74,15 +74,18 @@ class Stager:
         host: torch.Tensor,
         nbytes: torch.Tensor,
         claim: torch.Tensor | None = None,
+        launch: tuple[int, int, int] | None = None,
     ) -> torch.Tensor:
         """ids [1, k] -> int64 [3, k]: the address each slot's gate, up and down kernels read. `claim` int32 [k]:
-        slots the CPU computes, not copied."""
+        slots the CPU computes, not copied. `launch`: (8-byte words a program copies, words a load, warps),
+        default (CHUNK_WORDS, 1024, Triton's default); bench/stage_copy_micro.py measures them."""
         s = ids.numel()
         assert s == self.slots
         words = int(self.stride // 8)
-        grid = (s, triton.cdiv(words, CHUNK_WORDS), 3)
+        chunk, block, warps = launch if launch is not None else (CHUNK_WORDS, 1024, 4)
+        grid = (s, triton.cdiv(words, chunk), 3)
         _stage_kernel[grid](
             ids.reshape(-1), claim if claim is not None else ids, tables, host, nbytes, self.out, self.area.data_ptr(),
-            tables.shape[1], s, self.stride, CHUNK=CHUNK_WORDS, BLOCK=1024, CLAIM=claim is not None,
+            tables.shape[1], s, self.stride, CHUNK=chunk, BLOCK=block, CLAIM=claim is not None, num_warps=warps,
         )  # fmt: skip
         return self.out
