@@ -209,14 +209,22 @@ def _decode_attn_kernel(
         out = acc / l_i[:, None]
         tl.store(o_ptr + (t * H + heads)[:, None] * Dv + dv[None, :], out.to(o_ptr.dtype.element_ty), mask=om)
         if Q8:  # each head's slice of the row, for the output projection's 8-bit GEMV: no rounding launch
-            rowb = q8_ptr.to(tl.pointer_type(tl.int8)) + t * (H * Dv) * 4
-            meta = (rowb + H * Dv).to(tl.pointer_type(tl.float32))
-            store_q8_rows(out, rowb + heads * Dv, meta + heads * (Dv // 32) * 2, gm, Dv, GP, BLOCK_DV)
+            codes, scales = _q8_slices(q8_ptr, t, heads, H, Dv)
+            store_q8_rows(out, codes, scales, gm, Dv, GP, BLOCK_DV)
     else:
         row = (t * H + heads) * SPLITS + sp  # [GP]
         tl.store(o_ptr + row[:, None] * Dv + dv[None, :], acc, mask=om)
         tl.store(ml_ptr + row * 2, m_i, mask=gm)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=gm)
+
+
+@triton.jit
+def _q8_slices(q8_ptr, t, heads, H, Dv):
+    """Where heads `heads` of output row t go in its 8-bit form (quantize_q8's layout: H * Dv codes, then a
+    scale pair per 32): their codes' and their scales' pointers."""
+    rowb = q8_ptr.to(tl.pointer_type(tl.int8)) + t * (H * Dv) * 4
+    meta = (rowb + H * Dv).to(tl.pointer_type(tl.float32))
+    return rowb + heads * Dv, meta + heads * (Dv // 32) * 2
 
 
 @triton.jit
@@ -242,13 +250,8 @@ def _merge_kernel(
     out = tl.sum(part * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
     tl.store(o_ptr + r * Dv + dv, out.to(o_ptr.dtype.element_ty), mask=dv < Dv)
     if Q8:
-        t, hh = r // H, r % H
-        rowb = q8_ptr.to(tl.pointer_type(tl.int8)) + t * (H * Dv) * 4
-        meta = (rowb + H * Dv).to(tl.pointer_type(tl.float32))
-        one = tl.full([1], 1, tl.int1)
-        store_q8_rows(
-            out[None, :], (rowb + hh * Dv)[None], (meta + hh * (Dv // 32) * 2)[None], one, Dv, 1, BLOCK_DV
-        )
+        codes, scales = _q8_slices(q8_ptr, r // H, r % H, H, Dv)
+        store_q8_rows(out[None, :], codes[None], scales[None], tl.full([1], 1, tl.int1), Dv, 1, BLOCK_DV)
 
 
 # Spans up to this many positions go in one launch; longer ones are split over enough programs to fill the GPU
