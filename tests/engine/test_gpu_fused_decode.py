@@ -342,11 +342,11 @@ def test_int8_activations_stay_close_to_the_float_ones(
 @pytest.mark.parametrize("launch", [(4, 4, True), (1, 1, True), (2, 2, False)])
 @pytest.mark.parametrize("t", [1, 4])
 def test_norm_route_matches_the_separate_launches(t: int, launch: tuple[int, int, bool]) -> None:
-    """The FFN norm + router (+ top-k) launch (fused.norm_route) against the separate launches it replaces, on the
-    GPU where its programs finish in any order; its counts are back at zero after each launch, so a second launch
-    (a graph replay) gives the same."""
+    """The FFN norm + router (+ top-k) launch (fused.norm_route) against torch's norm, softmax and top-k in float64,
+    and against the separate launches it replaces, on the GPU where its programs finish in any order; its counts
+    are back at zero after each launch, so a second launch (a graph replay) gives the same."""
     from engine.kernels.fused import norm_route, rms_norm_q8, route
-    from engine.kernels.gemv import gemv
+    from engine.kernels.gemv import gemv, quantize_q8_torch
 
     g = torch.Generator(device="cuda").manual_seed(3)
     d, e, k = 2048, 128, 8
@@ -356,6 +356,11 @@ def test_norm_route_matches_the_separate_launches(t: int, launch: tuple[int, int
     done = torch.zeros(8, dtype=torch.int32, device="cuda")
     _, x32, xq = rms_norm_q8(h, nw, 1e-6, torch.bfloat16, f32_copy=True)
     rw, rid = route(gemv(router.view(torch.uint8), QT.F32, e, d, x32), k, True, None)
+    # the independent reference: torch in float64
+    hd = h.double()
+    ref_x = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
+    ref_w, ref_ids = torch.softmax(ref_x @ router.double().T, -1).topk(k, -1)
+    ref_w = ref_w / ref_w.sum(-1, keepdim=True)
     for _ in range(3):
         counts = torch.zeros(e, dtype=torch.int64, device="cuda")
         _, y32, yq, w, ids = norm_route(
@@ -363,7 +368,13 @@ def test_norm_route_matches_the_separate_launches(t: int, launch: tuple[int, int
         )
         assert y32 is not None and yq is not None
         assert (y32 - x32).abs().max().item() < 1e-5
+        assert (y32.double() - ref_x).abs().max().item() <= 1e-5 * ref_x.abs().max().item()
         _same_codes(yq, xq, d)
+        _same_codes(yq, quantize_q8_torch(ref_x.float()), d)
+        assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
+        assert (
+            w.double().gather(1, ids.argsort(-1)) - ref_w.gather(1, ref_ids.argsort(-1))
+        ).abs().max() < 1e-5
         assert torch.equal(ids, rid), (ids, rid)
         assert (w - rw).abs().max().item() < 1e-5
         assert torch.equal(counts, torch.bincount(rid.flatten(), minlength=e)) and not done.any()
@@ -371,10 +382,11 @@ def test_norm_route_matches_the_separate_launches(t: int, launch: tuple[int, int
 
 @pytest.mark.parametrize("t", [1, 4])
 def test_down_combine_writes_the_next_norm(t: int) -> None:
-    """moe_down_combine writing the next layer's attention norm from its last program, against the plain launch
-    and rms_norm_q8 of its output; its counts are back at zero after each launch."""
+    """moe_down_combine writing the next layer's attention norm from its last program, against the plain launch,
+    rms_norm_q8 of its output, and torch's norm of it rounded by quantize_q8_torch; its counts are back at zero
+    after each launch."""
     from engine.kernels.fused import rms_norm_q8
-    from engine.kernels.gemv import moe_down_combine, quantize_q8
+    from engine.kernels.gemv import moe_down_combine, quantize_q8, quantize_q8_torch
 
     g = torch.Generator(device="cuda").manual_seed(4)
     qt, n, f, k = QT.Q4_K, 2048, 768, 8
@@ -396,6 +408,9 @@ def test_down_combine_writes_the_next_norm(t: int) -> None:
         assert (y - want).abs().max().item() <= 1e-5 * want.abs().max().item() and not done.any()
         _, _, want_q = rms_norm_q8(y, nw, 1e-6, torch.float32)
         _same_codes(q_out, want_q, n)
+        yd = y.double()
+        ref = (yd * torch.rsqrt(yd.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()).float()
+        _same_codes(q_out, quantize_q8_torch(ref), n)
 
 
 def _same_codes(a: torch.Tensor, b: torch.Tensor, d: int) -> None:
