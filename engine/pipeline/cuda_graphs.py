@@ -205,6 +205,7 @@ class PromptGraphs:
     def __init__(self, model: "DecoderLM") -> None:
         self.model = model
         self.seen: set[int] = set()
+        self.failed: set[int] = set()  # sizes whose capture ran out of VRAM: they stay eager
         self.sets: OrderedDict[int, _PromptGraph] = OrderedDict()
         self.stream = torch.cuda.Stream(model.device)
 
@@ -230,14 +231,22 @@ class PromptGraphs:
         """The last row's logits [1, V] of tokens [T] at positions start..start+T-1, or None where this chunk runs
         eagerly (a size outside PROMPT_GRAPH_ROWS, or seen for the first time)."""
         t = int(tokens.shape[0])
-        if t not in PROMPT_GRAPH_ROWS:
+        if t not in PROMPT_GRAPH_ROWS or t in self.failed:
             return None
         g = self.sets.get(t)
         if g is None:
             if t not in self.seen:
                 self.seen.add(t)
                 return None
-            g = self._capture(t)
+            try:
+                g = self._capture(t)
+            except torch.OutOfMemoryError as e:  # a full card: the chunk runs eagerly, as it did before
+                self.failed.add(t)
+                torch.cuda.empty_cache()
+                log.warning(
+                    "prompt chunks of %d tokens run without CUDA graphs (%s)", t, str(e).splitlines()[0]
+                )
+                return None
             self.sets[t] = g
             while len(self.sets) > PROMPT_GRAPH_SIZES:
                 self.sets.popitem(last=False)

@@ -99,3 +99,24 @@ def test_sizes_outside_the_range_and_the_lru(tmp_path: Path, monkeypatch: pytest
     for t in (20, 20, 24, 24):
         pg.step(torch.arange(1, t + 1, device="cuda"), cache, 0)
     assert list(pg.sets) == [24]
+
+
+def test_a_capture_that_runs_out_of_vram_leaves_the_size_eager(caplog: pytest.LogCaptureFixture) -> None:
+    """A card too full for a size's graphs: the chunk runs eagerly (None), the size is not tried again, and the
+    log says so once."""
+    from collections import OrderedDict
+
+    pg = object.__new__(cuda_graphs.PromptGraphs)  # no CUDA here: only the bookkeeping around the capture
+    pg.seen, pg.failed, pg.sets = set(), set(), OrderedDict()
+    tries = []
+
+    def out_of_vram(t: int) -> None:
+        tries.append(t)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    pg._capture = out_of_vram
+    toks = torch.arange(1, 21)
+    with caplog.at_level("WARNING", logger="strata.engine"):
+        assert [pg.step(toks, None, 0) for _ in range(4)] == [None] * 4  # type: ignore[arg-type]
+    assert tries == [20] and pg.failed == {20} and not pg.sets
+    assert sum("run without CUDA graphs" in r.message for r in caplog.records) == 1
