@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
-from engine.gguf.quants import q4_k_parts
+from engine.gguf.quants import q4_0_parts, q4_1_parts, q4_k_parts
 from engine.layers.moe import ACTIVATIONS
 from engine.layers.qtensor import QTensor
 
@@ -28,17 +28,6 @@ _HAS_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
 )
 
 
-def _f16_field(b: torch.Tensor, at: int) -> torch.Tensor:
-    """The float16 at byte `at` of each block uint8 [N, block_bytes] -> float32 [N, 1]."""
-    return b[:, at : at + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """Q4_0/Q4_1 code bytes [N, 16] -> codes [N, 32]: element j is the low nibble of byte j, element 16 + j its
-    high nibble."""
-    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
-
-
 def int4_parts(raw: torch.Tensor, qtype: QT, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """4-bit block rows uint8 [n, row_bytes] of a matrix [n, k] -> (codes int32 [n, k] 0..15, scales and zeros
     float32 [k / 32, n, 2]) with element = (code - 8) * scale + zero, the form of the 4-bit CPU kernel."""
@@ -47,14 +36,13 @@ def int4_parts(raw: torch.Tensor, qtype: QT, n: int, k: int) -> tuple[torch.Tens
         codes = q.reshape(n, k)
         scale, zero = scale.reshape(n, k // GROUP), (8 * scale - offset).reshape(n, k // GROUP)
     elif qtype == QT.Q4_0:  # d * (q - 8)
-        b = raw.reshape(-1, 18)  # [n*k/32, 18]
-        codes = _nibbles(b[:, 2:18]).reshape(n, k)
-        scale = _f16_field(b, 0).reshape(n, k // GROUP)
+        q, d = q4_0_parts(raw.reshape(-1, 18))  # [n*k/32, 32], [n*k/32, 1]
+        codes = q.reshape(n, k)
+        scale = d.reshape(n, k // GROUP)
         zero = torch.zeros_like(scale)
     elif qtype == QT.Q4_1:  # d * q + m = d * (q - 8) + (8 * d + m)
-        b = raw.reshape(-1, 20)  # [n*k/32, 20]
-        codes = _nibbles(b[:, 4:20]).reshape(n, k)
-        d, m = _f16_field(b, 0), _f16_field(b, 2)  # [n*k/32, 1]
+        q, d, m = q4_1_parts(raw.reshape(-1, 20))  # [n*k/32, 32], [n*k/32, 1] twice
+        codes = q.reshape(n, k)
         scale, zero = d.reshape(n, k // GROUP), (8 * d + m).reshape(n, k // GROUP)
     else:
         raise ValueError(

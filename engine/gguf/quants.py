@@ -107,16 +107,25 @@ def _bf16(b: torch.Tensor) -> torch.Tensor:
     return (_field(b, 0, 2, torch.int16).int() << 16).view(torch.float32)
 
 
+def q4_0_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 blocks uint8 [N, 18] -> (codes [N, 32] 0..15, scales [N, 1] float32): element = scale * (code - 8)."""
+    return _lo_hi(b[:, 2:18]), _f16(b, 0)
+
+
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    d = _f16(b, 0)
-    q = (_lo_hi(b[:, 2:18]).int() - 8).float()  # [N, 32]
-    return d * q
+    q, d = q4_0_parts(b)
+    return d * (q.int() - 8).float()  # [N, 32]
+
+
+def q4_1_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 blocks uint8 [N, 20] -> (codes [N, 32] 0..15, scales [N, 1], offsets [N, 1] float32): element =
+    scale * code + offset."""
+    return _lo_hi(b[:, 4:20]), _f16(b, 0), _f16(b, 2)
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    d, m = _f16(b, 0), _f16(b, 2)
-    q = _lo_hi(b[:, 4:20]).float()
-    return d * q + m
+    q, d, m = q4_1_parts(b)
+    return d * q.float() + m
 
 
 def _q5_bits(b: torch.Tensor, qh_at: int, qs_at: int) -> torch.Tensor:
