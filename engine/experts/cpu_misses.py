@@ -75,7 +75,7 @@ class CpuMisses:
             return None
         self.claim_host.copy_(torch.tensor(take, dtype=torch.int32))
         self.claim.copy_(self.claim_host, non_blocking=True)
-        self._take, self._layer = torch.tensor(take).view(1, -1), li
+        self._take, self._layer = self.claim_host.view(1, -1) != 0, li
         self.slots += sum(take)
         return self.claim
 

@@ -277,20 +277,22 @@ BLOCK_N = 64
 def tile_variant(qtype: QT) -> int:
     """The tile decoder of a block type for the grouped kernel: its own, or another body the tuning file names
     (engine/kernels/gemv_tuned.json, "moe_gemm"; bench/moe_gemm_micro.py measures them)."""
-    from engine.kernels.gemv import _tuned
-
-    base = TILE_TYPES[qtype]
-    got = _tuned().get(qtype.name, {}).get("moe_gemm")
-    return got[0] if got and got[0] in TILE_VARIANTS.get(qtype, ()) else base
+    got = _tuned_entry(qtype)
+    return got[0] if got and got[0] in TILE_VARIANTS.get(qtype, ()) else TILE_TYPES[qtype]
 
 
 def tile_launch(qtype: QT) -> tuple[int, int, int]:
     """(BLOCK_N, warps, stages; 0 = Triton's default) of the grouped kernel for a block type: the tuning file's
     "moe_gemm": [decoder, BLOCK_N, warps, stages] where it names them (bench/moe_gemm_micro.py --sweep)."""
+    got = _tuned_entry(qtype)
+    return (got[1], got[2], got[3]) if len(got) == 4 else (BLOCK_N, 8, 0)
+
+
+def _tuned_entry(qtype: QT) -> list[int]:
+    """The tuning file's "moe_gemm" entry of a block type (engine/kernels/gemv_tuned.json), [] without one."""
     from engine.kernels.gemv import _tuned
 
-    got = _tuned().get(qtype.name, {}).get("moe_gemm") or []
-    return (got[1], got[2], got[3]) if len(got) == 4 else (BLOCK_N, 8, 0)
+    return _tuned().get(qtype.name, {}).get("moe_gemm") or []
 
 
 def decodes(qtype: QT, k: int) -> bool:
