@@ -155,9 +155,9 @@ def host_profile(model, n: int) -> dict:
     for _ in range(3):
         t = time.perf_counter()
         model.forward(ids, cache, 0, last_only=True)
-        walls.append((time.perf_counter() - t) * 1e3)  # host time: the launches, before the device finishes
+        host = time.perf_counter() - t  # the launches, before the device finishes
         _sync()
-        walls[-1] = (walls[-1], (time.perf_counter() - t) * 1e3)
+        walls.append((host * 1e3, (time.perf_counter() - t) * 1e3))
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:

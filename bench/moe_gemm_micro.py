@@ -9,6 +9,7 @@ routing), replayed from a CUDA graph, for each tile decoder of the type; chunks 
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,12 +70,17 @@ def main() -> None:
     if a.tuned:
         total = {v: sum(r["us_per_layer"] for r in rows if r["variant"] == v) for v in TILE_VARIANTS[QT.Q4_K]}
         best = min(total, key=total.__getitem__)
-        path = Path(a.tuned)
-        tuned = json.loads(path.read_text()) if path.exists() else {}
-        entry = tuned.setdefault("Q4_K", {})
-        entry["moe_gemm"] = [best, *entry.get("moe_gemm", [])[1:]]  # keeps a launch shape the sweep chose
-        path.write_text(json.dumps(tuned, indent=1) + "\n")
-        print("moe_gemm tile decoder:", best)
+        # keeps a launch shape the sweep chose
+        print("moe_gemm:", _write_entry(Path(a.tuned), lambda old: [best, *old[1:]]))
+
+
+def _write_entry(path: Path, make: Callable[[list[int]], list[int]]) -> list[int]:
+    """Replace the tuning file's "Q4_K" "moe_gemm" entry with make(the old one), keeping everything else."""
+    tuned = json.loads(path.read_text()) if path.exists() else {}
+    entry = tuned.setdefault("Q4_K", {})
+    entry["moe_gemm"] = make(entry.get("moe_gemm", []))
+    path.write_text(json.dumps(tuned, indent=1) + "\n")
+    return entry["moe_gemm"]
 
 
 def _blocks(shape: tuple[int, ...]) -> torch.Tensor:
@@ -131,11 +137,7 @@ def _sweep(a: argparse.Namespace, tables: list) -> None:
                 key = tuple(r["launch"][1:])
                 total[key] = total.get(key, 0.0) + r["us_per_layer"]
         best = min(total, key=total.__getitem__)
-        path = Path(a.tuned)
-        tuned = json.loads(path.read_text()) if path.exists() else {}
-        tuned.setdefault("Q4_K", {})["moe_gemm"] = [v, *best]
-        path.write_text(json.dumps(tuned, indent=1) + "\n")
-        print("moe_gemm launch:", [v, *best])
+        print("moe_gemm:", _write_entry(Path(a.tuned), lambda _old: [v, *best]))
 
 
 if __name__ == "__main__":
