@@ -198,6 +198,11 @@ def main() -> None:
     ap.add_argument("--expert-slots", type=int, default=None)
     ap.add_argument("--expert-misses", choices=("direct", "copy"), default="copy")
     ap.add_argument("--cpu-experts", type=float, default=0.0, help="the engine's --cpu-experts F")
+    ap.add_argument(
+        "--cpu-ratio",
+        default="",
+        help="with --cpu-experts: the CPU's share of a step's misses, one decode figure each (e.g. 0.2,0.3,0.4)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch's CPU threads (the CPU's expert share)")
     ap.add_argument("--vram-budget-mib", type=int, default=None, help="the card behaves as one of this size")
     ap.add_argument(
@@ -262,7 +267,22 @@ def main() -> None:
     if lm.model.expert_cache is not None:
         st = lm.model.expert_cache.stats()
         res["experts_in_vram"], res["experts_total"] = st.experts_in_vram, st.experts_total
+    cpu = lm.model.expert_cache.cpu_misses if lm.model.expert_cache is not None else None
+    if cpu is not None and a.cpu_ratio:
+        res["decode_by_cpu_ratio"] = {}
+        for r in (float(x) for x in a.cpu_ratio.split(",")):
+            cpu.set_ratio(r)
+            before = cpu.slots
+            tok_s = measure_decode(lm.model, a.decode, a.reps)
+            res["decode_by_cpu_ratio"][str(r)] = {
+                "decode_tok_s": tok_s,
+                "cpu_slots": cpu.slots - before,
+                **cpu.timing(),
+            }
+            print(f"cpu ratio {r}: decode {tok_s:.1f} tok/s", flush=True)
     res["decode_tok_s"] = measure_decode(lm.model, a.decode, a.reps)
+    if cpu is not None:
+        res["cpu_ratio"], res["cpu_slots"], res["cpu_timing"] = cpu.ratio, cpu.slots, cpu.timing()
     for n in [int(x) for x in a.prompts.split(",") if x]:
         res[f"prompt_{n}_tok_s"] = measure_prompt(lm.model, n, a.reps, a.chunk)
     res["vram_peak_bytes"] = torch.cuda.max_memory_allocated()

@@ -1,35 +1,55 @@
 """A decode step's missed experts split between the CPU and the GPU's PCIe copies (`--cpu-experts F`).
 
 Of each layer's experts left in host RAM, a fraction F (the least used first, where a profile says which) is also
-held repacked for the CPU (engine/experts/cpu_experts.py). When a one-token step selects such an expert and it is
-not in VRAM, the CPU computes it while the GPU copies and computes the other misses: the two draw on different
-buses (host RAM for the CPU, PCIe for the copies). The price is a host synchronisation a MoE layer (the host must
-see the step's expert ids), so such steps run without CUDA graphs; `bench/engine_bench.py --cpu-experts F` measures
-whether that pays on a machine."""
+held repacked for the CPU (engine/experts/cpu_experts.py). When a one-token step misses experts the CPU holds, the
+CPU computes some of them while the GPU copies and computes the others: the two draw on different buses (host RAM
+for the CPU, PCIe for the copies), so a layer's misses take less time than the copies alone would.
+
+No host synchronisation is involved (engine/kernels/cpu_handoff.py): the device decides which slots the CPU takes
+(at most `quota[m]` when the step misses m experts, so the CPU's share stays near the `ratio` that balances the two
+sides) and writes them into a pinned mailbox; a CPU thread polls the mailboxes, computes, and writes the sum back;
+the device waits for it only where the CPU took a slot. Decode steps therefore still run as CUDA graphs."""
 
 import logging
+import queue
+import threading
+import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.experts.cpu_experts import CpuExperts
+from engine.kernels import cpu_handoff as ho
 
 if TYPE_CHECKING:
     from engine.experts.cache import ExpertCache
 
 log = logging.getLogger("strata.engine")
+# The CPU's share of a layer's misses: about what balances a 16-core host's 4-bit kernel (~70 us an expert of
+# Qwen3-30B-A3B) against a PCIe 5 copy (~53 us); bench/engine_bench.py --cpu-ratio measures others.
+DEFAULT_RATIO = 0.4
+_IDLE_S = 30.0  # a worker that sees no request for this long gives up the step it waits for (and says so)
 
 
 class CpuMisses:
-    """The CPU's share of one expert cache's misses, with the pinned buffers a step's hand-offs go through."""
+    """The CPU's share of one expert cache's misses: the experts it holds, the mailboxes and the thread."""
 
     def __init__(
-        self, cache: "ExpertCache", share: float, k: int, act: str, profile: torch.Tensor | None = None
+        self,
+        cache: "ExpertCache",
+        share: float,
+        k: int,
+        act: str,
+        profile: torch.Tensor | None = None,
+        ratio: float = DEFAULT_RATIO,
     ) -> None:
         if not 0.0 < share <= 1.0:
             raise ValueError(f"--cpu-experts {share}: give a fraction above 0 and at most 1")
         self.cache = cache
+        self.k = k
         self.layers: dict[int, CpuExperts] = {}
+        dev = cache.device
         d = 0
         for li, le in cache.layers.items():
             if le.host_tables is None:  # every expert of the layer is in VRAM
@@ -41,52 +61,172 @@ class CpuMisses:
             if n:
                 self.layers[li] = CpuExperts(le.gate.host, le.up.host, le.down.host, out[:n], act)
                 d = self.layers[li].d
-        dev = cache.device
-        self.ids = torch.zeros(k, dtype=torch.int64, pin_memory=True)
-        self.w = torch.zeros(k, dtype=torch.float32, pin_memory=True)
-        self.x = torch.zeros(max(d, 1), dtype=torch.float32, pin_memory=True)
-        self.y = torch.zeros(max(d, 1), dtype=torch.float32, pin_memory=True)
-        self.claim_host = torch.zeros(k, dtype=torch.int32, pin_memory=True)
-        self.claim = torch.zeros(k, dtype=torch.int32, device=dev)
-        self.event = torch.cuda.Event()
-        self._take: torch.Tensor | None = None
-        self._layer = -1
-        self.slots = 0  # (token, slot) pairs the CPU computed
+        self.d = d
+        self.rows = {li: r for r, li in enumerate(self.layers)}
+        self.answer, self.sum_at, words = ho.row_layout(k, max(d, 1))
+        n_rows = max(len(self.layers), 1)
+        pin = dev.type == "cuda"  # the device reads and writes these in place, over PCIe
+        self.box = torch.zeros(n_rows, words, dtype=torch.int32, pin_memory=pin)
+        self.quota = torch.zeros(k + 1, dtype=torch.int32, pin_memory=pin)
+        self.set_ratio(ratio)
+        n_exp = max((le.n_expert for le in cache.layers.values()), default=1)
+        cpu_of = torch.zeros(n_rows, n_exp, dtype=torch.int32)  # 1 where the CPU holds the expert
+        for li, r in self.rows.items():
+            cpu_of[r, [e for e in range(n_exp) if self.layers[li].holds(e)]] = 1
+        self.cpu_of = cpu_of.to(dev)
+        self._layer_of = list(self.rows)
+        self.cnt = torch.zeros(n_rows, dtype=torch.int32, device=dev)
+        self.claim = torch.zeros(n_rows, k, dtype=torch.int32, device=dev)
+        self.wg = torch.zeros(n_rows, k, dtype=torch.float32, device=dev)
+        self.taken = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.error: BaseException | None = None
+        self._box = self.box.numpy()
+        self._boxf = self.box.view(torch.float32).numpy()
+        self._done = np.zeros(n_rows, dtype=np.int32)
+        self.served = [0, 0, 0.0]  # requests answered, experts computed, seconds spent computing them
+        self._posts: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._blocking = torch.cuda.Event(blocking=True) if dev.type == "cuda" else None
+        self._thread = threading.Thread(target=self._run, name="strata-cpu-experts", daemon=True)
+        self._thread.start()
         held = sum(ce.n_held for ce in self.layers.values())
-        log.info("%d experts of %d layers also held for the CPU (%.1f GiB of host RAM): the CPU computes them "
-                 "when a decode step misses them", held, len(self.layers),
-                 sum(ce.nbytes for ce in self.layers.values()) / 2**30)  # fmt: skip
+        log.info("%d experts of %d layers also held for the CPU (%.1f GiB of host RAM): it computes about %.0f%% of "
+                 "a decode step's misses among them", held, len(self.layers),
+                 sum(ce.nbytes for ce in self.layers.values()) / 2**30, 100 * ratio)  # fmt: skip
 
-    def begin(self, li: int, ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
-        """ids, w [1, k] and the experts' float32 input x [1, D] of layer li, on the device: waits for them, and
-        returns the device's claim mask int32 [k] (1: the CPU computes that slot; the GPU neither copies it nor
-        counts it), or None where the CPU takes none of this step's slots."""
-        ce = self.layers.get(li)
-        if ce is None or ids.shape[0] != 1:
-            return None
-        self.ids.copy_(ids.view(-1), non_blocking=True)
-        self.w.copy_(w.view(-1), non_blocking=True)
-        self.x.copy_(x.view(-1), non_blocking=True)
-        self.event.record()
-        self.event.synchronize()  # the host sync of this path: the ids decide what the CPU computes
-        slot_of = self.cache.layers[li].slot_of
-        take = [ce.holds(e) and slot_of[e] < 0 for e in self.ids.tolist()]
-        if not any(take):
-            return None
-        self.claim_host.copy_(torch.tensor(take, dtype=torch.int32))
-        self.claim.copy_(self.claim_host, non_blocking=True)
-        self._take, self._layer = self.claim_host.view(1, -1) != 0, li
-        self.slots += sum(take)
-        return self.claim
+    # -- the device side, from the decode step --------------------------------------------------------------------
 
-    def finish(self, out: torch.Tensor) -> torch.Tensor:
-        """The CPU's experts of the step `begin` claimed, computed while the GPU runs the others, added to the
-        layer's output [1, D] float32 (on the device)."""
-        assert self._take is not None
-        ce = self.layers[self._layer]
-        d = ce.d
-        y = ce.mix(self.x[:d].view(1, d), self.ids.view(1, -1), self.w.view(1, -1), self._take)  # [1, D]
-        self._take = None
-        self.y[:d].copy_(y.view(-1))
-        # the next layer's begin synchronises before this buffer is written again
-        return out + self.y[:d].view(1, d).to(out.device, non_blocking=True)
+    def set_ratio(self, ratio: float) -> None:
+        """The CPU's share of a step's misses: quota[m] = round(ratio * m) slots when the step misses m experts.
+        Read by the device at every step (pinned memory), so it can change between steps, graphs included."""
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"the CPU's share of misses must be within 0..1, not {ratio}")
+        self.ratio = ratio
+        self.quota.copy_(torch.tensor([int(ratio * m + 0.5) for m in range(self.k + 1)], dtype=torch.int32))
+
+    def post(
+        self, li: int, ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer li of a one-token step: ids, w [1, k], the experts' float32 input x [1, D] (device). Returns the
+        claim int32 [k] (1: the CPU computes that slot; the GPU neither copies it nor weighs it) and the weights
+        with the CPU's slots zeroed; None where the CPU holds none of this layer's experts or T > 1."""
+        r = self.rows.get(li)
+        if r is None or ids.shape[0] != 1:
+            return None
+        self.check()
+        if self.cache.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            self._posts.put(1)  # an eager step: this request is on its way
+        le = self.cache.layers[li]
+        assert le.tables is not None and le.host_tables is not None
+        ho.post(ids, w.float(), x, self.cpu_of[r], le.tables[0], le.host_tables[0], self.quota, self.claim[r],
+                self.wg[r], self.cnt[r : r + 1], self.taken, self.box[r])  # fmt: skip
+        return self.claim[r], self.wg[r].view(1, -1)
+
+    def collect(self, li: int, out: torch.Tensor) -> torch.Tensor:
+        """out [1, D] float32 (device) with the CPU's share of layer li added, once the CPU has answered."""
+        r = self.rows[li]
+        ho.collect(out, self.claim[r], self.cnt[r : r + 1], self.box[r])
+        return out
+
+    def launched(self, rows: int) -> None:
+        """A captured step of `rows` tokens is about to be replayed: one request a held layer, when rows is 1."""
+        if rows == 1 and self.layers:
+            self.check()
+            self._posts.put(len(self.layers))
+
+    def wait(self) -> None:
+        """Sleep (not spin) until the current stream's work is done: the CPU's thread needs the cores."""
+        if self._blocking is not None:
+            self._blocking.record()
+            self._blocking.synchronize()
+
+    @property
+    def slots(self) -> int:
+        """(token, slot) pairs the CPU was given so far."""
+        return int(self.taken.item())
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the CPU expert thread failed: {self.error!r}") from self.error
+        if (self._box[:, ho.HDR_WAIT] < 0).any():
+            raise RuntimeError("the GPU waited too long for the CPU's experts (the CPU thread did not answer); "
+                               "run without --cpu-experts")  # fmt: skip
+
+    def close(self) -> None:
+        self._posts.put(None)
+        self._thread.join(timeout=5)
+
+    # -- the CPU side ---------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        need = 0
+        while True:
+            got = self._posts.get()
+            if got is None:
+                return
+            need += got
+            spins, since = 0, time.monotonic()
+            while need > 0:
+                req = self._box[:, ho.HDR_REQ]
+                pend = np.flatnonzero(req != self._done)
+                if pend.size == 0:
+                    spins += 1
+                    if spins & 63 == 0:
+                        time.sleep(0)  # lets the launching thread in between polls (eager steps)
+                        need += self._drain()
+                        if time.monotonic() - since > _IDLE_S:
+                            log.warning("the CPU expert thread waited %.0f s for %d requests that never came",
+                                        _IDLE_S, need)  # fmt: skip
+                            need = 0
+                    continue
+                for r in pend.tolist():
+                    self._serve(r)
+                    need -= 1
+                spins, since = 0, time.monotonic()
+
+    def _drain(self) -> int:
+        n = 0
+        while True:
+            try:
+                got = self._posts.get_nowait()
+            except queue.Empty:
+                return n
+            if got is None:
+                self._posts.put(None)
+                return n
+            n += got
+
+    def _serve(self, r: int) -> None:
+        row, k, d = self._box[r], self.k, self.d
+        seq = int(row[ho.HDR_REQ])
+        y = self.box[r, self.sum_at : self.sum_at + d].view(torch.float32).view(1, d)
+        t0 = time.perf_counter()
+        try:
+            y.zero_()
+            take = np.flatnonzero(row[ho.IDS + k : ho.IDS + 2 * k])
+            if take.size:
+                ce = self.layers[self._layer_of[r]]
+                x = self.box[r, ho.X_OFF : ho.X_OFF + d].view(torch.float32).view(1, d)
+                xb = x.to(torch.bfloat16)
+                w = self._boxf[r, ho.IDS + 2 * k : ho.IDS + 3 * k]
+                for j in take.tolist():
+                    y.add_(ce.expert(int(row[ho.IDS + j]), xb), alpha=float(w[j]))  # float32 sum
+        except BaseException as e:  # answered with zeros; check() raises it on the main thread
+            self.error = e
+            y.zero_()
+        row[self.answer] = seq  # last: the device reads the sum once it sees this number
+        self._done[r] = seq
+        self.served[0] += 1
+        self.served[1] += int(row[ho.HDR_TAKE])
+        self.served[2] += time.perf_counter() - t0
+
+    def timing(self) -> dict[str, float]:
+        """What the CPU thread did so far, and how long the device waited for it at the last step's layers."""
+        n, experts, secs = self.served
+        wait = self._box[:, ho.HDR_WAIT]
+        return {
+            "requests": n,
+            "experts": experts,
+            "us_per_expert": 1e6 * secs / experts if experts else 0.0,
+            "us_per_request": 1e6 * secs / n if n else 0.0,
+            "last_step_device_polls_per_layer": float(wait[wait >= 0].mean()) if wait.size else 0.0,
+        }

@@ -29,8 +29,9 @@ class ExpertPolicy:
         "copy"  # --expert-misses: "copy" (staged in VRAM first) or "direct" (kernels read host memory)
     )
     cpu_share: float = (
-        0.0  # --cpu-experts F: of the experts in host RAM, the fraction the CPU computes on a miss
+        0.0  # --cpu-experts F: of the experts in host RAM, the fraction the CPU holds to compute on a miss
     )
+    cpu_ratio: float | None = None  # the CPU's share of a step's misses (None: cpu_misses.DEFAULT_RATIO)
 
 
 def expert_budget(device: torch.device, policy: ExpertPolicy) -> int:
@@ -82,8 +83,9 @@ def build_expert_cache(model: "DecoderLM", policy: ExpertPolicy) -> ExpertCache:
         from engine.experts.cpu_misses import CpuMisses
 
         cache.cpu_misses = CpuMisses(
-            cache, policy.cpu_share, model.cfg.n_expert_used, model.cfg.activation, policy.profile
-        )
+            cache, policy.cpu_share, model.cfg.n_expert_used, model.cfg.activation, policy.profile,
+            **({} if policy.cpu_ratio is None else {"ratio": policy.cpu_ratio}),
+        )  # fmt: skip
     return cache
 
 

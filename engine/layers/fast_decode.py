@@ -147,9 +147,10 @@ def layer(
             x, x32 = rms_norm_pair(h, lw.ffn_norm, c.rms_eps, dt)
         assert x32 is not None
         w, ids = route_and_count(x32, le.router, c.n_expert_used, c.expert_weights_norm, counts)  # [T, k]
-    claim = cpu.begin(i, ids, w, x32) if cpu is not None and x32 is not None else None
-    if claim is not None:  # the CPU's slots: not copied, and no weight in the GPU's sum
-        w = w.masked_fill(claim.view(1, -1) != 0, 0.0)
+    posted = cpu.post(i, ids, w, x32) if cpu is not None and x32 is not None else None
+    claim = None
+    if posted is not None:  # the CPU's slots: not copied, and no weight in the GPU's sum
+        claim, w = posted
     # gate, up, down tables; the ids they take
     gt, ut, dnt, sid = expert_tables(model.expert_cache, i, ids, claim)
     xin = x if xq is None else xq
@@ -184,4 +185,4 @@ def layer(
                            q8=q8d, next_norm=next_norm)  # fmt: skip
     if next_norm is not None:
         model.prenormed = (i + 1, out, next_norm[2])
-    return cpu.finish(out) if claim is not None else out
+    return cpu.collect(i, out) if cpu is not None and claim is not None else out

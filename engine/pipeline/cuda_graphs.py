@@ -20,6 +20,7 @@ import torch
 from engine.layers.kv_cache import KVCache
 
 if TYPE_CHECKING:
+    from engine.experts.cpu_misses import CpuMisses
     from engine.models.decoder import DecoderLM
 
 log = logging.getLogger("strata.engine")
@@ -93,10 +94,19 @@ class StepGraphs:
     """Graphs of one step function on one device. `counts` (the model's expert selection counts) are restored
     after the warm-up runs that precede a capture."""
 
-    def __init__(self, body: StepBody, device: torch.device, counts: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        body: StepBody,
+        device: torch.device,
+        counts: torch.Tensor | None = None,
+        cpu: "CpuMisses | None" = None,
+    ) -> None:
         self.body = body
         self.device = device
         self.counts = counts
+        self.cpu = (
+            cpu  # --cpu-experts: the CPU thread is told of each replayed step, and the host sleeps meanwhile
+        )
         self.graphs: GraphTable[_Graph] = GraphTable()
         self.pool: tuple | None = None
 
@@ -111,8 +121,13 @@ class StepGraphs:
         else:
             g.inp.copy_(inp.view(g.inp.shape), non_blocking=True)
             torch.add(g.offsets, start, out=g.pos)
+        if self.cpu is not None:
+            self.cpu.launched(t)
         g.graph.replay()
-        return g.out.clone()  # the next replay overwrites the graph's output
+        out = g.out.clone()  # the next replay overwrites the graph's output
+        if self.cpu is not None:
+            self.cpu.wait()
+        return out
 
     def _capture(self, inp: torch.Tensor, cache: KVCache, start: int, span: int) -> _Graph:
         dev = self.device
@@ -138,10 +153,14 @@ class StepGraphs:
 
 
 def capturable(model: "DecoderLM") -> bool:
-    """Whether the model's decode step has no host synchronisation: every expert type has a fused kernel, and no
-    miss is computed on the CPU (a host sync a layer: the host reads the step's expert ids)."""
-    ec = model.expert_cache
-    return fused_experts(model) and (ec is None or ec.cpu_misses is None)
+    """Whether the model's decode step has no host synchronisation: every expert type has a fused kernel (the
+    CPU's share of misses, --cpu-experts, goes through mailboxes the device polls: no host sync either)."""
+    return fused_experts(model)
+
+
+def cpu_misses(model: object) -> "CpuMisses | None":
+    ec = getattr(model, "expert_cache", None)
+    return getattr(ec, "cpu_misses", None)
 
 
 def fused_experts(model: "DecoderLM") -> bool:
@@ -161,12 +180,11 @@ class DecodeGraphs(StepGraphs):
     """The whole model's decode step: token id in, logits out."""
 
     def __init__(self, model: "DecoderLM") -> None:
-        super().__init__(model.forward_at, model.device, None)
+        super().__init__(model.forward_at, model.device, None, cpu_misses(model))
         self.model = model
         self.usable = capturable(model)
         if not self.usable:
-            log.info("decode runs without CUDA graphs: some expert block types have no fused kernel, or the CPU "
-                     "computes some misses (--cpu-experts)")  # fmt: skip
+            log.info("decode runs without CUDA graphs: some expert block types have no fused kernel")
 
     def step(self, inp: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         self.counts = self.model.expert_counts  # created after the graphs object

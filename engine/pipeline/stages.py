@@ -29,7 +29,7 @@ from engine.layers.kv_cache import KVCache
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderLM
 from engine.models.gated_delta import RecurrentCache
-from engine.pipeline.cuda_graphs import StepGraphs
+from engine.pipeline.cuda_graphs import StepGraphs, cpu_misses
 from engine.pipeline.handoff import Handoff, HandoffMode
 from engine.pipeline.stage_clock import ForwardClock
 
@@ -65,7 +65,7 @@ class LocalStage:
         own = getattr(model, "graphs", None)
         usable = own is not None and bool(getattr(own, "usable", False)) and hasattr(model, "layer_at")
         self.graphs = (
-            StepGraphs(self.body, model.device, model.expert_counts)
+            StepGraphs(self.body, model.device, model.expert_counts, cpu_misses(model))
             if cuda_graphs and usable and model.device.type == "cuda"
             else None
         )

@@ -186,3 +186,25 @@ def test_bad_arguments() -> None:
             torch.ones(1, 2),
             torch.ones(1, 2).bool(),
         )
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q4_0])
+def test_experts_repacked_in_batches_match_one_at_a_time(qtype: QT) -> None:
+    """Experts are repacked several at a time and cut into rows afterwards (the packer keeps blocks of 64 rows
+    apart): the result is the same bytes as repacking each expert alone."""
+    f, d = 256, 256  # gate and up 2 x 256 rows, down 256 rows: multiples of 64
+    g, _ = _experts(qtype, f, d, 1)
+    u, _ = _experts(qtype, f, d, 2)
+    dn, _ = _experts(qtype, d, f, 3)
+    batched = CpuExperts(g, u, dn, range(E), "silu")
+    if batched.kernels != ("int4", "int4"):
+        pytest.skip("this torch has no 4-bit CPU kernel")
+    for e in range(E):
+        alone = cpu_experts._Proj([(g.raw[e], qtype), (u.raw[e], qtype)], d, True)
+        got = batched._gate_up[e]
+        assert got.packed is not None and alone.packed is not None
+        assert torch.equal(got.packed, alone.packed) and torch.equal(got.sz, alone.sz)
+        alone = cpu_experts._Proj([(dn.raw[e], qtype)], f, True)
+        assert torch.equal(batched._down[e].packed, alone.packed) and torch.equal(
+            batched._down[e].sz, alone.sz
+        )
