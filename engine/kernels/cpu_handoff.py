@@ -24,6 +24,14 @@ X_OFF = 64
 # Polls of the answer number (each a PCIe read of ~1 us) before the GPU gives up on the CPU and says so in the
 # mailbox: a dead CPU thread must not hang the card.
 WAIT_LIMIT = 1 << 22
+# the same offsets as the kernels see them (a jitted function reads constexpr globals only)
+_REQ, _MISS, _TAKE, _WAIT = (
+    tl.constexpr(HDR_REQ),
+    tl.constexpr(HDR_MISS),
+    tl.constexpr(HDR_TAKE),
+    tl.constexpr(HDR_WAIT),
+)
+_IDS, _X = tl.constexpr(IDS), tl.constexpr(X_OFF)
 
 
 def row_layout(k: int, d: int) -> tuple[int, int, int]:
@@ -81,12 +89,12 @@ def _post_kernel(
     tl.debug_barrier()  # every thread has read the old number before any writes the new one
     tl.store(cnt_ptr, seq)
     tl.atomic_add(taken_ptr, n_take.to(tl.int64))
-    tl.store(box_ptr + IDS + j, e.to(tl.int32), mask=mk)
-    tl.store(box_ptr + IDS + K + j, take.to(tl.int32), mask=mk)
-    tl.store((box_ptr + IDS + 2 * K + j).to(tl.pointer_type(tl.float32)), w, mask=mk)
-    tl.store(box_ptr + HDR_MISS, n_miss)
-    tl.store(box_ptr + HDR_TAKE, n_take)
-    xf = (box_ptr + X_OFF).to(tl.pointer_type(tl.float32))
+    tl.store(box_ptr + _IDS + j, e.to(tl.int32), mask=mk)
+    tl.store(box_ptr + _IDS + K + j, take.to(tl.int32), mask=mk)
+    tl.store((box_ptr + _IDS + 2 * K + j).to(tl.pointer_type(tl.float32)), w, mask=mk)
+    tl.store(box_ptr + _MISS, n_miss)
+    tl.store(box_ptr + _TAKE, n_take)
+    xf = (box_ptr + _X).to(tl.pointer_type(tl.float32))
     for off in range(0, D, BD):
         o = off + tl.arange(0, BD)
         m = o < D
@@ -94,7 +102,7 @@ def _post_kernel(
     if FENCE:
         seq = _fence_sys(seq)
     tl.debug_barrier()  # all of the row is written (and fenced) before the request number
-    tl.store(box_ptr + HDR_REQ, seq)
+    tl.store(box_ptr + _REQ, seq)
 
 
 @triton.jit
@@ -123,7 +131,7 @@ def _collect_kernel(
             i += 1
         if FENCE:
             got = _fence_sys(got)
-        tl.store(box_ptr + HDR_WAIT, tl.where(got == seq, i, -1))  # -1: the CPU never answered
+        tl.store(box_ptr + _WAIT, tl.where(got == seq, i, -1))  # -1: the CPU never answered
         yf = (box_ptr + Y).to(tl.pointer_type(tl.float32))
         for off in range(0, D, BD):
             o = off + tl.arange(0, BD)
