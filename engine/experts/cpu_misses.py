@@ -7,12 +7,16 @@ for the CPU, PCIe for the copies), so a layer's misses take less time than the c
 
 No host synchronisation is involved (engine/kernels/cpu_handoff.py): the device decides which slots the CPU takes
 (at most `quota[m]` when the step misses m experts, so the CPU's share stays near the `ratio` that balances the two
-sides) and writes them into a pinned mailbox; a CPU thread polls the mailboxes, computes, and writes the sum back;
-the device waits for it only where the CPU took a slot. Decode steps therefore still run as CUDA graphs."""
+sides) and writes them into a pinned mailbox; the host polls the mailbox, computes, and writes the sum back; the
+device waits for it only where the CPU took a slot. Decode steps therefore still run as CUDA graphs.
+
+The host side runs on the thread that launches the step, not on a thread of its own: once a graph is replayed
+(or a layer's launches are queued) that thread has nothing else to do, and torch's CPU kernels then use its
+OpenMP team. A second thread would bring a second team, and with more OpenMP threads than cores libgomp stops
+spinning between parallel regions: each of the kernel's calls then paid for waking 15 sleeping threads (measured
+on an H200's 16-core host: ~300 us an expert from a second thread, against ~70 us for the kernel alone)."""
 
 import logging
-import queue
-import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -29,7 +33,7 @@ log = logging.getLogger("strata.engine")
 # The CPU's share of a layer's misses: about what balances a 16-core host's 4-bit kernel (~70 us an expert of
 # Qwen3-30B-A3B) against a PCIe 5 copy (~53 us); bench/engine_bench.py --cpu-ratio measures others.
 DEFAULT_RATIO = 0.4
-_IDLE_S = 30.0  # a worker that sees no request for this long gives up the step it waits for (and says so)
+_IDLE_S = 30.0  # the host gives up on a request the device has not posted after this long (and says so)
 
 
 class CpuMisses:
@@ -84,10 +88,6 @@ class CpuMisses:
         self._boxf = self.box.view(torch.float32).numpy()
         self._done = np.zeros(n_rows, dtype=np.int32)
         self.served = [0, 0, 0.0]  # requests answered, experts computed, seconds spent computing them
-        self._posts: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._blocking = torch.cuda.Event(blocking=True) if dev.type == "cuda" else None
-        self._thread = threading.Thread(target=self._run, name="strata-cpu-experts", daemon=True)
-        self._thread.start()
         held = sum(ce.n_held for ce in self.layers.values())
         log.info("%d experts of %d layers also held for the CPU (%.1f GiB of host RAM): it computes about %.0f%% of "
                  "a decode step's misses among them", held, len(self.layers),
@@ -113,8 +113,6 @@ class CpuMisses:
         if r is None or ids.shape[0] != 1:
             return None
         self.check()
-        if self.cache.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            self._posts.put(1)  # an eager step: this request is on its way
         le = self.cache.layers[li]
         assert le.tables is not None and le.host_tables is not None
         ho.post(ids, w.float(), x, self.cpu_of[r], le.tables[0], le.host_tables[0], self.quota, self.claim[r],
@@ -122,22 +120,25 @@ class CpuMisses:
         return self.claim[r], self.wg[r].view(1, -1)
 
     def collect(self, li: int, out: torch.Tensor) -> torch.Tensor:
-        """out [1, D] float32 (device) with the CPU's share of layer li added, once the CPU has answered."""
+        """out [1, D] float32 (device) with the CPU's share of layer li added, once the CPU has answered. Run
+        eagerly, the host answers this layer's request here; in a graph capture, `serve_step` does after each
+        replay."""
         r = self.rows[li]
+        eager = self.cache.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+        if eager:
+            self._serve_when_posted(r)
         ho.collect(out, self.claim[r], self.cnt[r : r + 1], self.box[r])
+        if eager:
+            self.check()
         return out
 
-    def launched(self, rows: int) -> None:
-        """A captured step of `rows` tokens is about to be replayed: one request a held layer, when rows is 1."""
-        if rows == 1 and self.layers:
-            self.check()
-            self._posts.put(len(self.layers))
-
-    def wait(self) -> None:
-        """Sleep (not spin) until the current stream's work is done: the CPU's thread needs the cores."""
-        if self._blocking is not None:
-            self._blocking.record()
-            self._blocking.synchronize()
+    def serve_step(self, rows: int) -> None:
+        """After a captured step of `rows` tokens is replayed: answer its requests, one a held layer, in order."""
+        if rows != 1:
+            return
+        for r in range(len(self.layers)):
+            self._serve_when_posted(r)
+        self.check()
 
     @property
     def slots(self) -> int:
@@ -145,55 +146,24 @@ class CpuMisses:
         return int(self.taken.item())
 
     def check(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"the CPU expert thread failed: {self.error!r}") from self.error
+        err, self.error = self.error, None
+        if err is not None:
+            raise RuntimeError(f"computing experts on the CPU failed ({err!r}); they were left out of the step: "
+                               "run without --cpu-experts") from err  # fmt: skip
         if (self._box[:, ho.HDR_WAIT] < 0).any():
             raise RuntimeError("the GPU waited too long for the CPU's experts (the CPU thread did not answer); "
                                "run without --cpu-experts")  # fmt: skip
 
-    def close(self) -> None:
-        self._posts.put(None)
-        self._thread.join(timeout=5)
-
-    # -- the CPU side ---------------------------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        need = 0
-        while True:
-            got = self._posts.get()
-            if got is None:
-                return
-            need += got
-            spins, since = 0, time.monotonic()
-            while need > 0:
-                req = self._box[:, ho.HDR_REQ]
-                pend = np.flatnonzero(req != self._done)
-                if pend.size == 0:
-                    spins += 1
-                    if spins & 63 == 0:
-                        time.sleep(0)  # lets the launching thread in between polls (eager steps)
-                        need += self._drain()
-                        if time.monotonic() - since > _IDLE_S:
-                            log.warning("the CPU expert thread waited %.0f s for %d requests that never came",
-                                        _IDLE_S, need)  # fmt: skip
-                            need = 0
-                    continue
-                for r in pend.tolist():
-                    self._serve(r)
-                    need -= 1
-                spins, since = 0, time.monotonic()
-
-    def _drain(self) -> int:
-        n = 0
-        while True:
-            try:
-                got = self._posts.get_nowait()
-            except queue.Empty:
-                return n
-            if got is None:
-                self._posts.put(None)
-                return n
-            n += got
+    def _serve_when_posted(self, r: int) -> None:
+        """Poll mailbox r until the device raises its request number, then answer it."""
+        req = self._box[:, ho.HDR_REQ]
+        spins, since = 0, time.monotonic()
+        while req[r] == self._done[r]:
+            spins += 1
+            if spins & 1023 == 0 and time.monotonic() - since > _IDLE_S:
+                raise RuntimeError(f"the GPU did not post layer {self._layer_of[r]}'s experts for the CPU within "
+                                   f"{_IDLE_S:.0f} s")  # fmt: skip
+        self._serve(r)
 
     def _serve(self, r: int) -> None:
         row, k, d = self._box[r], self.k, self.d

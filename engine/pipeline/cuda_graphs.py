@@ -121,12 +121,10 @@ class StepGraphs:
         else:
             g.inp.copy_(inp.view(g.inp.shape), non_blocking=True)
             torch.add(g.offsets, start, out=g.pos)
-        if self.cpu is not None:
-            self.cpu.launched(t)
         g.graph.replay()
         out = g.out.clone()  # the next replay overwrites the graph's output
         if self.cpu is not None:
-            self.cpu.wait()
+            self.cpu.serve_step(t)  # the host's share of the step's missed experts
         return out
 
     def _capture(self, inp: torch.Tensor, cache: KVCache, start: int, span: int) -> _Graph:
