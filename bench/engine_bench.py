@@ -189,6 +189,32 @@ def host_profile(model, n: int) -> dict:
     }
 
 
+def cpu_expert_timing(cpu, n: int = 64) -> dict:
+    """The CPU's expert kernels alone, in this process: with the GPU idle, then while PCIe copies from pinned host
+    memory run (what the step's own copies do to the CPU's memory reads)."""
+    ce = next(iter(cpu.layers.values()))
+    experts = [e for e in range(ce.n_experts) if ce.holds(e)][:8]
+    xb = torch.randn(1, ce.d).to(torch.bfloat16)
+
+    def run() -> float:
+        t = time.perf_counter()
+        for i in range(n):
+            ce.expert(experts[i % len(experts)], xb)
+        return 1e6 * (time.perf_counter() - t) / n
+
+    run()
+    idle = run()
+    src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(60):  # ~0.3 s of copies at ~50 GB/s
+            dst.copy_(src, non_blocking=True)
+    busy = run()
+    side.synchronize()
+    return {"us_per_expert_gpu_idle": idle, "us_per_expert_during_pcie_copies": busy}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -281,6 +307,8 @@ def main() -> None:
             }
             print(f"cpu ratio {r}: decode {tok_s:.1f} tok/s", flush=True)
     res["decode_tok_s"] = measure_decode(lm.model, a.decode, a.reps)
+    if cpu is not None and cpu.layers:
+        res["cpu_expert_kernels"] = cpu_expert_timing(cpu)
     if cpu is not None:
         res["cpu_ratio"], res["cpu_slots"], res["cpu_timing"] = cpu.ratio, cpu.slots, cpu.timing()
     for n in [int(x) for x in a.prompts.split(",") if x]:
