@@ -294,6 +294,13 @@ def main() -> None:
         st = lm.model.expert_cache.stats()
         res["experts_in_vram"], res["experts_total"] = st.experts_in_vram, st.experts_total
     cpu = lm.model.expert_cache.cpu_misses if lm.model.expert_cache is not None else None
+    res["decode_tok_s"] = measure_decode(
+        lm.model, a.decode, a.reps
+    )  # the engine's own choice of the CPU's share
+    if cpu is not None:
+        res["cpu_slots"], res["cpu_timing"] = cpu.slots, cpu.timing()
+        print(f"cpu share {'balanced' if cpu.auto else cpu.ratio}: decode {res['decode_tok_s']:.1f} tok/s "
+              f"quota {cpu.quota.tolist()}", flush=True)  # fmt: skip
     if cpu is not None and a.cpu_ratio:
         res["decode_by_cpu_ratio"] = {}
         for r in (float(x) for x in a.cpu_ratio.split(",")):
@@ -306,11 +313,8 @@ def main() -> None:
                 **cpu.timing(),
             }
             print(f"cpu ratio {r}: decode {tok_s:.1f} tok/s", flush=True)
-    res["decode_tok_s"] = measure_decode(lm.model, a.decode, a.reps)
     if cpu is not None and cpu.layers:
         res["cpu_expert_kernels"] = cpu_expert_timing(cpu)
-    if cpu is not None:
-        res["cpu_ratio"], res["cpu_slots"], res["cpu_timing"] = cpu.ratio, cpu.slots, cpu.timing()
     for n in [int(x) for x in a.prompts.split(",") if x]:
         res[f"prompt_{n}_tok_s"] = measure_prompt(lm.model, n, a.reps, a.chunk)
     res["vram_peak_bytes"] = torch.cuda.max_memory_allocated()

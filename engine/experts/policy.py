@@ -31,7 +31,9 @@ class ExpertPolicy:
     cpu_share: float = (
         0.0  # --cpu-experts F: of the experts in host RAM, the fraction the CPU holds to compute on a miss
     )
-    cpu_ratio: float | None = None  # the CPU's share of a step's misses (None: cpu_misses.DEFAULT_RATIO)
+    cpu_ratio: float | None = (
+        None  # a fixed CPU share of a step's misses (None: balanced from measured times)
+    )
 
 
 def expert_budget(device: torch.device, policy: ExpertPolicy) -> int:
