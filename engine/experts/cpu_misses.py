@@ -33,7 +33,8 @@ log = logging.getLogger("strata.engine")
 # Until the host has timed its own experts: the CPU's share of a layer's misses that measured best on an H200's
 # 16-core host (~150 us an expert of Qwen3-30B-A3B in the step, against ~53 us for its PCIe 5 copy).
 START_RATIO = 0.25
-RETUNE_EVERY = 256  # requests between two updates of the quota from the host's measured time an expert
+RETUNE_EVERY = 256  # experts between two updates of the quota from the host's measured time an expert
+WARMUP_EXPERTS = 64  # the first ones are not timed: first calls of the kernels (seen at ~1 ms an expert)
 
 
 def balanced_quota(k: int, cpu_s: float, copy_s: float) -> list[int]:
@@ -140,7 +141,9 @@ class CpuMisses:
     def _retune(self) -> None:
         n, secs = self._since
         if n >= RETUNE_EVERY and self.copy_s > 0:
-            self.quota.copy_(torch.tensor(balanced_quota(self.k, secs / n, self.copy_s), dtype=torch.int32))
+            q = balanced_quota(self.k, secs / n, self.copy_s)
+            q[-1] = max(q[-1], 1)  # a step that misses every slot still gives the CPU one: its time stays measured
+            self.quota.copy_(torch.tensor(q, dtype=torch.int32))
             self._since = [0, 0.0]
 
     def post(
@@ -229,7 +232,7 @@ class CpuMisses:
         self.served[0] += 1
         self.served[1] += n
         self.served[2] += took
-        if n and self.auto:
+        if n and self.auto and self.served[1] > WARMUP_EXPERTS:
             self._since[0] += n
             self._since[1] += took
             self._retune()
