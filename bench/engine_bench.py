@@ -299,7 +299,7 @@ def main() -> None:
     )  # the engine's own choice of the CPU's share
     if cpu is not None:
         res["cpu_slots"], res["cpu_timing"] = cpu.slots, cpu.timing()
-        print(f"cpu share {'balanced' if cpu.auto else cpu.ratio}: decode {res['decode_tok_s']:.1f} tok/s "
+        print(f"cpu share {cpu.ratio}: decode {res['decode_tok_s']:.1f} tok/s "
               f"quota {cpu.quota.tolist()}", flush=True)  # fmt: skip
     if cpu is not None and a.cpu_ratio:
         res["decode_by_cpu_ratio"] = {}

@@ -30,38 +30,14 @@ if TYPE_CHECKING:
     from engine.experts.cache import ExpertCache
 
 log = logging.getLogger("strata.engine")
-# Until the host has timed its own experts: the CPU's share of a layer's misses that measured best on an H200's
-# 16-core host (~150 us an expert of Qwen3-30B-A3B in the step, against ~53 us for its PCIe 5 copy).
-START_RATIO = 0.25
-RETUNE_EVERY = 256  # experts between two updates of the quota from the host's measured time an expert
-WARMUP_EXPERTS = 64  # the first ones are not timed: first calls of the kernels (seen at ~1 ms an expert)
-
-
-def balanced_quota(k: int, cpu_s: float, copy_s: float) -> list[int]:
-    """quota[m] for m = 0..k missed experts: the CPU's count c that makes a layer's misses end soonest, the CPU
-    computing c of them (cpu_s each) while the GPU copies the other m - c (copy_s each). A pure function."""
-    return [min(range(m + 1), key=lambda c: (max(c * cpu_s, (m - c) * copy_s), c)) for m in range(k + 1)]
-
-
-def copy_seconds_per_byte(device: torch.device) -> float:
-    """Pinned host memory to the device, measured (64 MiB, best of three); what a missed expert's copy costs."""
-    src = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty_like(src, device=device)
-    best = float("inf")
-    for _ in range(4):
-        torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t)
-    return best / src.numel()
-
-
+# The CPU's share of a layer's misses that measured best on an H200's 16-core host (Qwen3-30B-A3B at llama.cpp's
+# -ncmoe 36 VRAM: 0.2-0.35 tried, bench/results/matched-vram-ncmoe36-3.json); --cpu-ratio sets another.
+DEFAULT_RATIO = 0.3
 _IDLE_S = 30.0  # the host gives up on a request the device has not posted after this long (and says so)
 
 
 class CpuMisses:
-    """The CPU's share of one expert cache's misses: the experts it holds, the mailboxes and the thread."""
+    """The CPU's share of one expert cache's misses: the experts it holds and the mailboxes."""
 
     def __init__(
         self,
@@ -70,10 +46,8 @@ class CpuMisses:
         k: int,
         act: str,
         profile: torch.Tensor | None = None,
-        ratio: float | None = None,
+        ratio: float = DEFAULT_RATIO,
     ) -> None:
-        """ratio: a fixed share of each step's misses for the CPU; None balances the CPU's measured time an
-        expert against the measured PCIe copy of one (`balanced_quota`, updated as the host serves)."""
         if not 0.0 < share <= 1.0:
             raise ValueError(f"--cpu-experts {share}: give a fraction above 0 and at most 1")
         self.cache = cache
@@ -98,13 +72,7 @@ class CpuMisses:
         pin = dev.type == "cuda"  # the device reads and writes these in place, over PCIe
         self.box = torch.zeros(n_rows, words, dtype=torch.int32, pin_memory=pin)
         self.quota = torch.zeros(k + 1, dtype=torch.int32, pin_memory=pin)
-        self.set_ratio(START_RATIO if ratio is None else ratio)
-        self.auto = ratio is None
-        self.expert_bytes = 0  # one expert's gate, up and down in host memory (what its copy moves)
-        if self.layers:
-            le = cache.layers[next(iter(self.layers))]
-            self.expert_bytes = sum(p.expert_bytes for p in le.projections)
-        self.copy_s = self.expert_bytes * copy_seconds_per_byte(dev) if pin and self.auto else 0.0
+        self.set_ratio(ratio)
         n_exp = max((le.n_expert for le in cache.layers.values()), default=1)
         cpu_of = torch.zeros(n_rows, n_exp, dtype=torch.int32)  # 1 where the CPU holds the expert
         for li, r in self.rows.items():
@@ -120,12 +88,10 @@ class CpuMisses:
         self._boxf = self.box.view(torch.float32).numpy()
         self._done = np.zeros(n_rows, dtype=np.int32)
         self.served = [0, 0, 0.0]  # requests answered, experts computed, seconds spent computing them
-        self._since = [0, 0.0]  # experts and seconds since the quota was last tuned
         held = sum(ce.n_held for ce in self.layers.values())
         log.info("%d experts of %d layers also held for the CPU (%.1f GiB of host RAM): it computes %s of a decode "
                  "step's misses", held, len(self.layers), sum(ce.nbytes for ce in self.layers.values()) / 2**30,
-                 "the share that balances its time against the copies'" if self.auto
-                 else f"{100 * self.ratio:.0f}%")  # fmt: skip
+                 f"{100 * self.ratio:.0f}%")  # fmt: skip
 
     # -- the device side, from the decode step --------------------------------------------------------------------
 
@@ -135,16 +101,7 @@ class CpuMisses:
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"the CPU's share of misses must be within 0..1, not {ratio}")
         self.ratio = ratio
-        self.auto = False
         self.quota.copy_(torch.tensor([int(ratio * m + 0.5) for m in range(self.k + 1)], dtype=torch.int32))
-
-    def _retune(self) -> None:
-        n, secs = self._since
-        if n >= RETUNE_EVERY and self.copy_s > 0:
-            q = balanced_quota(self.k, secs / n, self.copy_s)
-            q[-1] = max(q[-1], 1)  # a step that misses every slot still gives the CPU one: its time stays measured
-            self.quota.copy_(torch.tensor(q, dtype=torch.int32))
-            self._since = [0, 0.0]
 
     def post(
         self, li: int, ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor
@@ -232,10 +189,6 @@ class CpuMisses:
         self.served[0] += 1
         self.served[1] += n
         self.served[2] += took
-        if n and self.auto and self.served[1] > WARMUP_EXPERTS:
-            self._since[0] += n
-            self._since[1] += took
-            self._retune()
 
     def timing(self) -> dict[str, float]:
         """What the CPU thread did so far, and how long the device waited for it at the last step's layers."""
@@ -247,6 +200,5 @@ class CpuMisses:
             "us_per_expert": 1e6 * secs / experts if experts else 0.0,
             "us_per_request": 1e6 * secs / n if n else 0.0,
             "last_step_device_polls_per_layer": float(wait[wait >= 0].mean()) if wait.size else 0.0,
-            "copy_us_per_expert": 1e6 * self.copy_s,
             "quota": self.quota.tolist(),
         }

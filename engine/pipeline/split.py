@@ -78,6 +78,7 @@ class SplitOptions:
     cpu_share: float = (
         0.0  # --cpu-experts F: the CPU computes this fraction of the experts in host RAM on a miss
     )
+    cpu_ratio: float | None = None  # --cpu-ratio R: the CPU's share of a step's misses (None: the default)
     cpu_weights_mib: int | None = None  # --cpu-weights-mib: float copies of CPU layers' weights (None: auto)
     profile: str | None = None  # --profile PATH: the usage profile to read (default: the data dir's)
     use_profile: bool = True  # --no-profile: fill the caches and place the layers without one
@@ -430,6 +431,7 @@ def _policies(
                 profile=prof,
                 miss_path=opts.expert_misses,
                 cpu_share=opts.cpu_share,
+                cpu_ratio=opts.cpu_ratio,
             )
         )
     return out

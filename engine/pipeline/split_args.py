@@ -80,8 +80,16 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         metavar="F",
-        help="of each layer's experts in host RAM, the fraction (0-1) the CPU computes when a decode step misses "
-        "them, beside the GPU's copies of the others (more host RAM; decode without CUDA graphs); default 0: off",
+        help="of each layer's experts in host RAM, the fraction (0-1) the CPU holds (repacked: more host RAM) to "
+        "compute some of a decode step's misses beside the GPU's copies of the others; default 0: off",
+    )
+    e.add_argument(
+        "--cpu-ratio",
+        type=float,
+        default=None,
+        metavar="R",
+        help="with --cpu-experts: the share (0-1) of a decode step's missed experts the CPU computes (default 0.3, "
+        "best on a 16-core host beside PCIe 5; bench/engine_bench.py --cpu-ratio measures yours)",
     )
     e.add_argument(
         "--profile",
@@ -135,6 +143,9 @@ def options_from_args(args: argparse.Namespace) -> SplitOptions:
     share = getattr(args, "cpu_experts", 0.0)
     if not 0.0 <= share <= 1.0:
         raise PlacementError(f"--cpu-experts is a fraction from 0 to 1, not {share}")
+    ratio = getattr(args, "cpu_ratio", None)
+    if ratio is not None and not 0.0 <= ratio <= 1.0:
+        raise PlacementError(f"--cpu-ratio is a fraction from 0 to 1, not {ratio}")
     gpus = getattr(args, "gpus", None)
     return SplitOptions(
         expert_slots=getattr(args, "expert_cache", None),
@@ -142,6 +153,7 @@ def options_from_args(args: argparse.Namespace) -> SplitOptions:
         cpu_weights_mib=getattr(args, "cpu_weights_mib", None),
         expert_misses=getattr(args, "expert_misses", "copy"),
         cpu_share=getattr(args, "cpu_experts", 0.0),
+        cpu_ratio=ratio,
         device=getattr(args, "device", "auto"),
         gpu=getattr(args, "gpu", None),
         gpus=parse_gpus(gpus) if gpus else None,

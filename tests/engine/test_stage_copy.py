@@ -30,3 +30,16 @@ def test_cpu_experts_flag_reaches_the_policy() -> None:
     assert options_from_args(ap.parse_args(["--cpu-experts", "0.5"])).cpu_share == 0.5
     with pytest.raises(PlacementError, match="--cpu-experts is a fraction from 0 to 1"):
         options_from_args(ap.parse_args(["--cpu-experts", "1.5"]))
+
+
+def test_cpu_ratio_flag_reaches_the_policy() -> None:
+    import argparse
+
+    from engine.experts.placement import PlacementError
+
+    ap = argparse.ArgumentParser()
+    add_split_args(ap)
+    assert options_from_args(ap.parse_args([])).cpu_ratio is None  # the engine's default share
+    assert options_from_args(ap.parse_args(["--cpu-experts", "1", "--cpu-ratio", "0.25"])).cpu_ratio == 0.25
+    with pytest.raises(PlacementError, match="--cpu-ratio is a fraction from 0 to 1"):
+        options_from_args(ap.parse_args(["--cpu-ratio", "-0.1"]))

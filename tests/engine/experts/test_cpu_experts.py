@@ -208,14 +208,3 @@ def test_experts_repacked_in_batches_match_one_at_a_time(qtype: QT) -> None:
         assert torch.equal(batched._down[e].packed, alone.packed) and torch.equal(
             batched._down[e].sz, alone.sz
         )
-
-
-def test_balanced_quota_ends_a_layers_misses_soonest() -> None:
-    """The CPU takes the count of a step's misses that makes the slower side (its experts, or the GPU's copies of
-    the rest) finish first: with the CPU ~3x slower an expert than a copy, about a quarter of them."""
-    from engine.experts.cpu_misses import balanced_quota
-
-    assert balanced_quota(8, 150e-6, 53e-6) == [0, 0, 0, 1, 1, 1, 1, 2, 2]
-    assert balanced_quota(4, 1.0, 1.0) == [0, 0, 1, 1, 2]  # equal speeds: half, the GPU's side on a tie
-    assert balanced_quota(3, 1e-6, 1.0) == [0, 1, 2, 3]  # a fast CPU takes every miss
-    assert balanced_quota(3, 1.0, 1e-6) == [0, 0, 0, 0]  # a slow one none
