@@ -13,8 +13,8 @@ device waits for it only where the CPU took a slot. Decode steps therefore still
 The host side runs on the thread that launches the step, not on a thread of its own: once a graph is replayed
 (or a layer's launches are queued) that thread has nothing else to do, and torch's CPU kernels then use its
 OpenMP team. A second thread would bring a second team, and with more OpenMP threads than cores libgomp stops
-spinning between parallel regions: each of the kernel's calls then paid for waking 15 sleeping threads (measured
-on an H200's 16-core host: ~300 us an expert from a second thread, against ~70 us for the kernel alone)."""
+spinning between parallel regions, so that each kernel call woke sleeping threads (on an H200's 16-core host:
+270-380 us an expert from a second thread, 150-160 us from the launching one)."""
 
 import logging
 import time
@@ -151,7 +151,7 @@ class CpuMisses:
             raise RuntimeError(f"computing experts on the CPU failed ({err!r}); they were left out of the step: "
                                "run without --cpu-experts") from err  # fmt: skip
         if (self._box[:, ho.HDR_WAIT] < 0).any():
-            raise RuntimeError("the GPU waited too long for the CPU's experts (the CPU thread did not answer); "
+            raise RuntimeError("the GPU waited too long for the CPU's experts (the host did not answer); "
                                "run without --cpu-experts")  # fmt: skip
 
     def _serve_when_posted(self, r: int) -> None:
@@ -180,7 +180,7 @@ class CpuMisses:
                 w = self._boxf[r, ho.IDS + 2 * k : ho.IDS + 3 * k]
                 for j in take.tolist():
                     y.add_(ce.expert(int(row[ho.IDS + j]), xb), alpha=float(w[j]))  # float32 sum
-        except BaseException as e:  # answered with zeros; check() raises it on the main thread
+        except BaseException as e:  # answered with zeros; check() raises it after the step
             self.error = e
             y.zero_()
         row[self.answer] = seq  # last: the device reads the sum once it sees this number
@@ -191,7 +191,7 @@ class CpuMisses:
         self.served[2] += took
 
     def timing(self) -> dict[str, float]:
-        """What the CPU thread did so far, and how long the device waited for it at the last step's layers."""
+        """What the host computed so far, and how long the device waited for it at the last step's layers."""
         n, experts, secs = self.served
         wait = self._box[:, ho.HDR_WAIT]
         return {

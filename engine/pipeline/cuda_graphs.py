@@ -104,9 +104,7 @@ class StepGraphs:
         self.body = body
         self.device = device
         self.counts = counts
-        self.cpu = (
-            cpu  # --cpu-experts: the CPU thread is told of each replayed step, and the host sleeps meanwhile
-        )
+        self.cpu = cpu  # --cpu-experts: the host computes its share of each replayed step's misses
         self.graphs: GraphTable[_Graph] = GraphTable()
         self.pool: tuple | None = None
 
