@@ -100,6 +100,7 @@ class CacheStats:
     swaps: int
     bytes_moved: int
     per_layer: dict[int, int] = field(default_factory=dict)
+    cpu_computed: int = 0  # missed (token, expert) pairs the CPU computed (--cpu-experts)
 
 
 def _pin(raw: torch.Tensor) -> torch.Tensor:
@@ -326,6 +327,7 @@ class ExpertCache:
             swaps=sum(le.swaps for le in self.layers.values()),
             bytes_moved=sum(le.bytes_moved for le in self.layers.values()),
             per_layer={li: le.capacity for li, le in self.layers.items()},
+            cpu_computed=self.cpu_misses.slots if self.cpu_misses is not None else 0,
         )
 
     def adapt(self, counts: torch.Tensor, max_swaps: int = 8) -> int:

@@ -616,7 +616,8 @@ class EngineService:
             cache = getattr(m, "expert_cache", None)
             if cache is not None:
                 st = cache.stats()
-                self.telemetry.set_expert_cache(j, st.hits, st.misses, st.experts_in_vram, st.experts_total)
+                self.telemetry.set_expert_cache(j, st.hits, st.misses, st.experts_in_vram, st.experts_total,
+                                                st.swaps, st.bytes_moved, st.cpu_computed)  # fmt: skip
 
     # ---- answers --------------------------------------------------------------------------------------------
 
@@ -977,10 +978,27 @@ class EngineService:
         miss = Family(
             "strata_expert_cache_misses_total", "counter", "Expert lookups that missed the card's cache."
         )
+        swaps = Family(
+            "strata_expert_cache_swaps_total", "counter", "Experts the adaptive swaps brought into VRAM."
+        )
+        moved = Family(
+            "strata_expert_cache_bytes_moved_total",
+            "counter",
+            "Expert bytes copied into VRAM by adaptive swaps and prompt chunks' staging.",
+        )
+        on_cpu = Family(
+            "strata_expert_cache_cpu_computed_total",
+            "counter",
+            "Missed experts computed on the CPU (--cpu-experts).",
+        )
         for s in stages:
-            hits.add(s["expert_cache"]["hits"], {"stage": s["stage"]})
-            miss.add(s["expert_cache"]["misses"], {"stage": s["stage"]})
-        fams += [hits, miss]
+            ec, lab = s["expert_cache"], {"stage": s["stage"]}
+            hits.add(ec["hits"], lab)
+            miss.add(ec["misses"], lab)
+            swaps.add(ec["swaps"], lab)
+            moved.add(ec["bytes_moved"], lab)
+            on_cpu.add(ec["computed_on_cpu"], lab)
+        fams += [hits, miss, swaps, moved, on_cpu]
         counts = snap["expert_counts"]
         if counts:
             sel = Family("strata_expert_selections_total", "counter", "Routed expert selections, per layer.")

@@ -68,6 +68,9 @@ class StageStats:
     expert_misses: int = 0
     experts_in_vram: int | None = None  # None: no expert cache on this stage (CPU, dense)
     experts_total: int | None = None
+    expert_swaps: int = 0
+    expert_bytes_moved: int = 0  # copied into VRAM by adaptive swaps and prompt chunks' staging
+    experts_on_cpu: int = 0  # missed (token, expert) pairs the CPU computed (--cpu-experts)
 
 
 class Telemetry:
@@ -124,7 +127,17 @@ class Telemetry:
                 ev["start"] = start
             self._emit(ev)
 
-    def set_expert_cache(self, stage: int, hits: int, misses: int, in_vram: int, total: int) -> None:
+    def set_expert_cache(
+        self,
+        stage: int,
+        hits: int,
+        misses: int,
+        in_vram: int,
+        total: int,
+        swaps: int = 0,
+        bytes_moved: int = 0,
+        on_cpu: int = 0,
+    ) -> None:
         """A stage's expert cache as its card reports it (totals since load)."""
         with self._lock:
             while len(self.stages) <= stage:
@@ -132,6 +145,7 @@ class Telemetry:
             st = self.stages[stage]
             st.expert_hits, st.expert_misses = hits, misses
             st.experts_in_vram, st.experts_total = in_vram, total
+            st.expert_swaps, st.expert_bytes_moved, st.experts_on_cpu = swaps, bytes_moved, on_cpu
 
     def set_expert_counts(self, counts: list[list[int]] | None) -> None:
         with self._lock:
@@ -168,6 +182,9 @@ class Telemetry:
                         "total": s.experts_total,
                         "hits": s.expert_hits,
                         "misses": s.expert_misses,
+                        "swaps": s.expert_swaps,
+                        "bytes_moved": s.expert_bytes_moved,
+                        "computed_on_cpu": s.experts_on_cpu,
                         "hit_rate": (
                             round(s.expert_hits / (s.expert_hits + s.expert_misses), 4)
                             if s.expert_hits + s.expert_misses

@@ -418,6 +418,8 @@ def test_cpu_share_of_misses_goes_through_the_mailbox() -> None:
     row = cm.box[0]
     assert row[ho.HDR_MISS].item() == 3 and row[ho.HDR_TAKE].item() == 2 and row[ho.HDR_REQ].item() == 1
     assert cm.slots == 2
+    cache.cpu_misses = cm
+    assert cache.stats().cpu_computed == 2  # what /stats and /metrics report as computed_on_cpu
     # no share: nothing is claimed and the output is left as it is (no wait)
     cm.set_ratio(0.0)
     claim, _ = cm.post(0, ids, w, x)  # type: ignore[misc]

@@ -63,6 +63,8 @@ def test_metrics_follow_a_request(server: ServerProc) -> None:
     assert _one(after["strata_model_ready"]) == 1
     assert after["strata_expert_cache_hits_total"] == {(("stage", "0"),): 0.0}
     assert after["strata_expert_cache_misses_total"] == {(("stage", "0"),): 0.0}
+    for name in ("swaps", "bytes_moved", "cpu_computed"):  # a CPU model has no expert cache: zeros, labelled
+        assert after[f"strata_expert_cache_{name}_total"] == {(("stage", "0"),): 0.0}
     # Every token that went through the model chose top-2 experts in each layer: the prompt tokens read, and
     # each generated token but the last (which is sampled, never fed back).
     forwarded = t["prompt_n"] + t["predicted_n"] - 1
