@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from engine.experts.cache import ExpertCache
 
 log = logging.getLogger("strata.engine")
-# The CPU's share of a layer's misses that measured best on an H200's 16-core host (Qwen3-30B-A3B at llama.cpp's
-# -ncmoe 36 VRAM: 0.2-0.35 tried, bench/results/matched-vram-ncmoe36-3.json); --cpu-ratio sets another.
+# The CPU's share of a layer's misses: 2 of 8 measured best on an H200's 16-core host beside PCIe 5 (Qwen3-30B-A3B at
+# llama.cpp's -ncmoe 36 VRAM: 1, 2 and 3 of 8 tried, docs/performance.md); --cpu-ratio sets another.
 DEFAULT_RATIO = 0.3
 _IDLE_S = 30.0  # the host gives up on a request the device has not posted after this long (and says so)
 

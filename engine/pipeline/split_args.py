@@ -88,8 +88,8 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="R",
-        help="with --cpu-experts: the share (0-1) of a decode step's missed experts the CPU computes (default 0.3, "
-        "best on a 16-core host beside PCIe 5; bench/engine_bench.py --cpu-ratio measures yours)",
+        help="with --cpu-experts: the share (0-1) of a decode step's missed experts the CPU computes (default 0.3: "
+        "2 of 8, best on a 16-core host beside PCIe 5; bench/engine_bench.py --cpu-ratio measures yours)",
     )
     e.add_argument(
         "--profile",
