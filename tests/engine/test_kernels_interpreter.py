@@ -391,7 +391,7 @@ def _expert_ref(ew: "object", e: int, x: torch.Tensor) -> torch.Tensor:
     return dn @ (torch.nn.functional.silu(g @ x64) * (u @ x64))
 
 
-def test_cpu_share_of_misses_goes_through_the_mailbox() -> None:
+def test_cpu_share_of_misses_goes_through_the_mailbox(monkeypatch: pytest.MonkeyPatch) -> None:
     """--cpu-experts: the post launch gives the CPU round(ratio * misses) of the missed slots it holds, writes them
     to the mailbox and raises its number; the host answers with their weighted sum; collect adds it."""
     from engine.experts.cache import ExpertCache
@@ -433,6 +433,7 @@ def test_cpu_share_of_misses_goes_through_the_mailbox() -> None:
     # a failing CPU kernel is answered with zeros (the device is never left waiting), and the caller hears
     cm.set_ratio(1.0)
     ce = cm.layers[0]
+    working = ce.expert
 
     def broken(e: int, xb: torch.Tensor) -> torch.Tensor:
         raise MemoryError("no room")
@@ -444,3 +445,18 @@ def test_cpu_share_of_misses_goes_through_the_mailbox() -> None:
         cm.collect(0, out)
     assert torch.equal(out, torch.zeros(1, d))
     assert cm.box[0, cm.answer].item() == cm.box[0, ho.HDR_REQ].item()  # answered all the same
+    # a request the host never answered: the device gives up (marked -1 in the mailbox, shortened here), the
+    # caller hears, and the next step is answered normally
+    ce.expert = working  # type: ignore[method-assign]
+    monkeypatch.setattr(ho, "WAIT_LIMIT", 5)
+    cm.post(0, ids, w, x)
+    ho.collect(torch.zeros(1, d), cm.claim[0], cm.cnt[0:1], cm.box[0])  # the device's side only
+    assert cm.box[0, ho.HDR_WAIT].item() == -1
+    with pytest.raises(RuntimeError, match="GPU waited too long"):
+        cm.check()
+    cm.post(0, ids, w, x)
+    out = torch.zeros(1, d)
+    cm.collect(0, out)
+    ref = 0.3 * _expert_ref(ew, 3, x) + 0.2 * _expert_ref(ew, 5, x) + 0.1 * _expert_ref(ew, 6, x)
+    assert _cos(out, ref) >= 0.999  # ratio 1: the CPU took every miss
+    assert cm.box[0, cm.answer].item() == cm.box[0, ho.HDR_REQ].item()
