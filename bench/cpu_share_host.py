@@ -1,0 +1,96 @@
+"""What the host adds around its experts when it answers a decode step's request (`--cpu-experts`): one mailbox
+request of c Qwen3-30B-A3B experts (gate/up 768x2048, down 2048x768, random Q4_K) answered by
+`CpuMisses._serve`, against the same c experts' kernel calls alone, and the small ops of the answer timed alone.
+Runs on a CPU-only machine (the mailbox is then plain memory): the host side does the same work either way.
+
+python bench/cpu_share_host.py [--threads N] [--experts 2] [--out bench/results/cpu-share-host.json]"""
+
+import argparse
+import json
+import os
+import timeit
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.experts.cache import ExpertCache
+from engine.experts.cpu_misses import CpuMisses
+from engine.gguf.random_blocks import random_blocks
+from engine.kernels import cpu_handoff as ho
+from engine.layers.moe import ExpertWeights
+from engine.layers.qtensor import QTensor
+
+E, F, D, K = 8, 768, 2048, 8
+
+
+def _layer() -> ExpertWeights:
+    def stack(n: int, k: int, seed: int) -> QTensor:
+        raw = torch.stack([torch.from_numpy(random_blocks(QT.Q4_K, n, k, seed=seed + e)) for e in range(E)])
+        return QTensor(raw, QT.Q4_K, (E, n, k))
+
+    router = QTensor(torch.randn(E, D).view(torch.uint8).view(E, 4 * D), QT.F32, (E, D))
+    return ExpertWeights(router=router, gate=stack(F, D, 1), up=stack(F, D, 50), down=stack(D, F, 99))
+
+
+def _us(fn: object, n: int) -> float:
+    return 1e6 * min(timeit.repeat(fn, number=n, repeat=5)) / n  # type: ignore[arg-type]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--experts", type=int, default=2, help="experts in the request (the CPU's c of 8)")
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cache = ExpertCache({0: _layer()}, torch.device("cpu"), {0: 0})
+    cm = CpuMisses(cache, 1.0, K, "silu", ratio=1.0)
+    row, c = cm._box[0], a.experts
+    row[ho.IDS : ho.IDS + K] = list(range(K))
+    row[ho.IDS + K : ho.IDS + 2 * K] = [1] * c + [0] * (K - c)
+    row[ho.HDR_TAKE] = c
+    cm._boxf[0, ho.IDS + 2 * K : ho.IDS + 3 * K] = 0.1
+    cm.box[0, ho.X_OFF : ho.X_OFF + D].view(torch.float32).copy_(torch.randn(D))
+    ce = cm.layers[0]
+    xb = torch.randn(1, D).to(torch.bfloat16)
+    y = torch.zeros(1, D)
+    o = ce.expert(0, xb)
+
+    def serve() -> None:
+        row[ho.HDR_REQ] += 1
+        cm._serve(0)
+
+    def kernels() -> None:
+        for e in range(c):
+            ce.expert(e, xb)
+
+    def kernels_and_sums() -> None:
+        for e in range(c):
+            y.add_(ce.expert(e, xb), alpha=0.1)
+
+    def sums_alone() -> None:
+        for _ in range(c):
+            y.add_(o, alpha=0.1)
+
+    res = {
+        "what": __doc__.split("\n\n")[0],
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "experts_in_request": c,
+        "us_serve": _us(serve, a.reps),
+        "us_kernels_alone": _us(kernels, a.reps),
+        "us_kernels_and_sums": _us(kernels_and_sums, a.reps),
+        "us_sums_alone": _us(sums_alone, a.reps * 10),
+    }
+    res["us_host_beyond_kernels"] = res["us_serve"] - res["us_kernels_alone"]
+    text = json.dumps(res, indent=1)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
