@@ -87,6 +87,11 @@ class CpuMisses:
         self._box = self.box.numpy()
         self._boxf = self.box.view(torch.float32).numpy()
         self._done = np.zeros(n_rows, dtype=np.int32)
+        # each row's input and sum as float32 [1, D] views of the mailbox, made once (the answer reads them)
+        self._x = [self.box[r, ho.X_OFF : ho.X_OFF + d].view(torch.float32).view(1, d) for r in range(n_rows)]
+        self._y = [
+            self.box[r, self.sum_at : self.sum_at + d].view(torch.float32).view(1, d) for r in range(n_rows)
+        ]
         self.served = [0, 0, 0.0]  # requests answered, experts computed, seconds spent computing them
         held = sum(ce.n_held for ce in self.layers.values())
         log.info("%d experts of %d layers also held for the CPU (%.1f GiB of host RAM): it computes %s of a decode "
@@ -170,17 +175,16 @@ class CpuMisses:
         self._serve(r)
 
     def _serve(self, r: int) -> None:
-        row, k, d = self._box[r], self.k, self.d
+        row, k = self._box[r], self.k
         seq = int(row[ho.HDR_REQ])
-        y = self.box[r, self.sum_at : self.sum_at + d].view(torch.float32).view(1, d)
+        y = self._y[r]
         t0 = time.perf_counter()
         try:
             y.zero_()
             take = np.flatnonzero(row[ho.IDS + k : ho.IDS + 2 * k])
             if take.size:
                 ce = self.layers[self._layer_of[r]]
-                x = self.box[r, ho.X_OFF : ho.X_OFF + d].view(torch.float32).view(1, d)
-                xb = x.to(torch.bfloat16)
+                xb = self._x[r].to(torch.bfloat16)
                 w = self._boxf[r, ho.IDS + 2 * k : ho.IDS + 3 * k]
                 for j in take.tolist():
                     y.add_(ce.expert(int(row[ho.IDS + j]), xb), alpha=float(w[j]))  # float32 sum

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.gemv import _INTERPRETED  # no inline PTX (the fence) in Triton's interpreter
+
 HDR_REQ, HDR_MISS, HDR_TAKE, HDR_WAIT = 0, 1, 2, 3
 IDS = 8
 X_OFF = 64
@@ -140,12 +142,6 @@ def _collect_kernel(
             tl.store(out_ptr + o, tl.load(out_ptr + o, mask=m) + tl.where(got == seq, y, 0.0), mask=m)
 
 
-def _interpreted() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def post(
     ids: torch.Tensor,
     w: torch.Tensor,
@@ -165,7 +161,7 @@ def post(
     k, d = ids.numel(), x.numel()
     _post_kernel[(1,)](
         ids.view(-1), w.view(-1), x.view(-1), cpu, table, host, quota, claim, wg, cnt, taken, box, d,
-        K=k, BK=triton.next_power_of_2(k), BD=min(1024, triton.next_power_of_2(d)), FENCE=not _interpreted(),
+        K=k, BK=triton.next_power_of_2(k), BD=min(1024, triton.next_power_of_2(d)), FENCE=not _INTERPRETED,
         num_warps=4,
     )  # fmt: skip
 
@@ -177,5 +173,5 @@ def collect(out: torch.Tensor, claim: torch.Tensor, cnt: torch.Tensor, box: torc
     r, y, _ = row_layout(k, d)
     _collect_kernel[(1,)](
         out.view(-1), claim, cnt, box, d, r, y, K=k, BK=triton.next_power_of_2(k),
-        BD=min(1024, triton.next_power_of_2(d)), LIMIT=WAIT_LIMIT, FENCE=not _interpreted(), num_warps=4,
+        BD=min(1024, triton.next_power_of_2(d)), LIMIT=WAIT_LIMIT, FENCE=not _INTERPRETED, num_warps=4,
     )  # fmt: skip
