@@ -1,19 +1,23 @@
 """What the host adds around its experts when it answers a decode step's request (`--cpu-experts`): one mailbox
 request of c Qwen3-30B-A3B experts (gate/up 768x2048, down 2048x768, random Q4_K) answered by
-`CpuMisses._serve`, against the same c experts' kernel calls alone, and the small ops of the answer timed alone.
+`CpuMisses._serve`, against the same c experts computed and summed outside the mailbox (`CpuExperts.mix_into`).
 Runs on a CPU-only machine (the mailbox is then plain memory): the host side does the same work either way.
 
 python bench/cpu_share_host.py [--threads N] [--experts 2] [--out bench/results/cpu-share-host.json]"""
 
 import argparse
-import json
 import os
+import sys
 import timeit
 from pathlib import Path
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import emit
 from engine.experts.cache import ExpertCache
 from engine.experts.cpu_misses import CpuMisses
 from engine.gguf.random_blocks import random_blocks
@@ -55,41 +59,27 @@ def main() -> None:
     cm._boxf[0, ho.IDS + 2 * K : ho.IDS + 3 * K] = 0.1
     cm.box[0, ho.X_OFF : ho.X_OFF + D].view(torch.float32).copy_(torch.randn(D))
     ce = cm.layers[0]
-    xb = torch.randn(1, D).to(torch.bfloat16)
-    y = torch.zeros(1, D)
-    o = ce.expert(0, xb)
+    ids, w = np.arange(c), np.full(c, 0.1, np.float32)
+    x, y = np.random.default_rng(0).standard_normal(D).astype(np.float32), np.zeros(D, np.float32)
 
     def serve() -> None:
         row[ho.HDR_REQ] += 1
         cm._serve(0)
 
-    def kernels() -> None:
-        for e in range(c):
-            ce.expert(e, xb)
-
-    def kernels_and_sums() -> None:
-        for e in range(c):
-            y.add_(ce.expert(e, xb), alpha=0.1)
-
-    def sums_alone() -> None:
-        for _ in range(c):
-            y.add_(o, alpha=0.1)
+    def kernels() -> None:  # the request's experts and their weighted sum, outside the mailbox
+        ce.mix_into(ids, w, x, y)
 
     res = {
         "what": __doc__.split("\n\n")[0],
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
+        "kernels": list(ce.kernels),
         "experts_in_request": c,
         "us_serve": _us(serve, a.reps),
         "us_kernels_alone": _us(kernels, a.reps),
-        "us_kernels_and_sums": _us(kernels_and_sums, a.reps),
-        "us_sums_alone": _us(sums_alone, a.reps * 10),
     }
     res["us_host_beyond_kernels"] = res["us_serve"] - res["us_kernels_alone"]
-    text = json.dumps(res, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit(res, a.out)
 
 
 if __name__ == "__main__":

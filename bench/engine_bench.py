@@ -7,7 +7,6 @@ Prompts are fixed token ids (not from a cache); decode is greedy from the longes
 prompt and decode are measured separately: decode starts from a short prompt."""
 
 import argparse
-import json
 import sys
 import time
 from collections import Counter
@@ -17,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.report import emit
 from engine.experts.policy import ExpertPolicy
 from engine.loader import load_model
 
@@ -223,7 +223,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--expert-slots", type=int, default=None)
     ap.add_argument("--expert-misses", choices=("direct", "copy"), default="copy")
-    ap.add_argument("--cpu-experts", type=float, default=0.0, help="the engine's --cpu-experts F")
+    ap.add_argument(
+        "--cpu-experts", type=float, default=None, help="the engine's --cpu-experts F (default: auto)"
+    )
     ap.add_argument(
         "--cpu-ratio",
         default="",
@@ -327,10 +329,7 @@ def main() -> None:
         )
     if a.host_profile:
         res["host_profile"] = host_profile(lm.model, a.host_profile)
-    text = json.dumps(res, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit(res, a.out)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ CPU only (the point is the link, not the math): the model is a tiny qwen3moe wri
 measures the link on loopback instead of across namespaces."""
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -20,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.report import emit
 from engine.link import protocol as P
 from engine.link.client import StageClient
 from engine.link.keys import client_keys, server_keys
@@ -150,10 +150,7 @@ def main() -> None:
     finally:
         if peer is not None:
             peer.close()
-    text = json.dumps(res, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit(res, a.out)
 
 
 if __name__ == "__main__":

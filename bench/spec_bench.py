@@ -18,7 +18,6 @@ so `lookup` accepts little; `right` and `wrong` bound what a real model's accept
 tokens are checked against spec0's. The JSON holds tok/s (best round), acceptance, windows and the ratios."""
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.report import emit
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.mtp import draft_layer_of
 from engine.pipeline.sampling import GREEDY, Sampler
@@ -256,10 +256,7 @@ def main() -> None:
             if arm != "spec0"
         )
         print(f"{name}: spec0 {base:.1f} tok/s; --spec {a.spec} (acceptance): {arms_text}", file=sys.stderr)
-    text = json.dumps(res, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit(res, a.out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ boundary itself), and once more with the host hand-off but without the stage clo
 each stage's compute, waiting and transfer costs). Ratios are split / unsplit from the best of each arm's rounds."""
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.report import emit
 from engine.loader import load_model
 from engine.pipeline.handoff import Handoff
 from engine.pipeline.split import SplitOptions, load_split_model
@@ -106,10 +106,7 @@ def main() -> None:
         "prompt_chunk": a.chunk,
         "decode_tokens": a.decode,
     }
-    text = json.dumps(res, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit(res, a.out)
 
 
 if __name__ == "__main__":

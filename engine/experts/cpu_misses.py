@@ -1,7 +1,8 @@
 """A decode step's missed experts split between the CPU and the GPU's PCIe copies (`--cpu-experts F`).
 
-Of each layer's experts left in host RAM, a fraction F (the least used first, where a profile says which) is also
-held repacked for the CPU (engine/experts/cpu_experts.py). When a one-token step misses experts the CPU holds, the
+Of each layer's experts left in host RAM, a fraction F (the least used first, where a profile says which) may be
+computed by the CPU (engine/experts/cpu_experts.py): Q4_K experts straight from the store's blocks, other types
+from a repacked copy. By default every expert of the layers read in place, and no others. When a one-token step misses experts the CPU holds, the
 CPU computes some of them while the GPU copies and computes the others: the two draw on different buses (host RAM
 for the CPU, PCIe for the copies), so a layer's misses take less time than the copies alone would.
 
@@ -11,10 +12,10 @@ sides) and writes them into a pinned mailbox; the host polls the mailbox, comput
 device waits for it only where the CPU took a slot. Decode steps therefore still run as CUDA graphs.
 
 The host side runs on the thread that launches the step, not on a thread of its own: once a graph is replayed
-(or a layer's launches are queued) that thread has nothing else to do, and torch's CPU kernels then use its
-OpenMP team. A second thread would bring a second team, and with more OpenMP threads than cores libgomp stops
-spinning between parallel regions, so that each kernel call woke sleeping threads (on an H200's 16-core host:
-270-380 us an expert from a second thread, 150-160 us from the launching one)."""
+(or a layer's launches are queued) that thread has nothing else to do, and the CPU kernels then use its thread
+team. A second thread would bring a second team, and with more OpenMP threads than cores libgomp stops spinning
+between parallel regions, so that each kernel call woke sleeping threads (on an H200's 16-core host, torch's
+kernels: 270-380 us an expert from a second thread, 150-160 us from the launching one)."""
 
 import logging
 import time
@@ -30,9 +31,10 @@ if TYPE_CHECKING:
     from engine.experts.cache import ExpertCache
 
 log = logging.getLogger("strata.engine")
-# The CPU's share of a layer's misses: 2 of 8 measured best on an H200's 16-core host beside PCIe 5 (Qwen3-30B-A3B at
-# llama.cpp's -ncmoe 36 VRAM: 1, 2 and 3 of 8 tried, docs/performance.md); --cpu-ratio sets another.
-DEFAULT_RATIO = 0.3
+# The CPU's share of a layer's misses: 4 of 8 measured best on an H200's 16-core host beside PCIe 5 with the in-place
+# Q4_K kernels (Qwen3-30B-A3B at llama.cpp's -ncmoe 36 VRAM: 2 to 5 of 8 tried, docs/performance.md); --cpu-ratio
+# sets another.
+DEFAULT_RATIO = 0.5
 _IDLE_S = 30.0  # the host gives up on a request the device has not posted after this long (and says so)
 
 
@@ -47,7 +49,10 @@ class CpuMisses:
         act: str,
         profile: torch.Tensor | None = None,
         ratio: float = DEFAULT_RATIO,
+        in_place_only: bool = False,
     ) -> None:
+        """share: the fraction of each layer's host-RAM experts the CPU may compute; in_place_only: only layers
+        whose blocks it reads in place (nothing repacked, the default of --cpu-experts)."""
         if not 0.0 < share <= 1.0:
             raise ValueError(f"--cpu-experts {share}: give a fraction above 0 and at most 1")
         self.cache = cache
@@ -57,6 +62,8 @@ class CpuMisses:
         d = 0
         for li, le in cache.layers.items():
             if le.host_tables is None:  # every expert of the layer is in VRAM
+                continue
+            if in_place_only and not CpuExperts.in_place(le.gate.host, le.up.host, le.down.host, act):
                 continue
             out = [e for e in range(le.n_expert) if le.slot_of[e] < 0]
             if profile is not None:
@@ -87,16 +94,25 @@ class CpuMisses:
         self._box = self.box.numpy()
         self._boxf = self.box.view(torch.float32).numpy()
         self._done = np.zeros(n_rows, dtype=np.int32)
-        # each row's input and sum as float32 [1, D] views of the mailbox, made once (the answer reads them)
-        self._x = [self.box[r, ho.X_OFF : ho.X_OFF + d].view(torch.float32).view(1, d) for r in range(n_rows)]
-        self._y = [
-            self.box[r, self.sum_at : self.sum_at + d].view(torch.float32).view(1, d) for r in range(n_rows)
-        ]
+        # each row's input and sum as float32 [D] views of the mailbox, made once (the answer reads them)
+        self._x = [self._boxf[r, ho.X_OFF : ho.X_OFF + d] for r in range(n_rows)]
+        self._y = [self._boxf[r, self.sum_at : self.sum_at + d] for r in range(n_rows)]
         self.served = [0, 0, 0.0]  # requests answered, experts computed, seconds spent computing them
         held = sum(ce.n_held for ce in self.layers.values())
-        log.info("%d experts of %d layers also held for the CPU (%.1f GiB of host RAM): it computes %s of a decode "
-                 "step's misses", held, len(self.layers), sum(ce.nbytes for ce in self.layers.values()) / 2**30,
-                 f"{100 * self.ratio:.0f}%")  # fmt: skip
+        in_place = sum(ce.q4k is not None for ce in self.layers.values())
+        how = (f"{in_place} layers read in place, " if in_place else "") + (
+            f"{sum(ce.nbytes for ce in self.layers.values()) / 2**30:.1f} GiB of repacked copies"
+        )
+        log.info("%d experts of %d layers also computed by the CPU (%s): it takes %s of a decode step's misses",
+                 held, len(self.layers), how, f"{100 * self.ratio:.0f}%")  # fmt: skip
+        if in_place:  # compile (or load from the disk cache) now, not in the first decode step
+            ce = next(ce for ce in self.layers.values() if ce.q4k is not None)
+            ce.mix_into(
+                np.zeros(1, np.int64),
+                np.zeros(1, np.float32),
+                np.zeros(d, np.float32),
+                np.zeros(d, np.float32),
+            )
 
     # -- the device side, from the decode step --------------------------------------------------------------------
 
@@ -180,17 +196,16 @@ class CpuMisses:
         y = self._y[r]
         t0 = time.perf_counter()
         try:
-            y.zero_()
             take = np.flatnonzero(row[ho.IDS + k : ho.IDS + 2 * k])
             if take.size:
                 ce = self.layers[self._layer_of[r]]
-                xb = self._x[r].to(torch.bfloat16)
-                w = self._boxf[r, ho.IDS + 2 * k : ho.IDS + 3 * k]
-                for j in take.tolist():
-                    y.add_(ce.expert(int(row[ho.IDS + j]), xb), alpha=float(w[j]))  # float32 sum
+                w = self._boxf[r, ho.IDS + 2 * k : ho.IDS + 3 * k][take]
+                ce.mix_into(row[ho.IDS : ho.IDS + k][take], w, self._x[r], y)
+            else:
+                y[:] = 0.0
         except BaseException as e:  # answered with zeros; check() raises it after the step
             self.error = e
-            y.zero_()
+            y[:] = 0.0
         row[self.answer] = seq  # last: the device reads the sum once it sees this number
         self._done[r] = seq
         took, n = time.perf_counter() - t0, int(row[ho.HDR_TAKE])

@@ -28,12 +28,10 @@ class ExpertPolicy:
     miss_path: str = (
         "copy"  # --expert-misses: "copy" (staged in VRAM first) or "direct" (kernels read host memory)
     )
-    cpu_share: float = (
-        0.0  # --cpu-experts F: of the experts in host RAM, the fraction the CPU holds to compute on a miss
-    )
-    cpu_ratio: float | None = (
-        None  # a fixed CPU share of a step's misses (None: balanced from measured times)
-    )
+    # --cpu-experts F: of the experts in host RAM, the fraction the CPU may compute on a miss. None: every expert
+    # of the layers whose blocks the CPU reads in place (Q4_K, engine/experts/cpu_q4k.py), none elsewhere.
+    cpu_share: float | None = None
+    cpu_ratio: float | None = None  # the CPU's share of a step's misses (None: cpu_misses.DEFAULT_RATIO)
 
 
 def expert_budget(device: torch.device, policy: ExpertPolicy) -> int:
@@ -79,15 +77,23 @@ def build_expert_cache(model: "DecoderLM", policy: ExpertPolicy) -> ExpertCache:
         device_label=_label(model.device),
         miss_path=policy.miss_path,
     )
-    if policy.cpu_share > 0:
+    auto = policy.cpu_share is None
+    if auto and (
+        policy.miss_path != "copy"
+        or model.device.type != "cuda"
+        or all(le.host_tables is None for le in cache.layers.values())
+    ):
+        return cache  # the hand-off is for a card's decode misses; nothing to share here
+    if auto or policy.cpu_share > 0:
         if policy.miss_path != "copy":
             raise ValueError("--cpu-experts works with --expert-misses copy (the default)")
         from engine.experts.cpu_misses import CpuMisses
 
-        cache.cpu_misses = CpuMisses(
-            cache, policy.cpu_share, model.cfg.n_expert_used, model.cfg.activation, policy.profile,
-            **({} if policy.cpu_ratio is None else {"ratio": policy.cpu_ratio}),
+        cm = CpuMisses(
+            cache, 1.0 if auto else policy.cpu_share, model.cfg.n_expert_used, model.cfg.activation,
+            policy.profile, in_place_only=auto, **({} if policy.cpu_ratio is None else {"ratio": policy.cpu_ratio}),
         )  # fmt: skip
+        cache.cpu_misses = cm if cm.layers else None
     return cache
 
 

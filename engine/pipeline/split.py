@@ -75,9 +75,7 @@ class SplitOptions:
     expert_slots: int | None = None  # --expert-cache N: routed experts in VRAM on each card
     vram_budget_mib: int | None = None  # --vram-budget-mib: each card behaves as one of this size
     expert_misses: str = "copy"  # --expert-misses copy|direct: how a decode step reads experts in host memory
-    cpu_share: float = (
-        0.0  # --cpu-experts F: the CPU computes this fraction of the experts in host RAM on a miss
-    )
+    cpu_share: float | None = None  # --cpu-experts F (None: auto, engine/experts/policy.py)
     cpu_ratio: float | None = None  # --cpu-ratio R: the CPU's share of a step's misses (None: the default)
     cpu_weights_mib: int | None = None  # --cpu-weights-mib: float copies of CPU layers' weights (None: auto)
     profile: str | None = None  # --profile PATH: the usage profile to read (default: the data dir's)

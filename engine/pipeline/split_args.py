@@ -78,18 +78,20 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--cpu-experts",
         type=float,
-        default=0.0,
+        default=None,
         metavar="F",
-        help="of each layer's experts in host RAM, the fraction (0-1) the CPU holds (repacked: more host RAM) to "
-        "compute some of a decode step's misses beside the GPU's copies of the others; default 0: off",
+        help="of each layer's experts in host RAM, the fraction (0-1) the CPU may compute, beside the GPU's copies "
+        "of the others, when a decode step misses them. Default: all of them where the CPU reads the blocks in "
+        "place (Q4_K experts, AVX2), none elsewhere (other block types are repacked: more host RAM and load "
+        "time, so give F to have them); 0: off",
     )
     e.add_argument(
         "--cpu-ratio",
         type=float,
         default=None,
         metavar="R",
-        help="with --cpu-experts: the share (0-1) of a decode step's missed experts the CPU computes (default 0.3: "
-        "2 of 8, best on a 16-core host beside PCIe 5; bench/engine_bench.py --cpu-ratio measures yours)",
+        help="the share (0-1) of a decode step's missed experts the CPU computes (default 0.5: 4 of 8, best on a "
+        "16-core host beside PCIe 5; bench/engine_bench.py --cpu-ratio measures yours)",
     )
     e.add_argument(
         "--profile",
@@ -140,8 +142,8 @@ def options_from_args(args: argparse.Namespace) -> SplitOptions:
                         ("--cpu-weights-mib", getattr(args, "cpu_weights_mib", None))):  # fmt: skip
         if value is not None and value < 0:
             raise PlacementError(f"{flag} must be 0 or more, not {value}")
-    share = getattr(args, "cpu_experts", 0.0)
-    if not 0.0 <= share <= 1.0:
+    share = getattr(args, "cpu_experts", None)
+    if share is not None and not 0.0 <= share <= 1.0:
         raise PlacementError(f"--cpu-experts is a fraction from 0 to 1, not {share}")
     ratio = getattr(args, "cpu_ratio", None)
     if ratio is not None and not 0.0 <= ratio <= 1.0:
@@ -152,7 +154,7 @@ def options_from_args(args: argparse.Namespace) -> SplitOptions:
         vram_budget_mib=getattr(args, "vram_budget_mib", None),
         cpu_weights_mib=getattr(args, "cpu_weights_mib", None),
         expert_misses=getattr(args, "expert_misses", "copy"),
-        cpu_share=getattr(args, "cpu_experts", 0.0),
+        cpu_share=share,
         cpu_ratio=ratio,
         device=getattr(args, "device", "auto"),
         gpu=getattr(args, "gpu", None),

@@ -11,6 +11,7 @@ import collections
 import contextlib
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -211,6 +212,8 @@ class EngineService:
             o = self.opts
             if o.threads:
                 torch.set_num_threads(o.threads)
+                # the threads of --cpu-experts' kernels: Numba reads this when first imported
+                os.environ.setdefault("NUMBA_NUM_THREADS", str(o.threads))
             path = o.model
             if path is None:
                 from installer.default_model import default_model_path

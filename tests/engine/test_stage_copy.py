@@ -26,7 +26,8 @@ def test_cpu_experts_flag_reaches_the_policy() -> None:
 
     ap = argparse.ArgumentParser()
     add_split_args(ap)
-    assert options_from_args(ap.parse_args([])).cpu_share == 0.0  # off unless asked for
+    assert options_from_args(ap.parse_args([])).cpu_share is None  # auto: the layers the CPU reads in place
+    assert options_from_args(ap.parse_args(["--cpu-experts", "0"])).cpu_share == 0.0  # off
     assert options_from_args(ap.parse_args(["--cpu-experts", "0.5"])).cpu_share == 0.5
     with pytest.raises(PlacementError, match="--cpu-experts is a fraction from 0 to 1"):
         options_from_args(ap.parse_args(["--cpu-experts", "1.5"]))

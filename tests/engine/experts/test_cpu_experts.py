@@ -19,6 +19,12 @@ from engine.layers.qtensor import QTensor
 E = 8
 
 
+@pytest.fixture(autouse=True)
+def _repacked_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests cover the repacked copies; Q4_K read in place is tested in test_cpu_q4k.py."""
+    monkeypatch.setattr(cpu_experts.cpu_q4k, "available", lambda: (False, "tested in test_cpu_q4k.py"))
+
+
 def _experts(qtype: QT, rows: int, cols: int, seed: int) -> tuple[QTensor, np.ndarray]:
     """E experts' matrices [rows, cols] of random blocks -> (QTensor [E, rows, cols], gguf's float64 values)."""
     raw = np.stack([random_blocks(qtype, rows, cols, seed=seed * 100 + e) for e in range(E)])

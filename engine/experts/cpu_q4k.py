@@ -1,0 +1,95 @@
+"""A token's routed experts computed on the CPU straight from Q4_K blocks in host RAM (Numba, AVX2).
+
+The expert store's pinned blocks are read in place: no repacked copy, no extra RAM, nothing to prepare at load, so
+the CPU can compute any expert left in host RAM. The input is quantized to 8 bits per 256 values (a scale per 256
+and the sum of each 32, as llama.cpp's q8_K), and each 32-byte run of 4-bit codes is multiplied with it by the
+integer multiply-adds of AVX2 (pmaddubsw, then pmaddwd with the 6-bit scale); the block's minimums come from the
+sums. The input's rounding keeps a projection within ~1e-5 of float64 in cosine (tests/engine/experts/).
+
+One call computes all of a request's experts: gate and up for every (expert, row block) in one parallel loop, then
+down for every output row block, each summing its experts, in a second. On an H200 machine's 16 cores a request of
+1-4 experts read 38-57 GB/s of blocks, 1.7-2.2x torch's 4-bit kernel on a repacked copy; its RAM reads ~85 GB/s
+(bench/cpu_q4k_kernel.py, bench/results/cpu-q4k-kernel.json).
+
+Numba compiles the kernels on first use (~5 s; cached on disk afterwards). Without Numba, or on a CPU without AVX2,
+`available()` says why and engine/experts/cpu_experts.py falls back to torch's kernel on a repacked copy."""
+
+import functools
+import logging
+
+import numpy as np
+
+log = logging.getLogger("strata.engine")
+
+QK = 256  # values per Q4_K block
+BLOCK_BYTES = 144  # d, dmin (half each), 12 bytes of 6-bit scales and minimums, 128 bytes of codes
+ROWS_PER_TASK = 16  # output rows per parallel task: enough work per task to hide the scheduling
+
+
+@functools.cache
+def available() -> tuple[bool, str]:
+    """(True, "") where the kernels can run here, else (False, why)."""
+    try:
+        import llvmlite.binding as llvm
+        import numba  # noqa: F401
+    except ImportError as e:
+        return False, f"Numba is not installed ({e})"
+    try:
+        feats = llvm.get_host_cpu_features()
+    except RuntimeError as e:  # llvmlite cannot read the features on some hosts
+        return False, f"the CPU's features could not be read ({e})"
+    if not feats.get("avx2", False):
+        return False, "the CPU has no AVX2"
+    return True, ""
+
+
+def set_threads(n: int) -> None:
+    """Threads of the kernels' parallel loops (at most the cores Numba saw at start)."""
+    import numba
+
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+
+
+def _kernels():
+    from engine.experts import cpu_q4k_jit
+
+    return cpu_q4k_jit.mix
+
+
+_F16 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)  # a half's bits -> its value
+
+
+class Q4KExperts:
+    """One layer's routed experts in Q4_K blocks on the host, computed in place. gate, up: uint8 [E, F, F-row bytes]
+    of a [E, F, D] tensor; down: uint8 [E, D, D-row bytes] of [E, D, F] (numpy views of the store: only read)."""
+
+    def __init__(self, gate: np.ndarray, up: np.ndarray, down: np.ndarray, d: int, f: int) -> None:
+        ok, why = available()
+        if not ok:
+            raise RuntimeError(f"the Q4_K CPU kernels cannot run here: {why}")
+        if d % QK or f % QK:
+            raise ValueError(f"Q4_K rows hold multiples of {QK} values, not D={d}, F={f}")
+        n_exp = gate.shape[0]
+        want = {"gate": (n_exp, f, d // QK * BLOCK_BYTES), "up": (n_exp, f, d // QK * BLOCK_BYTES),
+                "down": (n_exp, d, f // QK * BLOCK_BYTES)}  # fmt: skip
+        for name, a in (("gate", gate), ("up", up), ("down", down)):
+            if a.dtype != np.uint8 or a.shape != want[name]:
+                raise ValueError(f"{name} must be uint8 {want[name]} (Q4_K rows), got {a.dtype} {a.shape}")
+            if not a.flags.c_contiguous:  # a copy here would double the experts' host RAM
+                raise ValueError(f"{name} must be one contiguous block of rows (the store's layout)")
+        # flat views: the kernels address rows by byte offset
+        self._g, self._u, self._d = (a.reshape(-1) for a in (gate, up, down))
+        self.n_experts, self.d, self.f = n_exp, d, f
+        self._mix = _kernels()
+
+    def mix(self, ids: np.ndarray, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+        """ids int [n] distinct experts, w float32 [n] their weights, x float32 [D] -> out float32 [D] (written):
+        the weighted sum of the experts' outputs."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_experts):
+            raise ValueError(
+                f"expert ids {ids.tolist()} out of range: this layer has 0..{self.n_experts - 1}"
+            )
+        self._mix(
+            self._g, self._u, self._d, self.f, self.d, ids, np.asarray(w, dtype=np.float32), x, out, _F16
+        )

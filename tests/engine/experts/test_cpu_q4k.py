@@ -1,0 +1,132 @@
+"""The in-place Q4_K CPU kernels (engine/experts/cpu_q4k.py) against gguf-py's dequantizer and the expert math in
+float64.
+
+The kernels round the expert input and the gate's output to 8 bits per 256 values (a scale per 256, as llama.cpp's
+CPU path does), so a weighted sum of experts is checked by cosine (>= 0.9995 per token) and to 3e-2 of its largest
+element, not exactly; the ids, weights and the store's bytes are checked exactly."""
+
+import gguf.quants as gq
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+import engine.experts.cpu_experts as cpu_experts
+from engine.experts import cpu_q4k
+from engine.experts.cpu_experts import CpuExperts
+from engine.gguf.random_blocks import random_blocks
+from engine.layers.qtensor import QTensor
+
+pytestmark = pytest.mark.skipif(
+    not cpu_q4k.available()[0], reason=f"Q4_K CPU kernels: {cpu_q4k.available()[1]}"
+)
+E, D, F = 6, 512, 256
+
+
+def _store(rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    raw = np.stack(
+        [random_blocks(QT.Q4_K, rows, cols, seed=seed * 100 + e) for e in range(E)]
+    )  # [E, rows, bytes]
+    return raw, gq.dequantize(raw, QT.Q4_K).astype(np.float64).reshape(E, rows, cols)
+
+
+@pytest.fixture(scope="module")
+def layer() -> tuple[list[np.ndarray], list[np.ndarray]]:
+    (g, gr), (u, ur), (dn, dr) = _store(F, D, 1), _store(F, D, 2), _store(D, F, 3)
+    return [g, u, dn], [gr, ur, dr]
+
+
+def _ref(x: np.ndarray, ids: list[int], w: list[float], refs: list[np.ndarray]) -> np.ndarray:
+    gr, ur, dr = refs
+    out = np.zeros(D)
+    for e, we in zip(ids, w, strict=True):
+        a = gr[e] @ x
+        out += we * (dr[e] @ (a / (1.0 + np.exp(-a)) * (ur[e] @ x)))
+    return out
+
+
+@pytest.mark.parametrize("ids", [[3], [0, 5], [1, 2, 4], [5, 4, 3, 0]])
+def test_mix_matches_float64_reference(layer, ids: list[int]) -> None:
+    raws, refs = layer
+    before = [r.copy() for r in raws]
+    k = cpu_q4k.Q4KExperts(*raws, d=D, f=F)
+    x = np.random.default_rng(len(ids)).standard_normal(D).astype(np.float32)
+    w = np.linspace(0.2, 0.6, len(ids)).astype(np.float32)
+    out = np.full(D, np.nan, dtype=np.float32)
+    k.mix(np.array(ids), w, x, out)
+    ref = _ref(x.astype(np.float64), ids, w.tolist(), refs)
+    cos = out @ ref / (np.linalg.norm(out) * np.linalg.norm(ref))
+    assert cos >= 0.9995, cos  # seen: 0.99998-0.99999
+    assert np.abs(out - ref).max() <= 3e-2 * np.abs(ref).max()  # seen: 6e-3 to 1.4e-2
+    for a, b in zip(raws, before, strict=True):
+        assert np.array_equal(a, b)  # the store is only read
+
+
+def test_no_experts_gives_zeros_and_bad_input_says_what(layer) -> None:
+    raws, _ = layer
+    k = cpu_q4k.Q4KExperts(*raws, d=D, f=F)
+    out = np.ones(D, dtype=np.float32)
+    k.mix(np.zeros(0, np.int64), np.zeros(0, np.float32), np.ones(D, np.float32), out)
+    assert not out.any()
+    with pytest.raises(ValueError, match="out of range"):
+        k.mix(np.array([E]), np.ones(1, np.float32), np.ones(D, np.float32), out)
+    with pytest.raises(ValueError, match="down must be uint8"):
+        cpu_q4k.Q4KExperts(raws[0], raws[1], raws[0], d=D, f=F)
+    with pytest.raises(ValueError, match="multiples of 256"):
+        cpu_q4k.Q4KExperts(*raws, d=D + 32, f=F)
+
+
+def test_cpu_experts_reads_q4k_in_place_and_falls_back_without_the_kernels(layer, monkeypatch) -> None:
+    raws, refs = layer
+    qts = [
+        QTensor(torch.from_numpy(r), QT.Q4_K, s)
+        for r, s in zip(raws, [(E, F, D), (E, F, D), (E, D, F)], strict=True)
+    ]
+    ce = CpuExperts(*qts, experts=[0, 2, 5])
+    assert (
+        ce.kernels == ("q4k", "q4k") and ce.nbytes == 0 and ce.n_held == 3 and ce.holds(5) and not ce.holds(1)
+    )
+    x = torch.randn(2, D, generator=torch.Generator().manual_seed(7))
+    ids = torch.tensor([[0, 5], [2, 0]])
+    w = torch.tensor([[0.7, 0.3], [0.5, 0.5]])
+    take = torch.tensor([[True, True], [True, False]])
+    y = ce.mix(x, ids, w, take).double().numpy()
+    for t, (sel, ws) in enumerate([([0, 5], [0.7, 0.3]), ([2], [0.5])]):
+        ref = _ref(x[t].double().numpy(), sel, ws, refs)
+        assert y[t] @ ref / (np.linalg.norm(y[t]) * np.linalg.norm(ref)) >= 0.9995
+    with pytest.raises(ValueError, match="not held"):
+        ce.mix(x[:1], torch.tensor([[1]]), torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool))
+    monkeypatch.setattr(cpu_experts.cpu_q4k, "available", lambda: (False, "switched off in this test"))
+    fallback = CpuExperts(*qts, experts=[0, 2, 5])
+    assert fallback.kernels == ("int4", "int4") and fallback.nbytes > 0
+    y2 = fallback.mix(x, ids, w, take).double().numpy()
+    assert np.abs(y2 - y).max() <= 3e-2 * np.abs(y).max()
+
+
+def test_cpu_misses_by_default_takes_the_layers_read_in_place_only() -> None:
+    """--cpu-experts left out: the CPU computes every host-RAM expert of the Q4_K layers (no copy) and nothing of
+    the others, which would need a repacked copy; given a fraction, it takes both kinds."""
+    from engine.experts.cache import ExpertCache
+    from engine.experts.cpu_misses import DEFAULT_RATIO, CpuMisses
+    from engine.layers.moe import ExpertWeights
+
+    def layer(qt: QT, seed: int) -> ExpertWeights:
+        def stack(n: int, k: int, s: int) -> QTensor:
+            raw = np.stack([random_blocks(qt, n, k, seed=s + e) for e in range(E)])
+            return QTensor(torch.from_numpy(raw), qt, (E, n, k))
+
+        router = QTensor(torch.randn(E, D).view(torch.uint8).view(E, 4 * D), QT.F32, (E, D))
+        return ExpertWeights(
+            router=router, gate=stack(F, D, seed), up=stack(F, D, seed + 10), down=stack(D, F, seed + 20)
+        )
+
+    cache = ExpertCache({0: layer(QT.Q4_K, 1), 1: layer(QT.Q8_0, 2)}, torch.device("cpu"), {0: 2, 1: 2})
+    auto = CpuMisses(cache, 1.0, 4, "silu", in_place_only=True)
+    assert list(auto.layers) == [0] and auto.ratio == DEFAULT_RATIO
+    assert auto.layers[0].kernels == ("q4k", "q4k") and auto.layers[0].n_held == E - 2  # those not in VRAM
+    both = CpuMisses(cache, 1.0, 4, "silu")
+    assert (
+        sorted(both.layers) == [0, 1]
+        and both.layers[1].kernels == ("bf16", "bf16")
+        and both.layers[1].nbytes > 0
+    )
