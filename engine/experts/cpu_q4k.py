@@ -38,8 +38,9 @@ def available() -> tuple[bool, str]:
         feats = llvm.get_host_cpu_features()
     except RuntimeError as e:  # llvmlite cannot read the features on some hosts
         return False, f"the CPU's features could not be read ({e})"
-    if not feats.get("avx2", False):
-        return False, "the CPU has no AVX2"
+    missing = [f for f in ("avx2", "f16c") if not feats.get(f, False)]
+    if missing:
+        return False, f"the CPU lacks {' and '.join(m.upper() for m in missing)}"
     return True, ""
 
 
@@ -54,9 +55,6 @@ def _kernels():
     from engine.experts import cpu_q4k_jit
 
     return cpu_q4k_jit.mix
-
-
-_F16 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)  # a half's bits -> its value
 
 
 class Q4KExperts:
@@ -90,6 +88,4 @@ class Q4KExperts:
             raise ValueError(
                 f"expert ids {ids.tolist()} out of range: this layer has 0..{self.n_experts - 1}"
             )
-        self._mix(
-            self._g, self._u, self._d, self.f, self.d, ids, np.asarray(w, dtype=np.float32), x, out, _F16
-        )
+        self._mix(self._g, self._u, self._d, self.f, self.d, ids, np.asarray(w, dtype=np.float32), x, out)

@@ -24,45 +24,83 @@ def _load32(builder, base, off):
     return builder.load(p, align=1)
 
 
-def _splat16(builder, v):
-    v = builder.trunc(v, i16)
+def _at(builder, base, off, ty):
+    """A pointer to a ty at byte offset off (i64) of the i8* base."""
+    return builder.bitcast(builder.gep(base, [off]), ty.as_pointer())
+
+
+def _broadcast(builder, vec8, j):
+    """Element j of an <8 x i8> as an <16 x i16> of it."""
+    v = builder.zext(builder.extract_element(vec8, ir.Constant(i32, j)), i16)
     vec = builder.insert_element(ir.Constant(v16i16, ir.Undefined), v, ir.Constant(i32, 0))
     return builder.shuffle_vector(vec, ir.Constant(v16i16, ir.Undefined), ir.Constant(ir.VectorType(i32, 16), [0] * 16))  # fmt: skip
 
 
 @intrinsic
-def block_dot(typingctx, w, o, xq, xo, sc):
-    """sum over a block's 256 codes of sc[sub-block] * code * xq: w uint8 array with the 128 code bytes at o,
-    xq int8 array with the block's 256 quantized inputs at xo, sc int32 [8] the sub-blocks' 6-bit scales."""
-    sig = types.int32(w, o, xq, xo, sc)
+def block_dot(typingctx, w, o, xq, xo, xs, so):
+    """One Q4_K block . 256 quantized inputs, before the inputs' scale: d * sum(sc * code * xq) - dmin *
+    sum(m * xs). w: uint8 array with the block's 144 bytes at o; xq: int8 array with the inputs at xo; xs: int16
+    array with their sums per 32 at so."""
+    sig = types.float32(w, o, xq, xo, xs, so)
 
     def codegen(context, builder, signature, args):
-        oo, xoo = args[1], args[3]
+        oo, xoo, soo = args[1], args[3], args[5]
         wp, xp, sp = (cgutils.create_struct_proxy(signature.args[i])(context, builder, value=args[i]).data
                       for i in (0, 2, 4))  # fmt: skip
+        f32, v2i32, v8i8, v8i16, v4i32 = (ir.FloatType(), ir.VectorType(i32, 2), ir.VectorType(i8, 8),
+                                          ir.VectorType(i16, 8), ir.VectorType(i32, 4))  # fmt: skip
         maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
         maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
+        maddwd128 = _fn(builder, "llvm.x86.sse2.pmadd.wd", v4i32, [v8i16, v8i16])
+
+        def at(off: int):
+            return builder.add(oo, ir.Constant(i64, off))
+
+        # d and dmin: two halves (F16C converts them)
+        dd = builder.fpext(builder.load(_at(builder, wp, oo, ir.VectorType(ir.HalfType(), 2)), align=1),
+                           ir.VectorType(f32, 2))  # fmt: skip
+        d, dmin = (builder.extract_element(dd, ir.Constant(i32, i)) for i in (0, 1))
+        # the 12 bytes of 6-bit scales and minimums, unpacked four at a time
+        u0, u1, u2 = (builder.load(_at(builder, wp, at(off), i32), align=1) for off in (4, 8, 12))
+        k1, k2, k3 = (ir.Constant(i32, m) for m in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
+
+        def top2(u):  # bits 6-7 of each byte, moved to bits 4-5
+            return builder.shl(builder.and_(builder.lshr(u, ir.Constant(i32, 6)), k3), ir.Constant(i32, 4))
+
+        sc_hi = builder.or_(builder.and_(u2, k2), top2(u0))
+        mn_hi = builder.or_(builder.and_(builder.lshr(u2, ir.Constant(i32, 4)), k2), top2(u1))
+
+        def bytes8(lo, hi):
+            v = builder.insert_element(ir.Constant(v2i32, ir.Undefined), lo, ir.Constant(i32, 0))
+            return builder.bitcast(builder.insert_element(v, hi, ir.Constant(i32, 1)), v8i8)
+
+        scales = bytes8(builder.and_(u0, k1), sc_hi)
+        mins = builder.zext(bytes8(builder.and_(u1, k1), mn_hi), v8i16)
+        sums = builder.load(_at(builder, builder.bitcast(sp, i8.as_pointer()), builder.mul(soo, ir.Constant(i64, 2)), v8i16), align=2)  # fmt: skip
+        summ = builder.call(_fn(builder, "llvm.vector.reduce.add.v4i32", i32, [v4i32]),
+                            [builder.call(maddwd128, [mins, sums])])  # fmt: skip
         low4, shift4 = ir.Constant(v32i8, [15] * 32), ir.Constant(v32i8, [4] * 32)
         acc = ir.Constant(v8i32, None)
         for c in range(4):  # 32 bytes: sub-block 2c in the low nibbles, 2c+1 in the high ones
-            q = _load32(builder, wp, builder.add(oo, ir.Constant(i64, 32 * c)))
+            q = _load32(builder, wp, at(16 + 32 * c))
             xl = _load32(builder, xp, builder.add(xoo, ir.Constant(i64, 64 * c)))
             xh = _load32(builder, xp, builder.add(xoo, ir.Constant(i64, 64 * c + 32)))
             pl = builder.call(maddubs, [builder.and_(q, low4), xl])  # 16 x (q*x + q*x), no saturation
             ph = builder.call(maddubs, [builder.lshr(q, shift4), xh])
-            s0 = builder.load(builder.gep(sp, [ir.Constant(i64, 2 * c)]))
-            s1 = builder.load(builder.gep(sp, [ir.Constant(i64, 2 * c + 1)]))
-            acc = builder.add(acc, builder.call(maddwd, [pl, _splat16(builder, s0)]))
-            acc = builder.add(acc, builder.call(maddwd, [ph, _splat16(builder, s1)]))
-        return builder.call(_fn(builder, "llvm.vector.reduce.add.v8i32", i32, [v8i32]), [acc])
+            acc = builder.add(acc, builder.call(maddwd, [pl, _broadcast(builder, scales, 2 * c)]))
+            acc = builder.add(acc, builder.call(maddwd, [ph, _broadcast(builder, scales, 2 * c + 1)]))
+        sumi = builder.call(_fn(builder, "llvm.vector.reduce.add.v8i32", i32, [v8i32]), [acc])
+        return builder.fsub(
+            builder.fmul(d, builder.sitofp(sumi, f32)), builder.fmul(dmin, builder.sitofp(summ, f32))
+        )
 
     return sig, codegen
 
 
 @nb.njit(fastmath=True, cache=True)
 def quantize(x, xq, xd, xs):
-    """x float32 [K] -> xq int8 [K] (per 256: round(x / d), d = max|x| / 127), xd [K/256] the d's, xs int32
-    [K/32] the sums of xq per 32 (they carry the blocks' minimums)."""
+    """x float32 [K] -> xq int8 [K] (per 256: round(x / d), d = max|x| / 127), xd [K/256] the d's, xs int16
+    [K/32] the sums of xq per 32 (they carry the blocks' minimums; at most 32 * 127)."""
     for b in range(x.shape[0] // QK):
         amax = np.float32(0.0)
         for i in range(QK):
@@ -80,37 +118,23 @@ def quantize(x, xq, xd, xs):
 
 
 @nb.njit(inline="always", fastmath=True)
-def row_dot(w, r0, n_blocks, xq, xd, xs, f16, sc):
+def row_dot(w, r0, n_blocks, xq, xd, xs):
     """One Q4_K row (its bytes at r0 of w) . the quantized input."""
     acc = np.float32(0.0)
     for b in range(n_blocks):
-        o = r0 + u64(b) * u64(BLOCK_BYTES)
-        d = f16[np.int32(w[o]) | (np.int32(w[o + u64(1)]) << 8)]
-        dmin = f16[np.int32(w[o + u64(2)]) | (np.int32(w[o + u64(3)]) << 8)]
-        mins = 0
-        for j in range(8):  # llama.cpp's get_scale_min_k4
-            uj = u64(j)
-            if j < 4:
-                sc[j] = w[o + u64(4) + uj] & 63
-                m = w[o + u64(8) + uj] & 63
-            else:
-                sc[j] = (w[o + u64(8) + uj] & 15) | ((w[o + uj] >> 6) << 4)
-                m = (w[o + u64(8) + uj] >> 4) | ((w[o + u64(4) + uj] >> 6) << 4)
-            mins += np.int32(m) * xs[b * 8 + j]
-        sumi = block_dot(w, o + u64(16), xq, u64(b * QK), sc)
-        acc += xd[b] * (d * np.float32(sumi) - dmin * np.float32(mins))
+        acc += xd[b] * block_dot(w, r0 + u64(b * BLOCK_BYTES), xq, u64(b * QK), xs, u64(b * 8))
     return acc
 
 
 @nb.njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def mix(gate, up, down, f, d, ids, ws, x, out, f16):
+def mix(gate, up, down, f, d, ids, ws, x, out):
     """out[D] = sum_j ws[j] * down_j(silu(gate_j x) * up_j x) for the experts ids[j]: gate, up the flat
     Q4_K bytes of [E, f, d], down of [E, d, f]; x float32 [d]."""
     nt = ids.shape[0]
     rb1, rb2 = u64(d // QK * BLOCK_BYTES), u64(f // QK * BLOCK_BYTES)
     xq = np.empty(d, np.int8)
     xd = np.empty(d // QK, np.float32)
-    xs = np.empty(d // 32, np.int32)
+    xs = np.empty(d // 32, np.int16)
     quantize(x, xq, xd, xs)
     h = np.empty((nt, f), np.float32)
     tasks = (f + ROWS_PER_TASK - 1) // ROWS_PER_TASK
@@ -118,22 +142,20 @@ def mix(gate, up, down, f, d, ids, ws, x, out, f16):
         j = t // tasks
         n0 = (t - j * tasks) * ROWS_PER_TASK
         e = u64(ids[j])
-        sc = np.empty(8, np.int32)
         for n in range(n0, min(f, n0 + ROWS_PER_TASK)):
             r = (e * u64(f) + u64(n)) * rb1
-            a = row_dot(gate, r, d // QK, xq, xd, xs, f16, sc)
-            b = row_dot(up, r, d // QK, xq, xd, xs, f16, sc)
+            a = row_dot(gate, r, d // QK, xq, xd, xs)
+            b = row_dot(up, r, d // QK, xq, xd, xs)
             h[j, n] = a / (np.float32(1.0) + np.exp(-a)) * b
     hq = np.empty((nt, f), np.int8)
     hd = np.empty((nt, f // QK), np.float32)
-    hs = np.empty((nt, f // 32), np.int32)
+    hs = np.empty((nt, f // 32), np.int16)
     for j in range(nt):
         quantize(h[j], hq[j], hd[j], hs[j])
     for t in nb.prange((d + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        sc = np.empty(8, np.int32)
         for n in range(t * ROWS_PER_TASK, min(d, t * ROWS_PER_TASK + ROWS_PER_TASK)):
             s = np.float32(0.0)
             for j in range(nt):
                 r = (u64(ids[j]) * u64(d) + u64(n)) * rb2
-                s += ws[j] * row_dot(down, r, f // QK, hq[j], hd[j], hs[j], f16, sc)
+                s += ws[j] * row_dot(down, r, f // QK, hq[j], hd[j], hs[j])
             out[n] = s
