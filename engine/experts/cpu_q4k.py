@@ -8,8 +8,8 @@ sums. The input's rounding keeps a projection within ~1e-5 of float64 in cosine 
 
 One call computes all of a request's experts: gate and up for every (expert, row block) in one parallel loop, then
 down for every output row block, each summing its experts, in a second. On an H200 machine's 16 cores a request of
-1-4 experts read 38-57 GB/s of blocks, 1.7-2.2x torch's 4-bit kernel on a repacked copy; its RAM reads ~85 GB/s
-(bench/cpu_q4k_kernel.py, bench/results/cpu-q4k-kernel.json).
+1-4 experts read 45-80 GB/s of blocks (the host's RAM reads ~96 GB/s), 1.4-2.3x torch's 4-bit kernel on a
+repacked copy (bench/cpu_q4k_kernel.py, bench/results/cpu-q4k-kernel-2.json).
 
 Numba compiles the kernels on first use (~5 s; cached on disk afterwards). Without Numba, or on a CPU without AVX2,
 `available()` says why and engine/experts/cpu_experts.py falls back to torch's kernel on a repacked copy."""
