@@ -220,7 +220,12 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompts", default="512,4096")
     ap.add_argument("--decode", type=int, default=128)
-    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument(
+        "--chunk",
+        default="auto",
+        help="prompt chunk in tokens; auto (default): the server's --prefill auto, the largest that fits the VRAM "
+        "left (with --vram-budget-mib or --vram-process-mib, within that budget)",
+    )
     ap.add_argument("--expert-slots", type=int, default=None)
     ap.add_argument("--expert-misses", choices=("direct", "copy"), default="copy")
     ap.add_argument(
@@ -317,8 +322,18 @@ def main() -> None:
             print(f"cpu ratio {r}: decode {tok_s:.1f} tok/s", flush=True)
     if cpu is not None and cpu.layers:
         res["cpu_expert_kernels"] = cpu_expert_timing(cpu)
-    for n in [int(x) for x in a.prompts.split(",") if x]:
-        res[f"prompt_{n}_tok_s"] = measure_prompt(lm.model, n, a.reps, a.chunk)
+    prompts = [int(x) for x in a.prompts.split(",") if x]
+    if a.chunk == "auto":
+        from engine.pipeline.prefill import device_chunk
+
+        chunk = device_chunk(
+            lm.model, max(prompts, default=512) + 8, "bf16", a.vram_budget_mib, a.vram_reserve_mib
+        )
+    else:
+        chunk = int(a.chunk)
+    res["prompt_chunk"] = chunk
+    for n in prompts:
+        res[f"prompt_{n}_tok_s"] = measure_prompt(lm.model, n, a.reps, chunk)
     res["vram_peak_bytes"] = torch.cuda.max_memory_allocated()
     res["vram_reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
     res["file_bytes"] = sum(p.stat().st_size for p in lm.gguf.paths)

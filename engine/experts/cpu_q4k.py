@@ -16,6 +16,7 @@ Numba compiles the kernels on first use (~5 s; cached on disk afterwards). Witho
 
 import functools
 import logging
+import threading
 
 import numpy as np
 
@@ -24,6 +25,9 @@ log = logging.getLogger("strata.engine")
 QK = 256  # values per Q4_K block
 BLOCK_BYTES = 144  # d, dmin (half each), 12 bytes of 6-bit scales and minimums, 128 bytes of codes
 ROWS_PER_TASK = 16  # output rows per parallel task: enough work per task to hide the scheduling
+# One request at a time in the process: the stages of a split each answer their own card's requests, and Numba's
+# fallback thread pool (workqueue, where neither OpenMP nor TBB is found) aborts on concurrent parallel launches.
+_LOCK = threading.Lock()
 
 
 @functools.cache
@@ -88,4 +92,6 @@ class Q4KExperts:
             raise ValueError(
                 f"expert ids {ids.tolist()} out of range: this layer has 0..{self.n_experts - 1}"
             )
-        self._mix(self._g, self._u, self._d, self.f, self.d, ids, np.asarray(w, dtype=np.float32), x, out)
+        w = np.asarray(w, dtype=np.float32)
+        with _LOCK:
+            self._mix(self._g, self._u, self._d, self.f, self.d, ids, w, x, out)

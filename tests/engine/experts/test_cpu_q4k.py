@@ -131,3 +131,28 @@ def test_cpu_misses_by_default_takes_the_layers_read_in_place_only() -> None:
         and both.layers[1].kernels == ("bf16", "bf16")
         and both.layers[1].nbytes > 0
     )
+
+
+def test_requests_from_several_threads_give_the_same_sums(layer) -> None:
+    """Stages of a split answer their cards' requests from their own threads: the kernels take one at a time."""
+    import threading
+
+    raws, _ = layer
+    k = cpu_q4k.Q4KExperts(*raws, d=D, f=F)
+    x = np.random.default_rng(9).standard_normal(D).astype(np.float32)
+    ids, w = np.array([1, 4]), np.array([0.5, 0.5], np.float32)
+    want = np.zeros(D, np.float32)
+    k.mix(ids, w, x, want)
+    outs = [np.zeros(D, np.float32) for _ in range(4)]
+
+    def run(out: np.ndarray) -> None:
+        for _ in range(20):
+            k.mix(ids, w, x, out)
+
+    threads = [threading.Thread(target=run, args=(o,)) for o in outs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for o in outs:
+        assert np.array_equal(o, want)
