@@ -1,6 +1,7 @@
 """One MoE layer's routed experts computed on the CPU: the expert cache's misses, beside the GPU's PCIe copies.
 
-Where gate, up and down are all Q4_K with a SiLU gate (Qwen3 MoE files) and the CPU has AVX2, the experts are
+Where gate and up are Q4_K and down Q4_K or Q6_K (Qwen3 MoE Q4_K_M files) with a SiLU gate and the CPU has AVX2, the
+experts are
 computed straight from the host store's blocks by engine/experts/cpu_q4k.py: no copy, ~2.5-3x faster. Otherwise:
 
 4-bit block types (Q4_K, Q4_0, Q4_1) are repacked once into the operand of torch's group-wise 4-bit CPU kernel
@@ -166,7 +167,9 @@ class CpuExperts:
         self.q4k: cpu_q4k.Q4KExperts | None = None
         if self.in_place(gate, up, down, act):
             # computed in place from the store's blocks: nothing to repack
-            self.q4k = cpu_q4k.Q4KExperts(gate.raw.numpy(), up.raw.numpy(), down.raw.numpy(), d, f)
+            self.q4k = cpu_q4k.Q4KExperts(
+                gate.raw.numpy(), up.raw.numpy(), down.raw.numpy(), d, f, down_q6k=down.qtype == QT.Q6_K
+            )
             self.kernels = ("q4k", "q4k")
             self._held = frozenset(held)
             self._gate_up, self._down = {}, {}
@@ -185,7 +188,8 @@ class CpuExperts:
         """Whether these experts are computed from their blocks in place (no copy; engine/experts/cpu_q4k.py)."""
         return (
             act == "silu"
-            and gate.qtype == up.qtype == down.qtype == QT.Q4_K
+            and gate.qtype == up.qtype == QT.Q4_K
+            and down.qtype in (QT.Q4_K, QT.Q6_K)
             and all(t.raw.is_contiguous() for t in (gate, up, down))
             and cpu_q4k.available()[0]
         )

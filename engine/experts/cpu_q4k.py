@@ -1,4 +1,5 @@
-"""A token's routed experts computed on the CPU straight from Q4_K blocks in host RAM (Numba, AVX2).
+"""A token's routed experts computed on the CPU straight from Q4_K blocks in host RAM (Numba, AVX2): gate and up
+Q4_K, down Q4_K or Q6_K (the layout of Q4_K_M files).
 
 The expert store's pinned blocks are read in place: no repacked copy, no extra RAM, nothing to prepare at load, so
 the CPU can compute any expert left in host RAM. The input is quantized to 8 bits per 256 values (a scale per 256
@@ -24,6 +25,7 @@ log = logging.getLogger("strata.engine")
 
 QK = 256  # values per Q4_K block
 BLOCK_BYTES = 144  # d, dmin (half each), 12 bytes of 6-bit scales and minimums, 128 bytes of codes
+Q6K_BYTES = 210  # Q6_K (the down projection of most Q4_K_M files): 128 + 64 bytes of codes, 16 scales, half d
 ROWS_PER_TASK = 16  # output rows per parallel task: enough work per task to hide the scheduling
 # One request at a time in the process: the stages of a split each answer their own card's requests, and Numba's
 # fallback thread pool (workqueue, where neither OpenMP nor TBB is found) aborts on concurrent parallel launches.
@@ -65,7 +67,10 @@ class Q4KExperts:
     """One layer's routed experts in Q4_K blocks on the host, computed in place. gate, up: uint8 [E, F, F-row bytes]
     of a [E, F, D] tensor; down: uint8 [E, D, D-row bytes] of [E, D, F] (numpy views of the store: only read)."""
 
-    def __init__(self, gate: np.ndarray, up: np.ndarray, down: np.ndarray, d: int, f: int) -> None:
+    def __init__(
+        self, gate: np.ndarray, up: np.ndarray, down: np.ndarray, d: int, f: int, down_q6k: bool = False
+    ) -> None:
+        """down_q6k: down is in Q6_K blocks (Q4_K_M files mix them in), not Q4_K."""
         ok, why = available()
         if not ok:
             raise RuntimeError(f"the Q4_K CPU kernels cannot run here: {why}")
@@ -73,15 +78,16 @@ class Q4KExperts:
             raise ValueError(f"Q4_K rows hold multiples of {QK} values, not D={d}, F={f}")
         n_exp = gate.shape[0]
         want = {"gate": (n_exp, f, d // QK * BLOCK_BYTES), "up": (n_exp, f, d // QK * BLOCK_BYTES),
-                "down": (n_exp, d, f // QK * BLOCK_BYTES)}  # fmt: skip
+                "down": (n_exp, d, f // QK * (Q6K_BYTES if down_q6k else BLOCK_BYTES))}  # fmt: skip
         for name, a in (("gate", gate), ("up", up), ("down", down)):
             if a.dtype != np.uint8 or a.shape != want[name]:
-                raise ValueError(f"{name} must be uint8 {want[name]} (Q4_K rows), got {a.dtype} {a.shape}")
+                kind = "Q6_K" if name == "down" and down_q6k else "Q4_K"
+                raise ValueError(f"{name} must be uint8 {want[name]} ({kind} rows), got {a.dtype} {a.shape}")
             if not a.flags.c_contiguous:  # a copy here would double the experts' host RAM
                 raise ValueError(f"{name} must be one contiguous block of rows (the store's layout)")
         # flat views: the kernels address rows by byte offset
         self._g, self._u, self._d = (a.reshape(-1) for a in (gate, up, down))
-        self.n_experts, self.d, self.f = n_exp, d, f
+        self.n_experts, self.d, self.f, self.down_q6k = n_exp, d, f, down_q6k
         self._mix = _kernels()
 
     def mix(self, ids: np.ndarray, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
@@ -94,4 +100,4 @@ class Q4KExperts:
             )
         w = np.asarray(w, dtype=np.float32)
         with _LOCK:
-            self._mix(self._g, self._u, self._d, self.f, self.d, ids, w, x, out)
+            self._mix(self._g, self._u, self._d, self.down_q6k, self.f, self.d, ids, w, x, out)

@@ -8,7 +8,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from engine.experts.cpu_q4k import BLOCK_BYTES, QK, ROWS_PER_TASK
+from engine.experts.cpu_q4k import BLOCK_BYTES, Q6K_BYTES, QK, ROWS_PER_TASK
 
 i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 v32i8, v16i16, v8i32 = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
@@ -97,10 +97,60 @@ def block_dot(typingctx, w, o, xq, xo, xs, so):
     return sig, codegen
 
 
+@intrinsic
+def block_dot_q6k(typingctx, w, o, xq, xo, xs16, so):
+    """One Q6_K block . 256 quantized inputs, before the inputs' scale: d * sum(sc * (code - 32) * xq), the 32 taken
+    out through the inputs' sums: w uint8 array with the block's 210 bytes at o (128 low nibbles, 64 bytes of high
+    bit pairs, 16 int8 scales, half d); xq int8 inputs at xo; xs16 int16 array with their sums per 16 at so."""
+    sig = types.float32(w, o, xq, xo, xs16, so)
+
+    def codegen(context, builder, signature, args):
+        oo, xoo, soo = args[1], args[3], args[5]
+        wp, xp, sp = (cgutils.create_struct_proxy(signature.args[i])(context, builder, value=args[i]).data
+                      for i in (0, 2, 4))  # fmt: skip
+        f32, v16i8 = ir.FloatType(), ir.VectorType(i8, 16)
+        maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
+        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
+        reduce8 = _fn(builder, "llvm.vector.reduce.add.v8i32", i32, [v8i32])
+
+        def at(off: int):
+            return builder.add(oo, ir.Constant(i64, off))
+
+        def splat8(v: int):
+            return ir.Constant(v32i8, [v] * 32)
+
+        sc = builder.sext(
+            builder.load(_at(builder, wp, at(192), v16i8), align=1), v16i16
+        )  # a scale per 16 values
+        d = builder.fpext(builder.load(_at(builder, wp, at(208), ir.HalfType()), align=1), f32)
+        acc = ir.Constant(v8i32, None)
+        for n in range(2):  # two halves of 128 values: 64 bytes of low nibbles, 32 of high bit pairs
+            ql0, ql1 = _load32(builder, wp, at(64 * n)), _load32(builder, wp, at(64 * n + 32))
+            qh = _load32(builder, wp, at(128 + 32 * n))
+            his = [
+                builder.shl(builder.and_(builder.lshr(qh, splat8(2 * k)), splat8(3)), splat8(4))
+                for k in range(4)
+            ]
+            codes = [builder.or_(builder.and_(ql0, splat8(15)), his[0]), builder.or_(builder.and_(ql1, splat8(15)), his[1]),
+                     builder.or_(builder.lshr(ql0, splat8(4)), his[2]), builder.or_(builder.lshr(ql1, splat8(4)), his[3])]  # fmt: skip
+            for k, q in enumerate(codes):  # values 128n + 32k .. +32, scales 8n + 2k and 8n + 2k + 1
+                xv = _load32(builder, xp, builder.add(xoo, ir.Constant(i64, 128 * n + 32 * k)))
+                j = 8 * n + 2 * k
+                s2 = builder.shuffle_vector(sc, ir.Constant(v16i16, ir.Undefined),
+                                            ir.Constant(ir.VectorType(i32, 16), [j] * 8 + [j + 1] * 8))  # fmt: skip
+                acc = builder.add(acc, builder.call(maddwd, [builder.call(maddubs, [q, xv]), s2]))
+        sums = builder.load(_at(builder, builder.bitcast(sp, i8.as_pointer()), builder.mul(soo, ir.Constant(i64, 2)), v16i16), align=2)  # fmt: skip
+        corr = builder.call(reduce8, [builder.call(maddwd, [sc, sums])])  # sum of sc * (inputs' sum per 16)
+        sumi = builder.sub(builder.call(reduce8, [acc]), builder.mul(corr, ir.Constant(i32, 32)))
+        return builder.fmul(d, builder.sitofp(sumi, f32))
+
+    return sig, codegen
+
+
 @nb.njit(fastmath=True, cache=True)
-def quantize(x, xq, xd, xs):
+def quantize(x, xq, xd, xs, xs16):
     """x float32 [K] -> xq int8 [K] (per 256: round(x / d), d = max|x| / 127), xd [K/256] the d's, xs int16
-    [K/32] the sums of xq per 32 (they carry the blocks' minimums; at most 32 * 127)."""
+    [K/32] and xs16 [K/16] the sums of xq per 32 and per 16 (they carry Q4_K's minimums and Q6_K's offset of 32)."""
     for b in range(x.shape[0] // QK):
         amax = np.float32(0.0)
         for i in range(QK):
@@ -108,34 +158,41 @@ def quantize(x, xq, xd, xs):
         d = amax / np.float32(127.0)
         inv = np.float32(1.0) / d if amax > 0 else np.float32(0.0)
         xd[b] = d
-        for g in range(8):
+        for g in range(16):
             t = 0
-            for i in range(32):
-                v = np.int32(np.rint(x[b * QK + g * 32 + i] * inv))
-                xq[b * QK + g * 32 + i] = v
+            for i in range(16):
+                v = np.int32(np.rint(x[b * QK + g * 16 + i] * inv))
+                xq[b * QK + g * 16 + i] = v
                 t += v
-            xs[b * 8 + g] = t
+            xs16[b * 16 + g] = t
+        for g in range(8):
+            xs[b * 8 + g] = xs16[b * 16 + 2 * g] + xs16[b * 16 + 2 * g + 1]
 
 
 @nb.njit(inline="always", fastmath=True)
-def row_dot(w, r0, n_blocks, xq, xd, xs):
-    """One Q4_K row (its bytes at r0 of w) . the quantized input."""
+def row_dot(w, r0, n_blocks, xq, xd, xs, xs16, q6k):
+    """One row (its bytes at r0 of w; Q6_K blocks where q6k, else Q4_K) . the quantized input."""
     acc = np.float32(0.0)
     for b in range(n_blocks):
-        acc += xd[b] * block_dot(w, r0 + u64(b * BLOCK_BYTES), xq, u64(b * QK), xs, u64(b * 8))
+        if q6k:
+            acc += xd[b] * block_dot_q6k(w, r0 + u64(b * Q6K_BYTES), xq, u64(b * QK), xs16, u64(b * 16))
+        else:
+            acc += xd[b] * block_dot(w, r0 + u64(b * BLOCK_BYTES), xq, u64(b * QK), xs, u64(b * 8))
     return acc
 
 
 @nb.njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def mix(gate, up, down, f, d, ids, ws, x, out):
+def mix(gate, up, down, down_q6k, f, d, ids, ws, x, out):
     """out[D] = sum_j ws[j] * down_j(silu(gate_j x) * up_j x) for the experts ids[j]: gate, up the flat
-    Q4_K bytes of [E, f, d], down of [E, d, f]; x float32 [d]."""
+    Q4_K bytes of [E, f, d], down the Q4_K (or, with down_q6k, Q6_K) bytes of [E, d, f]; x float32 [d]."""
     nt = ids.shape[0]
-    rb1, rb2 = u64(d // QK * BLOCK_BYTES), u64(f // QK * BLOCK_BYTES)
+    rb1 = u64(d // QK * BLOCK_BYTES)
+    rb2 = u64(f // QK * (Q6K_BYTES if down_q6k else BLOCK_BYTES))
     xq = np.empty(d, np.int8)
     xd = np.empty(d // QK, np.float32)
     xs = np.empty(d // 32, np.int16)
-    quantize(x, xq, xd, xs)
+    xs16 = np.empty(d // 16, np.int16)
+    quantize(x, xq, xd, xs, xs16)
     h = np.empty((nt, f), np.float32)
     tasks = (f + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for t in nb.prange(nt * tasks):
@@ -144,18 +201,19 @@ def mix(gate, up, down, f, d, ids, ws, x, out):
         e = u64(ids[j])
         for n in range(n0, min(f, n0 + ROWS_PER_TASK)):
             r = (e * u64(f) + u64(n)) * rb1
-            a = row_dot(gate, r, d // QK, xq, xd, xs)
-            b = row_dot(up, r, d // QK, xq, xd, xs)
+            a = row_dot(gate, r, d // QK, xq, xd, xs, xs16, False)
+            b = row_dot(up, r, d // QK, xq, xd, xs, xs16, False)
             h[j, n] = a / (np.float32(1.0) + np.exp(-a)) * b
     hq = np.empty((nt, f), np.int8)
     hd = np.empty((nt, f // QK), np.float32)
     hs = np.empty((nt, f // 32), np.int16)
+    hs16 = np.empty((nt, f // 16), np.int16)
     for j in range(nt):
-        quantize(h[j], hq[j], hd[j], hs[j])
+        quantize(h[j], hq[j], hd[j], hs[j], hs16[j])
     for t in nb.prange((d + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         for n in range(t * ROWS_PER_TASK, min(d, t * ROWS_PER_TASK + ROWS_PER_TASK)):
             s = np.float32(0.0)
             for j in range(nt):
                 r = (u64(ids[j]) * u64(d) + u64(n)) * rb2
-                s += ws[j] * row_dot(down, r, f // QK, hq[j], hd[j], hs[j])
+                s += ws[j] * row_dot(down, r, f // QK, hq[j], hd[j], hs[j], hs16[j], down_q6k)
             out[n] = s

@@ -23,17 +23,22 @@ pytestmark = pytest.mark.skipif(
 E, D, F = 6, 512, 256
 
 
-def _store(rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    raw = np.stack(
-        [random_blocks(QT.Q4_K, rows, cols, seed=seed * 100 + e) for e in range(E)]
-    )  # [E, rows, bytes]
-    return raw, gq.dequantize(raw, QT.Q4_K).astype(np.float64).reshape(E, rows, cols)
+def _store(rows: int, cols: int, seed: int, qt: QT = QT.Q4_K) -> tuple[np.ndarray, np.ndarray]:
+    raw = np.stack([random_blocks(qt, rows, cols, seed=seed * 100 + e) for e in range(E)])  # [E, rows, bytes]
+    return raw, gq.dequantize(raw, qt).astype(np.float64).reshape(E, rows, cols)
 
 
 @pytest.fixture(scope="module")
 def layer() -> tuple[list[np.ndarray], list[np.ndarray]]:
     (g, gr), (u, ur), (dn, dr) = _store(F, D, 1), _store(F, D, 2), _store(D, F, 3)
     return [g, u, dn], [gr, ur, dr]
+
+
+@pytest.fixture(scope="module")
+def layer_q6k_down(layer) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Q4_K_M's layout: gate and up Q4_K, down Q6_K."""
+    (raws, refs), (dn, dr) = layer, _store(D, F, 4, QT.Q6_K)
+    return [raws[0], raws[1], dn], [refs[0], refs[1], dr]
 
 
 def _ref(x: np.ndarray, ids: list[int], w: list[float], refs: list[np.ndarray]) -> np.ndarray:
@@ -45,11 +50,12 @@ def _ref(x: np.ndarray, ids: list[int], w: list[float], refs: list[np.ndarray]) 
     return out
 
 
+@pytest.mark.parametrize("down", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("ids", [[3], [0, 5], [1, 2, 4], [5, 4, 3, 0]])
-def test_mix_matches_float64_reference(layer, ids: list[int]) -> None:
-    raws, refs = layer
+def test_mix_matches_float64_reference(layer, layer_q6k_down, ids: list[int], down: str) -> None:
+    raws, refs = layer if down == "Q4_K" else layer_q6k_down
     before = [r.copy() for r in raws]
-    k = cpu_q4k.Q4KExperts(*raws, d=D, f=F)
+    k = cpu_q4k.Q4KExperts(*raws, d=D, f=F, down_q6k=down == "Q6_K")
     x = np.random.default_rng(len(ids)).standard_normal(D).astype(np.float32)
     w = np.linspace(0.2, 0.6, len(ids)).astype(np.float32)
     out = np.full(D, np.nan, dtype=np.float32)
@@ -70,8 +76,10 @@ def test_no_experts_gives_zeros_and_bad_input_says_what(layer) -> None:
     assert not out.any()
     with pytest.raises(ValueError, match="out of range"):
         k.mix(np.array([E]), np.ones(1, np.float32), np.ones(D, np.float32), out)
-    with pytest.raises(ValueError, match="down must be uint8"):
+    with pytest.raises(ValueError, match=r"down must be uint8 .* \(Q4_K rows\)"):
         cpu_q4k.Q4KExperts(raws[0], raws[1], raws[0], d=D, f=F)
+    with pytest.raises(ValueError, match=r"down must be uint8 .* \(Q6_K rows\)"):
+        cpu_q4k.Q4KExperts(*raws, d=D, f=F, down_q6k=True)
     with pytest.raises(ValueError, match="multiples of 256"):
         cpu_q4k.Q4KExperts(*raws, d=D + 32, f=F)
 
@@ -156,3 +164,20 @@ def test_requests_from_several_threads_give_the_same_sums(layer) -> None:
         t.join()
     for o in outs:
         assert np.array_equal(o, want)
+
+
+def test_which_layers_are_read_in_place(layer, layer_q6k_down) -> None:
+    """Q4_K gate and up with Q4_K or Q6_K down (Q4_K_M files) and a SiLU gate: in place; anything else: not."""
+
+    def qts(raws: list[np.ndarray], down: QT) -> list[QTensor]:
+        shapes = [(E, F, D), (E, F, D), (E, D, F)]
+        types = [QT.Q4_K, QT.Q4_K, down]
+        return [QTensor(torch.from_numpy(r), t, s) for r, t, s in zip(raws, types, shapes, strict=True)]
+
+    q4, q6 = qts(layer[0], QT.Q4_K), qts(layer_q6k_down[0], QT.Q6_K)
+    assert CpuExperts.in_place(*q4, "silu") and CpuExperts.in_place(*q6, "silu")
+    assert not CpuExperts.in_place(*q4, "gelu_tanh")
+    ce = CpuExperts(*q6, experts=range(E))
+    assert ce.kernels == ("q4k", "q4k") and ce.q4k is not None and ce.q4k.down_q6k and ce.nbytes == 0
+    q8 = QTensor(torch.from_numpy(random_blocks(QT.Q8_0, E * D, F).reshape(E, D, -1)), QT.Q8_0, (E, D, F))
+    assert not CpuExperts.in_place(q4[0], q4[1], q8, "silu")
