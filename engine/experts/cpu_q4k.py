@@ -17,6 +17,7 @@ Numba compiles the kernels on first use (~5 s; cached on disk afterwards). Witho
 
 import functools
 import logging
+import os
 import threading
 
 import numpy as np
@@ -48,6 +49,12 @@ def available() -> tuple[bool, str]:
     if missing:
         return False, f"the CPU lacks {' and '.join(m.upper() for m in missing)}"
     return True, ""
+
+
+def rounding_allowed() -> bool:
+    """The kernels round their inputs to 8 bits; `--activations float` (STRATA_ACTIVATIONS, also read by the GPU
+    kernels in engine/kernels/gemv.py) asks for exact float products instead, so nothing uses them by default."""
+    return os.environ.get("STRATA_ACTIVATIONS", "int8") != "float"
 
 
 def set_threads(n: int) -> None:

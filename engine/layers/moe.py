@@ -5,7 +5,7 @@
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +31,9 @@ class ExpertWeights:
     gate: QTensor  # [E, F, D]
     up: QTensor  # [E, F, D]
     down: QTensor  # [E, D, F]
+    # On the CPU: the in-place Q4_K kernels for decode (engine/experts/cpu_q4k.py), made on first use; False where
+    # the block types or the CPU do not allow them.
+    cpu_kernels: object = field(default=None, repr=False, compare=False)
 
 
 def route(x: torch.Tensor, router: QTensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +57,38 @@ def moe_forward(
     """x [T, D] -> [T, D]. `counts` [E] (optional) accumulates how often each expert was selected."""
     w, ids = route(x, ew.router, k, norm)
     _count(counts, ids)
+    if x.device.type == "cpu" and x.shape[0] <= _IN_PLACE_MAX_ROWS and _rounding_allowed():
+        kernels = _cpu_kernels(ew, act)
+        if kernels is not None:  # a token's experts straight from their blocks, one call a token
+            out = torch.empty(x.shape, dtype=torch.float32)
+            xs, wf = x.float().contiguous(), w.float().contiguous()
+            for t in range(x.shape[0]):
+                kernels.mix(ids[t].numpy(), wf[t].numpy(), xs[t].numpy(), out[t].numpy())
+            return out
     return _per_expert(x, w, ids, lambda e: ew.gate[e], lambda e: ew.up[e], lambda e: ew.down[e], act)
+
+
+_IN_PLACE_MAX_ROWS = 4  # decode on the CPU; longer prompt chunks go expert by expert over all their tokens
+
+
+def _rounding_allowed() -> bool:
+    from engine.experts.cpu_q4k import rounding_allowed
+
+    return rounding_allowed()
+
+
+def _cpu_kernels(ew: ExpertWeights, act: str):  # -> cpu_q4k.Q4KExperts | None
+    if ew.cpu_kernels is None:
+        from engine.experts.cpu_experts import CpuExperts
+        from engine.experts.cpu_q4k import Q4KExperts
+
+        if ew.gate.raw.device.type == "cpu" and CpuExperts.in_place(ew.gate, ew.up, ew.down, act):
+            n, f, d = ew.gate.shape
+            g, u, dn = (q.raw.reshape(n, q.shape[1], -1).numpy() for q in (ew.gate, ew.up, ew.down))
+            ew.cpu_kernels = Q4KExperts(g, u, dn, d, f, down_q6k=ew.down.qtype == QT.Q6_K)
+        else:
+            ew.cpu_kernels = False
+    return ew.cpu_kernels or None
 
 
 def route_and_count(

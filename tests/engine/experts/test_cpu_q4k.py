@@ -181,3 +181,34 @@ def test_which_layers_are_read_in_place(layer, layer_q6k_down) -> None:
     assert ce.kernels == ("q4k", "q4k") and ce.q4k is not None and ce.q4k.down_q6k and ce.nbytes == 0
     q8 = QTensor(torch.from_numpy(random_blocks(QT.Q8_0, E * D, F).reshape(E, D, -1)), QT.Q8_0, (E, D, F))
     assert not CpuExperts.in_place(q4[0], q4[1], q8, "silu")
+
+
+def test_cpu_decode_moe_goes_through_the_in_place_kernels(layer_q6k_down, monkeypatch) -> None:
+    """A CPU model's MoE block at decode (up to 4 tokens) computes its experts from their blocks in place, unless
+    --activations float asks for exact products; longer chunks and layers of other block types keep the
+    expert-by-expert path. Both agree to the 8-bit rounding."""
+    import engine.layers.moe as moe
+    from engine.layers.moe import ExpertWeights, moe_forward
+
+    monkeypatch.setenv("STRATA_ACTIVATIONS", "int8")  # the default; the test suite runs with float
+    raws, _ = layer_q6k_down
+    types = [QT.Q4_K, QT.Q4_K, QT.Q6_K]
+    shapes = [(E, F, D), (E, F, D), (E, D, F)]
+    g, u, dn = (QTensor(torch.from_numpy(r), t, s) for r, t, s in zip(raws, types, shapes, strict=True))
+    router = QTensor(torch.randn(E, D).view(torch.uint8).view(E, 4 * D), QT.F32, (E, D))
+    ew = ExpertWeights(router=router, gate=g, up=u, down=dn)
+    x = torch.randn(3, D, generator=torch.Generator().manual_seed(11))
+    fast = moe_forward(x, ew, 2, True)
+    assert ew.cpu_kernels is not None and ew.cpu_kernels is not False  # made on first use, kept
+    monkeypatch.setenv("STRATA_ACTIVATIONS", "float")  # exact products: expert by expert
+    slow = moe_forward(x, ew, 2, True)
+    monkeypatch.setenv("STRATA_ACTIVATIONS", "int8")
+    monkeypatch.setattr(moe, "_IN_PLACE_MAX_ROWS", 0)  # chunks longer than this: expert by expert too
+    assert torch.equal(moe_forward(x, ew, 2, True), slow)
+    assert fast.dtype == slow.dtype == torch.float32 and fast.shape == slow.shape == (3, D)
+    for t in range(3):
+        assert torch.nn.functional.cosine_similarity(fast[t], slow[t], dim=0).item() >= 0.9995
+    q8 = ExpertWeights(router=router, gate=QTensor(torch.from_numpy(random_blocks(QT.Q8_0, E * F, D).reshape(E, F, -1)), QT.Q8_0, (E, F, D)), up=u, down=dn)  # fmt: skip
+    monkeypatch.setattr(moe, "_IN_PLACE_MAX_ROWS", 4)
+    moe_forward(x[:1], q8, 2, True)
+    assert q8.cpu_kernels is False  # Q8_0 gate: not read in place
