@@ -3,17 +3,20 @@ Q4_K, down Q4_K or Q6_K (the layout of Q4_K_M files).
 
 The expert store's pinned blocks are read in place: no repacked copy, no extra RAM, nothing to prepare at load, so
 the CPU can compute any expert left in host RAM. The input is quantized to 8 bits per 256 values (a scale per 256
-and the sum of each 32, as llama.cpp's q8_K), and each 32-byte run of 4-bit codes is multiplied with it by the
-integer multiply-adds of AVX2 (pmaddubsw, then pmaddwd with the 6-bit scale); the block's minimums come from the
-sums. The input's rounding keeps a projection within ~1e-5 of float64 in cosine (tests/engine/experts/).
+and the sums of each 32 and 16, as llama.cpp's q8_K), and each 32 bytes of codes are multiplied with it by the
+integer multiply-adds of AVX2 (pmaddubsw, then pmaddwd with the sub-blocks' scales); Q4_K's minimums and Q6_K's
+offset of 32 come from the sums. The rounding (of the input and of the gate's output before down) keeps a whole
+expert within cosine 0.9997-0.9999 of float64 on random blocks (tests/engine/experts/test_cpu_q4k.py), which is
+why `--activations float` (rounding_allowed) keeps them out of the default paths (an explicit --cpu-experts F
+still uses them).
 
 One call computes all of a request's experts: gate and up for every (expert, row block) in one parallel loop, then
 down for every output row block, each summing its experts, in a second. On an H200 machine's 16 cores a request of
 1-4 experts read 45-80 GB/s of blocks (the host's RAM reads ~96 GB/s), 1.4-2.3x torch's 4-bit kernel on a
 repacked copy (bench/cpu_q4k_kernel.py, bench/results/cpu-q4k-kernel-2.json).
 
-Numba compiles the kernels on first use (~5 s; cached on disk afterwards). Without Numba, or on a CPU without AVX2,
-`available()` says why and engine/experts/cpu_experts.py falls back to torch's kernel on a repacked copy."""
+Numba compiles the kernels on first use (~5 s; cached on disk afterwards). Without Numba, or on a CPU without AVX2
+and F16C, `available()` says why and engine/experts/cpu_experts.py falls back to torch's kernel on a repacked copy."""
 
 import functools
 import logging
