@@ -79,6 +79,7 @@ class _AllowList:
         self.domain = domain
         self.label = label
         self.refused = 0
+        self.last_request = 0.0  # time.monotonic() of the last ZAP request: close() waits for them to stop
         self._last_log = 0.0
         self._sock = ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -94,6 +95,7 @@ class _AllowList:
                     msg = sock.recv_multipart()
                 except zmq.ContextTerminated:
                     return
+                self.last_request = time.monotonic()
                 sock.send_multipart(self._answer(msg))
         except zmq.ContextTerminated:
             return
@@ -138,7 +140,9 @@ def _common(sock: zmq.Socket, max_msg: int, handshake_ms: int) -> None:
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
 
 
-_SESSION_TEARDOWN_S = 0.05
+_SESSION_TEARDOWN_S = 0.05  # at least this long between closing a listener's socket and ending its context
+_ZAP_QUIET_S = 0.1  # ... and until no ZAP request came for this long
+_ZAP_QUIET_MAX_S = 1.0  # ... but no longer than this (a flood of hostile handshakes)
 
 
 class Listener:
@@ -189,9 +193,15 @@ class Listener:
         self.sock.close(linger=linger_ms)
         # A connection still in its handshake when the context ends can write its ZAP request to a handler that
         # is already gone, which libzmq treats as an assertion failure (zeromq/libzmq#2476); a test's teardown
-        # aborted inside the context's termination once, on a loaded machine. Give the I/O thread a moment to take
-        # the closed socket's sessions down first.
+        # aborted inside the context's termination once, on a loaded machine. The closed socket accepts nothing
+        # new, so wait until the handshakes under way have stopped asking (no ZAP request for a while), bounded.
+        start = time.monotonic()
         time.sleep(_SESSION_TEARDOWN_S)
+        while (
+            time.monotonic() - self.allow.last_request < _ZAP_QUIET_S
+            and time.monotonic() - start < _ZAP_QUIET_MAX_S
+        ):
+            time.sleep(0.01)
         self.ctx.term()
         self.allow.join()
 
