@@ -1,8 +1,8 @@
 """One MoE layer's routed experts computed on the CPU: the expert cache's misses, beside the GPU's PCIe copies.
 
 Where gate and up are Q4_K and down Q4_K or Q6_K (Qwen3 MoE Q4_K_M files) with a SiLU gate and the CPU has AVX2, the
-experts are
-computed straight from the host store's blocks by engine/experts/cpu_q4k.py: no copy, ~2.5-3x faster. Otherwise:
+experts are computed straight from the host store's blocks by engine/experts/cpu_q4k.py: no copy, 1.4-2.3x faster
+(bench/results/cpu-q4k-kernel-2.json). Otherwise:
 
 4-bit block types (Q4_K, Q4_0, Q4_1) are repacked once into the operand of torch's group-wise 4-bit CPU kernel
 (`_weight_int4pack_mm_for_cpu`, groups of 32, bf16 activations and scales): per 32 weights a scale and a zero with
@@ -164,17 +164,12 @@ class CpuExperts:
             raise ValueError(f"expert ids {bad} out of range: this layer has experts 0..{n_exp - 1}")
         self.n_experts, self.d, self.f = n_exp, d, f
         self._act = ACTIVATIONS[act]
-        self.q4k: cpu_q4k.Q4KExperts | None = None
-        if self.in_place(gate, up, down, act):
-            # computed in place from the store's blocks: nothing to repack
-            self.q4k = cpu_q4k.Q4KExperts(
-                gate.raw.numpy(), up.raw.numpy(), down.raw.numpy(), d, f, down_q6k=down.qtype == QT.Q6_K
-            )
+        self._held = frozenset(held)
+        self.q4k = self.in_place_kernels(gate, up, down, act)
+        if self.q4k is not None:  # computed in place from the store's blocks: nothing to repack
             self.kernels = ("q4k", "q4k")
-            self._held = frozenset(held)
             self._gate_up, self._down = {}, {}
             return
-        self._held = frozenset(held)
         gu_int4 = _int4_fits((gate.qtype, up.qtype), 2 * f, d)
         down_int4 = _int4_fits((down.qtype,), d, f)
         self.kernels: tuple[str, str] = ("int4" if gu_int4 else "bf16", "int4" if down_int4 else "bf16")
@@ -193,6 +188,18 @@ class CpuExperts:
             and all(t.raw.is_contiguous() for t in (gate, up, down))
             and cpu_q4k.available()[0]
         )
+
+    @classmethod
+    def in_place_kernels(
+        cls, gate: QTensor, up: QTensor, down: QTensor, act: str
+    ) -> cpu_q4k.Q4KExperts | None:
+        """The kernels that compute these experts from their blocks where they lie, or None where `in_place`
+        says they cannot."""
+        if not cls.in_place(gate, up, down, act):
+            return None
+        n, f, d = gate.shape
+        g, u, dn = (q.raw.reshape(n, q.shape[1], -1).numpy() for q in (gate, up, down))  # views: contiguous
+        return cpu_q4k.Q4KExperts(g, u, dn, d, f, down_q6k=down.qtype == QT.Q6_K)
 
     def holds(self, e: int) -> bool:
         return e in self._held
@@ -261,10 +268,9 @@ class CpuExperts:
         return out
 
     def _mix_row(self, ids: list[int], w: list[float], x: torch.Tensor) -> torch.Tensor:
-        """One token through the in-place Q4_K kernels: x float32 [D] -> float32 [D], sum of w * expert(x)."""
-        assert self.q4k is not None
+        """One token, torch in and out: x float32 [D] -> float32 [D], sum of w * expert(x)."""
         out = np.zeros(self.d, dtype=np.float32)
-        self.q4k.mix(
+        self.mix_into(
             np.asarray(ids, dtype=np.int64), np.asarray(w, dtype=np.float32), x.contiguous().numpy(), out
         )
         return torch.from_numpy(out)

@@ -2,9 +2,10 @@
 
 Of each layer's experts left in host RAM, a fraction F (the least used first, where a profile says which) may be
 computed by the CPU (engine/experts/cpu_experts.py): Q4_K experts straight from the store's blocks, other types
-from a repacked copy. By default every expert of the layers read in place, and no others. When a one-token step misses experts the CPU holds, the
-CPU computes some of them while the GPU copies and computes the others: the two draw on different buses (host RAM
-for the CPU, PCIe for the copies), so a layer's misses take less time than the copies alone would.
+from a repacked copy. By default every expert of the layers read in place, and no others. When a one-token step
+misses experts the CPU holds, the CPU computes some of them while the GPU copies and computes the others: the two
+draw on different buses (host RAM for the CPU, PCIe for the copies), so a layer's misses take less time than the
+copies alone would.
 
 No host synchronisation is involved (engine/kernels/cpu_handoff.py): the device decides which slots the CPU takes
 (at most `quota[m]` when the step misses m experts, so the CPU's share stays near the `ratio` that balances the two

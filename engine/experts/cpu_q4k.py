@@ -7,7 +7,7 @@ and the sums of each 32 and 16, as llama.cpp's q8_K), and each 32 bytes of codes
 integer multiply-adds of AVX2 (pmaddubsw, then pmaddwd with the sub-blocks' scales); Q4_K's minimums and Q6_K's
 offset of 32 come from the sums. The rounding (of the input and of the gate's output before down) keeps a whole
 expert within cosine 0.9997-0.9999 of float64 on random blocks (tests/engine/experts/test_cpu_q4k.py), which is
-why `--activations float` (rounding_allowed) keeps them out of the default paths (an explicit --cpu-experts F
+why `--activations float` (engine.kernels.int8_activations) keeps them out of the default paths (an explicit --cpu-experts F
 still uses them).
 
 One call computes all of a request's experts: gate and up for every (expert, row block) in one parallel loop, then
@@ -20,7 +20,6 @@ and F16C, `available()` says why and engine/experts/cpu_experts.py falls back to
 
 import functools
 import logging
-import os
 import threading
 
 import numpy as np
@@ -52,19 +51,6 @@ def available() -> tuple[bool, str]:
     if missing:
         return False, f"the CPU lacks {' and '.join(m.upper() for m in missing)}"
     return True, ""
-
-
-def rounding_allowed() -> bool:
-    """The kernels round their inputs to 8 bits; `--activations float` (STRATA_ACTIVATIONS, also read by the GPU
-    kernels in engine/kernels/gemv.py) asks for exact float products instead, so nothing uses them by default."""
-    return os.environ.get("STRATA_ACTIVATIONS", "int8") != "float"
-
-
-def set_threads(n: int) -> None:
-    """Threads of the kernels' parallel loops (at most the cores Numba saw at start)."""
-    import numba
-
-    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
 
 
 def _kernels():

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.experts.cache import ExpertCache, plan_capacity
+from engine.kernels import int8_activations
 
 if TYPE_CHECKING:
     from engine.models.decoder import DecoderLM
@@ -77,13 +78,11 @@ def build_expert_cache(model: "DecoderLM", policy: ExpertPolicy) -> ExpertCache:
         device_label=_label(model.device),
         miss_path=policy.miss_path,
     )
-    from engine.experts.cpu_q4k import rounding_allowed
-
     auto = policy.cpu_share is None
     if auto and (
         policy.miss_path != "copy"
         or model.device.type != "cuda"
-        or not rounding_allowed()  # --activations float: exact products, and the CPU's kernels round
+        or not int8_activations()  # --activations float: exact products, and the CPU's kernels round
         or all(le.host_tables is None for le in cache.layers.values())
     ):
         return cache  # the hand-off is for a card's decode misses; nothing to share here

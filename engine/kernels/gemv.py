@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QT
 
+from engine.kernels import int8_activations
 from engine.kernels.fused import last_to_finish, store_q8
 
 # qtype -> (constexpr id, elements per block, bytes per block)
@@ -595,13 +596,6 @@ def _tuned() -> dict[str, dict[str, list[int]]]:
         return json.loads(_TUNED_FILE.read_text())
     except (OSError, ValueError):
         return {}
-
-
-def int8_activations() -> bool:
-    """`--activations` (STRATA_ACTIVATIONS): "int8", the default, lets a launch class whose tuning entry has an
-    8-bit body (a "<class>:q8" key) read activations rounded to 8 bits, as llama.cpp's MMVQ does (1.7-2.3x the
-    float bodies' speed on an H200); "float" keeps every product on float activations (the exact path)."""
-    return os.environ.get("STRATA_ACTIVATIONS", "int8") != "float"
 
 
 def _config(qtype: QT, n: int, k: int, kind: str = "dense") -> tuple[int, int, int, int]:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
+from engine.kernels import int8_activations
 from engine.layers.qtensor import QTensor
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def moe_forward(
     """x [T, D] -> [T, D]. `counts` [E] (optional) accumulates how often each expert was selected."""
     w, ids = route(x, ew.router, k, norm)
     _count(counts, ids)
-    if x.device.type == "cpu" and x.shape[0] <= _IN_PLACE_MAX_ROWS and _rounding_allowed():
+    if x.device.type == "cpu" and x.shape[0] <= _IN_PLACE_MAX_ROWS and int8_activations():
         kernels = _cpu_kernels(ew, act)
         if kernels is not None:  # a token's experts straight from their blocks, one call a token
             out = torch.empty(x.shape, dtype=torch.float32)
@@ -71,23 +72,12 @@ def moe_forward(
 _IN_PLACE_MAX_ROWS = 4  # decode on the CPU; longer prompt chunks go expert by expert over all their tokens
 
 
-def _rounding_allowed() -> bool:
-    from engine.experts.cpu_q4k import rounding_allowed
-
-    return rounding_allowed()
-
-
 def _cpu_kernels(ew: ExpertWeights, act: str):  # -> cpu_q4k.Q4KExperts | None
     if ew.cpu_kernels is None:
         from engine.experts.cpu_experts import CpuExperts
-        from engine.experts.cpu_q4k import Q4KExperts
 
-        if ew.gate.raw.device.type == "cpu" and CpuExperts.in_place(ew.gate, ew.up, ew.down, act):
-            n, f, d = ew.gate.shape
-            g, u, dn = (q.raw.reshape(n, q.shape[1], -1).numpy() for q in (ew.gate, ew.up, ew.down))
-            ew.cpu_kernels = Q4KExperts(g, u, dn, d, f, down_q6k=ew.down.qtype == QT.Q6_K)
-        else:
-            ew.cpu_kernels = False
+        on_cpu = ew.gate.raw.device.type == "cpu"
+        ew.cpu_kernels = (on_cpu and CpuExperts.in_place_kernels(ew.gate, ew.up, ew.down, act)) or False
     return ew.cpu_kernels or None
 
 
