@@ -7,6 +7,7 @@ Prompts are fixed token ids (not from a cache); decode is greedy from the longes
 prompt and decode are measured separately: decode starts from a short prompt."""
 
 import argparse
+import logging
 import sys
 import time
 from collections import Counter
@@ -37,15 +38,19 @@ def _sync() -> None:
     torch.cuda.synchronize()
 
 
-def measure_prompt(model, n: int, reps: int, chunk: int) -> float:
+def measure_prompt(model, n: int, reps: int, chunk: int, span: int = 0) -> float:
     ids = torch.randint(100, 10000, (n,), generator=torch.Generator().manual_seed(n))
     best = 0.0
+    step = max(span, chunk)
     for rep in range(reps + 1):  # the first, untimed: kernels of new shapes compile there
         cache = model.new_cache(n + 8, "bf16")
         _sync()
         t = time.perf_counter()
-        for s in range(0, n, chunk):
-            model.forward(ids[s : s + chunk], cache, s, last_only=True)  # as the Runner reads a prompt
+        for s in range(0, n, step):  # as the Runner reads a prompt
+            if min(n, s + step) - s > chunk:
+                model.forward_span(ids[s : s + step], cache, s, chunk)
+            else:
+                model.forward(ids[s : s + chunk], cache, s, last_only=True)
         _sync()
         if rep:
             best = max(best, n / (time.perf_counter() - t))
@@ -226,6 +231,12 @@ def main() -> None:
         help="prompt chunk in tokens; auto (default): the server's --prefill auto, the largest that fits the VRAM "
         "left (with --vram-budget-mib or --vram-process-mib, within that budget)",
     )
+    ap.add_argument(
+        "--span",
+        default="auto",
+        help="tokens a prompt forward reads layer by layer where experts stream (Runner's prefill_span); auto "
+        "(default): the server's; 0: chunk by chunk",
+    )
     ap.add_argument("--expert-slots", type=int, default=None)
     ap.add_argument("--expert-misses", choices=("direct", "copy"), default="copy")
     ap.add_argument(
@@ -237,6 +248,12 @@ def main() -> None:
         help="with --cpu-experts: the CPU's share of a step's misses, one decode figure each (e.g. 0.2,0.3,0.4)",
     )
     ap.add_argument("--threads", type=int, default=None, help="torch's CPU threads (the CPU's expert share)")
+    ap.add_argument(
+        "--tune-steps",
+        type=int,
+        default=256,
+        help="decode steps run before the default decode figure while the CPU's share is tuned (recorded apart)",
+    )
     ap.add_argument("--vram-budget-mib", type=int, default=None, help="the card behaves as one of this size")
     ap.add_argument(
         "--vram-reserve-mib",
@@ -260,6 +277,7 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--out")
     a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's own account, in the log
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.cuda.init()
@@ -297,10 +315,33 @@ def main() -> None:
         "vram_reserve_mib": a.vram_reserve_mib,
         "cuda_context_mib": context_mib,
     }
+    # sized as the server sizes them: right after loading, before anything else allocates
+    prompts = [int(x) for x in a.prompts.split(",") if x]
+    if a.chunk == "auto":
+        from engine.pipeline.prefill import device_chunk
+
+        chunk = device_chunk(
+            lm.model, max(prompts, default=512) + 8, "bf16", a.vram_budget_mib, a.vram_reserve_mib
+        )
+    else:
+        chunk = int(a.chunk)
+    res["prompt_chunk"] = chunk
+    if a.span == "auto":
+        from engine.pipeline.prefill import device_span
+
+        span = device_span(
+            lm.model, chunk, max(prompts, default=512) + 8, "bf16", a.vram_budget_mib, a.vram_reserve_mib
+        )
+    else:
+        span = int(a.span)
+    res["prompt_span"] = span
     if lm.model.expert_cache is not None:
         st = lm.model.expert_cache.stats()
         res["experts_in_vram"], res["experts_total"] = st.experts_in_vram, st.experts_total
     cpu = lm.model.expert_cache.cpu_misses if lm.model.expert_cache is not None else None
+    if cpu is not None and cpu.tuner is not None and a.tune_steps:
+        # the share is tuned while serving: these steps are a server's first requests (figure kept apart)
+        res["decode_while_tuning_tok_s"] = measure_decode(lm.model, a.tune_steps, 1)
     res["decode_tok_s"] = measure_decode(
         lm.model, a.decode, a.reps
     )  # the engine's own choice of the CPU's share
@@ -322,18 +363,10 @@ def main() -> None:
             print(f"cpu ratio {r}: decode {tok_s:.1f} tok/s", flush=True)
     if cpu is not None and cpu.layers:
         res["cpu_expert_kernels"] = cpu_expert_timing(cpu)
-    prompts = [int(x) for x in a.prompts.split(",") if x]
-    if a.chunk == "auto":
-        from engine.pipeline.prefill import device_chunk
-
-        chunk = device_chunk(
-            lm.model, max(prompts, default=512) + 8, "bf16", a.vram_budget_mib, a.vram_reserve_mib
-        )
-    else:
-        chunk = int(a.chunk)
-    res["prompt_chunk"] = chunk
     for n in prompts:
-        res[f"prompt_{n}_tok_s"] = measure_prompt(lm.model, n, a.reps, chunk)
+        res[f"prompt_{n}_tok_s"] = measure_prompt(lm.model, n, a.reps, chunk, span)
+        if n > chunk and span > chunk:  # the same prompt chunk by chunk, as before spans
+            res[f"prompt_{n}_chunked_tok_s"] = measure_prompt(lm.model, n, a.reps, chunk, 0)
     res["vram_peak_bytes"] = torch.cuda.max_memory_allocated()
     res["vram_reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
     res["file_bytes"] = sum(p.stat().st_size for p in lm.gguf.paths)

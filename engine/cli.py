@@ -188,17 +188,18 @@ def _runner(args: argparse.Namespace, lm: "LoadedModel", spec: "SpecConfig | Non
     """The generation loop over the loaded model with the --max-context, --kv and --prefill flags."""
     from engine.layers.kv_cache import resolve_kv_type
     from engine.pipeline.generate import Runner
-    from engine.pipeline.split import prefill_chunk
+    from engine.pipeline.split import prefill_chunk, prefill_span
     from engine.pipeline.split_args import options_from_args
 
     kv = resolve_kv_type(args.kv, lm.model.dtype)
+    opts = options_from_args(args)
     if args.prefill == "auto":
-        opts = options_from_args(args)
         chunk = prefill_chunk(lm.model, "auto", max_ctx=args.max_context, kv_type=kv,
                               budget_mib=opts.vram_budget_mib, reserve_mib=opts.reserve_mib)  # fmt: skip
     else:
         chunk = _prefill(args.prefill)
-    return Runner(lm.model, lm.tokenizer, args.max_context, kv, chunk, spec=spec)
+    span = prefill_span(lm.model, chunk, args.max_context, kv, opts.vram_budget_mib, opts.reserve_mib)
+    return Runner(lm.model, lm.tokenizer, args.max_context, kv, chunk, spec=spec, prefill_span=span)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -6,7 +6,8 @@ host synchronisation in the decode step, and the step can be captured in a CUDA 
 slot on a side stream and then rewrite its table entry; a step never waits for them."""
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -168,6 +169,8 @@ class ExpertCache:
         self.stager: Stager | None = None
         self.cpu_misses: CpuMisses | None = None  # --cpu-experts: the CPU's share of decode misses
         self.prompt_area: list[torch.Tensor] | None = None  # prompt chunks' staged experts, per projection
+        self._held: int | None = None  # the layer whose staged experts the next prompt chunks share
+        self._held_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.layers: dict[int, LayerExperts] = {}
         self.counts: torch.Tensor | None = None
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -262,6 +265,9 @@ class ExpertCache:
         le = self.layers[li]
         if le.host_tables is None:
             return le.gate.table, le.up.table, le.down.table
+        if self._held == li and self._held_tables is not None:
+            return self._held_tables
+        self._held_tables = None  # another layer's experts take the staging area
         missing = [e for e, c in enumerate(le.slot_of) if c < 0]
         if self.device.type == "cuda":  # a swap into a slot may still be in flight on the side stream
             torch.cuda.current_stream(self.device).wait_stream(self.side)
@@ -287,7 +293,34 @@ class ExpertCache:
                 i = j + 1
             out.append(torch.tensor(addrs, dtype=torch.int64).to(self.device, non_blocking=True))
         le.bytes_moved += len(missing) * sum(p.expert_bytes for p in le.projections)
+        if self._held == li:
+            self._held_tables = (out[0], out[1], out[2])
         return out[0], out[1], out[2]
+
+    @contextmanager
+    def hold_prompt_layer(self, li: int) -> Iterator[None]:
+        """Within this block the prompt chunks of layer li share one staging of its host-RAM experts: a prompt read
+        layer by layer (FamilyLM.forward_span) streams each layer's experts over PCIe once, not once a chunk."""
+        self._held, self._held_tables = li, None
+        try:
+            yield
+        finally:
+            self._held = self._held_tables = None
+
+    @property
+    def pending_bytes(self) -> int:
+        """VRAM the prompt chunks' staging area will take at the first prompt and does not take yet (the room
+        policy.stage_bytes kept out of the slots' budget): whoever sizes a chunk from the VRAM free counts it."""
+        if self.prompt_area is not None or not self.streams_prompts:
+            return 0
+        most = max(sum(c < 0 for c in le.slot_of) for le in self.layers.values())
+        per = max(sum(p.expert_bytes for p in le.projections) for le in self.layers.values())
+        return most * per
+
+    @property
+    def streams_prompts(self) -> bool:
+        """Whether prompt chunks stream experts from host RAM (some layer keeps experts out of VRAM)."""
+        return any(le.host_tables is not None for le in self.layers.values())
 
     def attach_counts(self, counts: torch.Tensor) -> None:
         """The model's selection counts [n_layer, E]; hits and misses are read from them."""

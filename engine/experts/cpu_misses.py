@@ -26,15 +26,16 @@ import numpy as np
 import torch
 
 from engine.experts.cpu_experts import CpuExperts
+from engine.experts.share_tuner import ShareTuner
 from engine.kernels import cpu_handoff as ho
 
 if TYPE_CHECKING:
     from engine.experts.cache import ExpertCache
 
 log = logging.getLogger("strata.engine")
-# The CPU's share of a layer's misses: 4 of 8 measured best on an H200's 16-core host beside PCIe 5 with the in-place
-# Q4_K kernels (Qwen3-30B-A3B at llama.cpp's -ncmoe 36 VRAM: 2 to 5 of 8 tried, docs/performance.md); --cpu-ratio
-# sets another.
+# The CPU's share of a layer's misses where the tuner starts (share_tuner.py): 4 of 8 was the best fixed share on an
+# H200's 16-core host beside PCIe 5 with the in-place Q4_K kernels, across processes (Qwen3-30B-A3B at llama.cpp's
+# -ncmoe 36 VRAM, docs/performance.md); --cpu-ratio fixes one.
 DEFAULT_RATIO = 0.5
 _IDLE_S = 30.0  # the host gives up on a request the device has not posted after this long (and says so)
 
@@ -49,11 +50,12 @@ class CpuMisses:
         k: int,
         act: str,
         profile: torch.Tensor | None = None,
-        ratio: float = DEFAULT_RATIO,
+        ratio: float | None = None,
         in_place_only: bool = False,
     ) -> None:
         """share: the fraction of each layer's host-RAM experts the CPU may compute; in_place_only: only layers
-        whose blocks it reads in place (nothing repacked, the default of --cpu-experts)."""
+        whose blocks it reads in place (nothing repacked, the default of --cpu-experts); ratio: the CPU's share of a
+        step's misses, fixed (--cpu-ratio), or None: tuned while serving from DEFAULT_RATIO (share_tuner.py)."""
         if not 0.0 < share <= 1.0:
             raise ValueError(f"--cpu-experts {share}: give a fraction above 0 and at most 1")
         self.cache = cache
@@ -80,7 +82,11 @@ class CpuMisses:
         pin = dev.type == "cuda"  # the device reads and writes these in place, over PCIe
         self.box = torch.zeros(n_rows, words, dtype=torch.int32, pin_memory=pin)
         self.quota = torch.zeros(k + 1, dtype=torch.int32, pin_memory=pin)
-        self.set_ratio(ratio)
+        self.tuner: ShareTuner | None = None
+        self._seen = 0.0  # when the host last saw a step reach its first held layer (perf_counter)
+        self._apply(DEFAULT_RATIO if ratio is None else ratio)
+        if ratio is None:
+            self.tuner = ShareTuner(self.ratio)
         n_exp = max((le.n_expert for le in cache.layers.values()), default=1)
         cpu_of = torch.zeros(n_rows, n_exp, dtype=torch.int32)  # 1 where the CPU holds the expert
         for li, r in self.rows.items():
@@ -104,8 +110,9 @@ class CpuMisses:
         how = (f"{in_place} layers read in place, " if in_place else "") + (
             f"{sum(ce.nbytes for ce in self.layers.values()) / 2**30:.1f} GiB of repacked copies"
         )
-        log.info("%d experts of %d layers also computed by the CPU (%s): it takes %s of a decode step's misses",
-                 held, len(self.layers), how, f"{100 * self.ratio:.0f}%")  # fmt: skip
+        log.info("%d experts of %d layers also computed by the CPU (%s): it takes %s of a decode step's misses%s",
+                 held, len(self.layers), how, f"{100 * self.ratio:.0f}%",
+                 ", tuned while serving" if self.tuner else "")  # fmt: skip
         if in_place:  # compile (or load from the disk cache) now, not in the first decode step
             ce = next(ce for ce in self.layers.values() if ce.q4k is not None)
             ce.mix_into(
@@ -118,8 +125,13 @@ class CpuMisses:
     # -- the device side, from the decode step --------------------------------------------------------------------
 
     def set_ratio(self, ratio: float) -> None:
-        """The CPU's share of a step's misses: quota[m] = round(ratio * m) slots when the step misses m experts.
-        Read by the device at every step (pinned memory), so it can change between steps, graphs included."""
+        """Fix the CPU's share of a step's misses (no more tuning): quota[m] = round(ratio * m) slots when the step
+        misses m experts. Read by the device at every step (pinned memory), so it can change between steps, graphs
+        included."""
+        self.tuner = None
+        self._apply(ratio)
+
+    def _apply(self, ratio: float) -> None:
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"the CPU's share of misses must be within 0..1, not {ratio}")
         self.ratio = ratio
@@ -189,7 +201,24 @@ class CpuMisses:
             if spins & 1023 == 0 and time.monotonic() - since > _IDLE_S:
                 raise RuntimeError(f"the GPU did not post layer {self._layer_of[r]}'s experts for the CPU within "
                                    f"{_IDLE_S:.0f} s")  # fmt: skip
+        seen = time.perf_counter() if r == 0 else 0.0
         self._serve(r)
+        if r == 0:
+            self._tune(seen)
+
+    def _tune(self, seen: float) -> None:
+        """A step reached the first held layer at `seen`: the time since the last one is a decode step's (or a
+        pause, which the tuner ignores); the tuner's share goes to the device for the steps that follow."""
+        last, self._seen = self._seen, seen
+        if self.tuner is None or not last:
+            return
+        before = self.tuner.ratio
+        ratio = self.tuner.observe(seen - last)
+        if ratio != self.ratio:
+            self._apply(ratio)
+        if self.tuner.ratio != before:
+            log.info("the CPU now takes %.0f%% of a decode step's misses (median step %.2f ms; %.0f%% before)",
+                     100 * self.tuner.ratio, 1e3 * self.tuner.best_median, 100 * before)  # fmt: skip
 
     def _serve(self, r: int) -> None:
         row, k = self._box[r], self.k
@@ -225,4 +254,7 @@ class CpuMisses:
             "us_per_request": 1e6 * secs / n if n else 0.0,
             "last_step_device_polls_per_layer": float(wait[wait >= 0].mean()) if wait.size else 0.0,
             "quota": self.quota.tolist(),
+            "ratio": self.ratio,
+            "tuned": self.tuner is not None,
+            "tuner_decisions": [list(d) for d in self.tuner.decisions] if self.tuner else [],
         }

@@ -32,7 +32,7 @@ class ExpertPolicy:
     # --cpu-experts F: of the experts in host RAM, the fraction the CPU may compute on a miss. None: every expert
     # of the layers whose blocks the CPU reads in place (Q4_K, engine/experts/cpu_q4k.py), none elsewhere.
     cpu_share: float | None = None
-    cpu_ratio: float | None = None  # the CPU's share of a step's misses (None: cpu_misses.DEFAULT_RATIO)
+    cpu_ratio: float | None = None  # the CPU's share of a step's misses, fixed (None: tuned while serving)
 
 
 def expert_budget(device: torch.device, policy: ExpertPolicy) -> int:

@@ -13,6 +13,7 @@ with the fused kernels for decode-sized inputs on CUDA (no host synchronisation:
 """
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -368,6 +369,37 @@ class FamilyLM:
                 return logits
         pos = torch.arange(start, start + t, device=self.device)
         return self.forward_at(tokens.to(self.device), cache, pos, start + t, last_only)
+
+    # Whether a prompt span may be read layer by layer (forward_span): every layer's state is its own KV rows (the
+    # recurrent families keep a per-step state they check against the cache's length, and say False).
+    layer_major = True
+
+    @property
+    def streams_experts(self) -> bool:
+        """Whether prompt chunks stream routed experts from host RAM into VRAM (an expert cache that misses)."""
+        ec = self.expert_cache
+        return ec is not None and ec.streams_prompts
+
+    def forward_span(self, tokens: torch.Tensor, cache: KVCache, start: int, chunk: int) -> torch.Tensor:
+        """A prompt span read layer by layer: tokens [T] -> the last row's logits [1, V]. Each layer reads the
+        span's chunks of `chunk` tokens in order before the next layer starts, so the experts it keeps in host RAM
+        are streamed into VRAM once for the whole span instead of once a chunk (on a 12 GB card with Qwen3-30B-A3B
+        that is most of a chunk's time); the temporaries stay a chunk's, plus the span's residual stream (float32
+        [T, D]). The same products as `forward` chunk by chunk, in another order."""
+        t, dev = tokens.shape[0], self.device
+        tokens = tokens.to(dev)
+        h = torch.empty(t, self.cfg.n_embd, dtype=torch.float32, device=dev)
+        cuts = [(s, min(s + chunk, t)) for s in range(0, t, chunk)]
+        for s, e in cuts:
+            h[s:e] = self.embed(tokens[s:e])
+        pos = torch.arange(start, start + t, device=dev)
+        ec = self.expert_cache
+        for i in self.layer_range:
+            with ec.hold_prompt_layer(i) if ec is not None else nullcontext():
+                for s, e in cuts:
+                    h[s:e] = self.layer_at(i, h[s:e], cache, pos[s:e], start + e)
+        cache.length = start + t
+        return self.head(h, last_only=True)
 
     def forward_at(
         self, tokens: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int, last_only: bool = False

@@ -142,6 +142,7 @@ class Qwen3NextLayer:
 class Qwen3NextLM(FamilyLM):
     cfg: Qwen3NextConfig
     layers: dict[int, Qwen3NextLayer]  # type: ignore[assignment]
+    layer_major = False  # a forward checks and moves the recurrent state with the cache's length
 
     def _before_layers(self, gf: GGUFFile) -> None:
         assert isinstance(self.cfg, Qwen3NextConfig)

@@ -148,6 +148,7 @@ class Runner:
         prompt_cache: PromptCache | None = None,
         spec: SpecConfig | None = None,
         drafts: Callable[[Sampler], DraftSource | None] | None = None,
+        prefill_span: int | None = None,
     ) -> None:
         self.model = model
         # A prompt chunk needs only its last row's logits; models that can skip the others say so.
@@ -159,6 +160,16 @@ class Runner:
         self.tok = tokenizer
         self.max_ctx = max_ctx
         self.prefill_chunk = max(1, prefill_chunk)
+        # Prompts read layer by layer in spans of several chunks, where a model streams experts for its chunks
+        # (engine/pipeline/prefill.py, span_tokens): each layer's experts cross PCIe once a span, not once a chunk.
+        self.prefill_span = self.prefill_chunk
+        if (
+            prefill_span is not None
+            and prefill_span > self.prefill_chunk
+            and getattr(model, "layer_major", False)
+            and getattr(model, "streams_experts", False)
+        ):
+            self.prefill_span = prefill_span
         self.cache: KVCache = model.new_cache(max_ctx, kv_type)  # type: ignore[attr-defined]
         if self.spec.n > 0 and hasattr(self.cache, "step_states"):
             # Recurrent state (delta-net layers) kept after each row of a window: a rejection goes back exactly.
@@ -237,11 +248,14 @@ class Runner:
         logits = None
         pos = common
         while pos < len(prompt):
-            chunk = prompt[pos : pos + self.prefill_chunk]
+            chunk = prompt[pos : pos + self.prefill_span]
             c0 = time.perf_counter()
             ids = torch.tensor(chunk, dtype=torch.long)
-            kw = {"last_only": True} if self._last_only else {}
-            logits = self.model.forward(ids, self.cache, pos, **kw)  # type: ignore[attr-defined]
+            if len(chunk) > self.prefill_chunk:
+                logits = self.model.forward_span(ids, self.cache, pos, self.prefill_chunk)  # type: ignore[attr-defined]
+            else:
+                kw = {"last_only": True} if self._last_only else {}
+                logits = self.model.forward(ids, self.cache, pos, **kw)  # type: ignore[attr-defined]
             windows.read(chunk)  # a draft layer takes the chunk's hidden states now, before the next forward
             self._sync()
             self.cached_tokens.extend(chunk)

@@ -3,7 +3,11 @@
 A longer chunk reads the experts' weights once for more tokens (on an H200 a 4,096-token chunk read a prompt at
 11,401 tok/s, 512-token ones at 6,540: bench/results/ours_full.json), but its temporaries grow with it. On a GPU the
 largest of 4096, 2048, 1024 and 512 tokens whose temporaries fit in the VRAM left once the KV cache still to come and
-the reserve for other programs are counted; on a CPU 512. Pure functions of their inputs, and a wrapper that asks the
+the reserve for other programs are counted; on a CPU 512.
+
+Where a card keeps experts in host RAM, each chunk streams a layer's missed experts into VRAM (most of them: a chunk
+of a few dozen tokens touches nearly every expert). A prompt is then read in spans of several chunks, layer by layer
+(`span_tokens`), so that they cross PCIe once a span. Pure functions of their inputs, and wrappers that ask the
 device."""
 
 import logging
@@ -13,6 +17,7 @@ from engine.models.config import ModelConfig
 log = logging.getLogger("strata.engine")
 
 CHUNKS = (4096, 2048, 1024, 512)
+SPAN_MAX = 16384  # a longer span streams the experts less often still, but holds its rows and delays progress
 _SLACK = 1.5  # the caching allocator's rounding and fragmentation over the tensors themselves
 
 
@@ -47,22 +52,44 @@ def auto_chunk(
     return CHUNKS[-1]
 
 
-def device_chunk(model: object, max_ctx: int, kv_type: str, budget_mib: int | None, reserve_mib: int) -> int:
-    """auto_chunk for a loaded one-card model: the VRAM free now (or left of `budget_mib`, --vram-budget-mib)."""
+def span_tokens(c: ModelConfig, chunk: int, room_bytes: int, max_ctx: int) -> int:
+    """Tokens one forward of a prompt reads layer by layer (FamilyLM.forward_span) on a card that streams experts:
+    the largest multiple of `chunk`, up to `max_ctx` and SPAN_MAX, whose residual stream (float32 [span, D], with
+    the allocator's slack) fits in `room_bytes`, the VRAM left once a chunk's temporaries are counted; `chunk`
+    where no larger one fits."""
+    per_token = int(_SLACK * 4 * c.n_embd)
+    n = min(max_ctx, SPAN_MAX, max(room_bytes, 0) // per_token)
+    return max(chunk, n // chunk * chunk)
+
+
+def _device_room(model: object, max_ctx: int, kv_type: str, budget_mib: int | None) -> tuple[int, int] | None:
+    """(bytes free, of `budget_mib` where given; bytes the KV cache still to come takes) for a one-card CUDA model;
+    None for anything else."""
     import torch
 
     dev = getattr(model, "device", None)
     cfg = getattr(model, "cfg", None)
     if not isinstance(dev, torch.device) or dev.type != "cuda" or not isinstance(cfg, ModelConfig):
-        return CHUNKS[-1]
+        return None
     if budget_mib is not None:
         free = budget_mib * (1 << 20) - torch.cuda.memory_reserved(dev)
     else:
         free = torch.cuda.mem_get_info(dev)[0]
+    ec = getattr(model, "expert_cache", None)
+    free -= getattr(ec, "pending_bytes", 0)  # the experts' staging area, allocated at the first prompt
     from engine.pipeline.split import kv_bytes_per_token
 
     layers = len(getattr(model, "layer_range", range(cfg.n_layer)))
-    kv = layers * max_ctx * kv_bytes_per_token(cfg, kv_type)
+    return free, layers * max_ctx * kv_bytes_per_token(cfg, kv_type)
+
+
+def device_chunk(model: object, max_ctx: int, kv_type: str, budget_mib: int | None, reserve_mib: int) -> int:
+    """auto_chunk for a loaded one-card model: the VRAM free now (or left of `budget_mib`, --vram-budget-mib)."""
+    room = _device_room(model, max_ctx, kv_type, budget_mib)
+    if room is None:
+        return CHUNKS[-1]
+    free, kv = room
+    cfg: ModelConfig = model.cfg  # type: ignore[attr-defined]
     chunk = auto_chunk(cfg, True, free, kv, reserve_mib << 20, max_ctx)
     log.info(
         "prompt chunks of %d tokens (--prefill auto: ~%d MiB of temporaries; %d MiB free before the KV cache)",
@@ -71,3 +98,23 @@ def device_chunk(model: object, max_ctx: int, kv_type: str, budget_mib: int | No
         free >> 20,
     )
     return chunk
+
+
+def device_span(
+    model: object, chunk: int, max_ctx: int, kv_type: str, budget_mib: int | None, reserve_mib: int
+) -> int:
+    """span_tokens for a loaded one-card model that streams experts for its prompt chunks; `chunk` otherwise."""
+    if not getattr(model, "layer_major", False) or not getattr(model, "streams_experts", False):
+        return chunk
+    room = _device_room(model, max_ctx, kv_type, budget_mib)
+    if room is None:
+        return chunk
+    free, kv = room
+    cfg: ModelConfig = model.cfg  # type: ignore[attr-defined]
+    span = span_tokens(
+        cfg, chunk, free - kv - (reserve_mib << 20) - chunk_bytes(cfg, chunk, max_ctx), max_ctx
+    )
+    if span > chunk:
+        log.info("prompts read layer by layer, %d tokens at a time: each layer's experts in host RAM cross PCIe "
+                 "once for them, not once a chunk", span)  # fmt: skip
+    return span

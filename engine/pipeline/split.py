@@ -558,6 +558,23 @@ def prefill_chunk(
     return default
 
 
+def prefill_span(
+    model: object,
+    chunk: int,
+    max_ctx: int,
+    kv_type: str = "bf16",
+    budget_mib: int | None = None,
+    reserve_mib: int = ExpertPolicy.reserve_mib,
+) -> int:
+    """The tokens `Runner` reads per forward, layer by layer in chunks of `chunk`, on one card that streams
+    experts for its prompt chunks (engine/pipeline/prefill.py, span_tokens); `chunk` elsewhere."""
+    if isinstance(model, SplitModel):
+        return chunk
+    from engine.pipeline.prefill import device_span
+
+    return device_span(model, chunk, max_ctx, kv_type, budget_mib, reserve_mib)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The main process of a split over several PCs (engine/link)
 

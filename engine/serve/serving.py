@@ -207,7 +207,7 @@ class EngineService:
             from engine.pipeline.generate import Runner
             from engine.pipeline.prompt_cache import PromptCache
             from engine.pipeline.spec import SpecConfig
-            from engine.pipeline.split import SplitOptions, load_split_model, prefill_chunk
+            from engine.pipeline.split import SplitOptions, load_split_model, prefill_chunk, prefill_span
 
             o = self.opts
             if o.threads:
@@ -250,7 +250,10 @@ class EngineService:
             else:
                 chunk = o.prefill
             spec = SpecConfig.from_flags(o.spec, o.suffix_draft, o.mtp, o.pipeline_windows)
-            runner = Runner(lm.model, lm.tokenizer, o.max_context, kv, chunk, cache, spec=spec)
+            span = prefill_span(lm.model, chunk, o.max_context, kv, split.vram_budget_mib, split.reserve_mib)
+            runner = Runner(
+                lm.model, lm.tokenizer, o.max_context, kv, chunk, cache, spec=spec, prefill_span=span
+            )
             slots = stage_layout(lm.model, lm.config.n_layer)
             recorder = _profile_recorder(lm, split, o.profile_every_s)
         except Exception as e:  # the server stays up and says why on /health

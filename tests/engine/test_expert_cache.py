@@ -53,3 +53,27 @@ def test_prompt_tables_point_at_slots_and_at_the_staged_copies_of_the_rest() -> 
                 i = next(i for i in range(area.shape[0]) if area[i].data_ptr() == addr)
                 assert torch.equal(area[i], raw[e])
     assert le.bytes_moved == 4 * 3 * 2 * 34
+
+
+def test_a_held_layer_stages_its_experts_once() -> None:
+    """Inside hold_prompt_layer(li) the chunks of layer li share one staging (a prompt read layer by layer);
+    other layers, and the same layer outside the block, stage again."""
+    cache = ExpertCache({0: _experts(), 1: _experts()}, torch.device("cpu"), {0: 1, 1: 1})
+    le0, le1 = cache.layers[0], cache.layers[1]
+    one = 3 * 3 * 2 * 34  # three missed experts, three projections
+    assert cache.streams_prompts
+    assert cache.pending_bytes == one  # the staging area, not allocated before the first prompt
+    with cache.hold_prompt_layer(0):
+        first = cache.prompt_tables(0)
+        again = cache.prompt_tables(0)
+        assert all(a is b for a, b in zip(first, again, strict=True))
+        cache.prompt_tables(1)  # overwrites the staging area: layer 0 stages again
+        assert (le0.bytes_moved, le1.bytes_moved) == (one, one)
+        cache.prompt_tables(0)
+        cache.prompt_tables(0)
+    assert le0.bytes_moved == 2 * one
+    cache.prompt_tables(0)
+    assert le0.bytes_moved == 3 * one
+    assert cache.pending_bytes == 0
+    full = ExpertCache({0: _experts()}, torch.device("cpu"), {0: 4})
+    assert not full.streams_prompts and full.pending_bytes == 0

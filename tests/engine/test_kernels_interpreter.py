@@ -460,3 +460,39 @@ def test_cpu_share_of_misses_goes_through_the_mailbox(monkeypatch: pytest.Monkey
     ref = 0.3 * _expert_ref(ew, 3, x) + 0.2 * _expert_ref(ew, 5, x) + 0.1 * _expert_ref(ew, 6, x)
     assert _cos(out, ref) >= 0.999  # ratio 1: the CPU took every miss
     assert cm.box[0, cm.answer].item() == cm.box[0, ho.HDR_REQ].item()
+
+
+def test_a_tuned_share_reaches_the_device() -> None:
+    """Without --cpu-ratio the share is tuned (engine/experts/share_tuner.py, tested on its own): the host times
+    the steps between its first layer's requests, hands them to the tuner, and the share it returns is the quota
+    the device reads from the next post on; set_ratio fixes the share and stops the tuning."""
+    from engine.experts.cache import ExpertCache
+    from engine.experts.cpu_misses import DEFAULT_RATIO, CpuMisses
+
+    e_n, f, d, k = 8, 256, 256, 4
+    cache = ExpertCache({0: _moe_layer(e_n, f, d)}, torch.device("cpu"), {0: 2})  # type: ignore[dict-item]
+    cm = CpuMisses(cache, 1.0, k, "silu")
+    assert cm.tuner is not None and cm.ratio == DEFAULT_RATIO
+    seen: list[float] = []
+
+    class AllToTheCpu:
+        ratio, best_median, decisions = DEFAULT_RATIO, 0.01, []
+
+        def observe(self, seconds: float) -> float:
+            seen.append(seconds)
+            self.ratio = 1.0
+            return 1.0
+
+    cm.tuner = AllToTheCpu()  # type: ignore[assignment]
+    ids, w, x = torch.tensor([[0, 3, 5, 6]]), torch.tensor([[0.4, 0.3, 0.2, 0.1]]), torch.randn(1, d)
+    for _ in range(2):
+        cm.post(0, ids, w, x)
+        cm.collect(0, torch.zeros(1, d))
+    assert len(seen) == 1 and seen[0] > 0  # the first step has no step before it to time
+    assert cm.ratio == 1.0 and cm.quota.tolist() == [0, 1, 2, 3, 4]
+    claim, _ = cm.post(0, ids, w, x)  # type: ignore[misc]
+    assert claim.tolist() == [0, 1, 1, 1]  # the three misses all go to the CPU now
+    cm.collect(0, torch.zeros(1, d))
+    assert cm.timing()["tuned"] and cm.timing()["ratio"] == 1.0
+    cm.set_ratio(0.5)
+    assert cm.tuner is None and not cm.timing()["tuned"]
