@@ -291,7 +291,12 @@ class ExpertCache:
                 for n, e in enumerate(range(a, b)):
                     addrs[e] = area[i + n].data_ptr()
                 i = j + 1
-            out.append(torch.tensor(addrs, dtype=torch.int64).to(self.device, non_blocking=True))
+            tab = torch.tensor(addrs, dtype=torch.int64)
+            if (
+                self.device.type == "cuda"
+            ):  # from pinned memory: a pageable copy would wait for the stream first
+                tab = tab.pin_memory()
+            out.append(tab.to(self.device, non_blocking=True))
         le.bytes_moved += len(missing) * sum(p.expert_bytes for p in le.projections)
         if self._held == li:
             self._held_tables = (out[0], out[1], out[2])

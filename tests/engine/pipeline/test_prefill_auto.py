@@ -62,3 +62,37 @@ def test_a_gpu_models_chunk_from_the_free_vram(monkeypatch) -> None:
     assert device_chunk(Model(), 4096, "bf16", None, 512) == 4096
     assert device_chunk(Model(), 4096, "bf16", 5 * 1024 + 900, 512) == 512  # a budget with ~900 MiB left
     assert device_chunk(object(), 4096, "bf16", None, 512) == 512  # not a CUDA model
+
+
+def test_a_card_that_streams_experts_keeps_room_for_a_span(monkeypatch) -> None:
+    """The measured case (an H200 held to llama.cpp -ncmoe 36's 6,111 MiB, Qwen3-30B-A3B): 757 MiB left before a
+    4,104-token KV cache once the experts' staging area (not yet allocated) is counted. Chunk by chunk the largest
+    chunk is 1,024 tokens; a card that streams experts keeps room for a 4,096-token span's rows first and reads
+    512-token chunks layer by layer (each layer's experts cross PCIe once for the 4,096, not four times)."""
+    import torch
+
+    from engine.pipeline.prefill import device_chunk, device_span
+
+    class Cache:
+        pending_bytes = 340 * MiB
+
+    class Model:
+        device = torch.device("cuda", 0)
+        cfg = _a3b()
+        layer_range = range(48)
+        expert_cache = Cache()
+        layer_major = True
+        streams_experts = False
+
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 4826 * MiB)
+    budget = 4826 + 757 + 340
+    m = Model()
+    assert device_chunk(m, 4104, "bf16", budget, 0) == 1024
+    assert device_span(m, 1024, 4104, "bf16", budget, 0) == 1024  # nothing streams: chunk by chunk
+    m.streams_experts = True
+    chunk = device_chunk(m, 4104, "bf16", budget, 0)
+    assert chunk == 512
+    assert device_span(m, chunk, 4104, "bf16", budget, 0) == 4096
+    Cache.pending_bytes = 0  # the area allocated: the same room is counted once, not twice
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: (4826 + 340) * MiB)
+    assert device_chunk(m, 4104, "bf16", budget, 0) == 512
