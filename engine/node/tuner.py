@@ -181,16 +181,19 @@ class MainStage:
             argv += ["--kv", config.kv]
         args = build_parser().parse_args(argv)
         self.max_context = int(args.max_context)
-        self.lm = load_split_model(
-            config.model, options_from_args(args), args.max_context, args.kv, args.dtype
-        )
+        opts = options_from_args(args)
+        self.lm = load_split_model(config.model, opts, args.max_context, args.kv, args.dtype)
         self.kv_type = resolve_kv_type(args.kv, self.lm.model.dtype)
+        self._span_room = (opts.vram_budget_mib, opts.reserve_mib)  # spans sized as the server sizes them
 
     def measure(self, prompt: list[int], answer: int, chunk: int) -> tuple[float, float, float]:
         """(prefill tok/s, decode tok/s, seconds) of one request with a fresh KV cache."""
         from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+        from engine.pipeline.split import prefill_span
 
-        runner = Runner(self.lm.model, self.lm.tokenizer, self.max_context, self.kv_type, chunk)
+        m = self.lm.model
+        span = prefill_span(m, chunk, self.max_context, self.kv_type, *self._span_room)
+        runner = Runner(m, self.lm.tokenizer, self.max_context, self.kv_type, chunk, prefill_span=span)
         req = GenerationRequest(prompt, max_tokens=answer, ignore_eos=True, cache_prompt=False)
         for ev in runner.generate(req):
             if isinstance(ev, DoneEvent):
