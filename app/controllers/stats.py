@@ -19,6 +19,8 @@ class StageView:
     hits: int | None
     misses: int | None
     step_ms: float | None
+    cpu_share: float | None = None
+    """The CPU's share of the card's decode misses now (tuned by the engine); None where the CPU takes none."""
 
     @property
     def hit_rate(self) -> float | None:
@@ -40,6 +42,10 @@ def _ms(v: Any) -> float | None:
             if isinstance(v.get(key), int | float):
                 return float(v[key])
     return None
+
+
+def _fraction(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= 1 else None
 
 
 def stage_views(stats: dict[str, Any]) -> list[StageView]:
@@ -68,6 +74,7 @@ def stage_views(stats: dict[str, Any]) -> list[StageView]:
                 hits=_int(cache.get("hits")),
                 misses=_int(cache.get("misses")),
                 step_ms=_ms(s.get("step_ms")),
+                cpu_share=_fraction(cache.get("cpu_share")),
             )
         )
     return out

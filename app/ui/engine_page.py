@@ -29,13 +29,16 @@ def stage_row(v: StageView) -> list[str]:
     else:
         experts = "dense" if v.experts_total == 0 else "–"
     rate = v.hit_rate
+    hits = f"{100.0 * rate:.1f}%" if rate is not None else "–"
+    if v.cpu_share is not None:  # the rest of the misses: the CPU computes this share, PCIe copies the others
+        hits += f" · CPU {100.0 * v.cpu_share:.0f}% of misses"
     return [
         str(v.index),
         v.host or "this PC",
         v.device,
         span,
         experts,
-        f"{100.0 * rate:.1f}%" if rate is not None else "–",
+        hits,
         f"{v.step_ms:.1f} ms" if v.step_ms is not None else "–",
     ]
 

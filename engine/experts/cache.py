@@ -102,6 +102,9 @@ class CacheStats:
     bytes_moved: int
     per_layer: dict[int, int] = field(default_factory=dict)
     cpu_computed: int = 0  # missed (token, expert) pairs the CPU computed (--cpu-experts)
+    cpu_share: float | None = (
+        None  # the CPU's share of a decode step's misses now (tuned or --cpu-ratio); None: off
+    )
 
 
 def _pin(raw: torch.Tensor) -> torch.Tensor:
@@ -366,6 +369,7 @@ class ExpertCache:
             bytes_moved=sum(le.bytes_moved for le in self.layers.values()),
             per_layer={li: le.capacity for li, le in self.layers.items()},
             cpu_computed=self.cpu_misses.slots if self.cpu_misses is not None else 0,
+            cpu_share=self.cpu_misses.ratio if self.cpu_misses is not None else None,
         )
 
     def adapt(self, counts: torch.Tensor, max_swaps: int = 8) -> int:

@@ -623,7 +623,7 @@ class EngineService:
             if cache is not None:
                 st = cache.stats()
                 self.telemetry.set_expert_cache(j, st.hits, st.misses, st.experts_in_vram, st.experts_total,
-                                                st.swaps, st.bytes_moved, st.cpu_computed)  # fmt: skip
+                                                st.swaps, st.bytes_moved, st.cpu_computed, st.cpu_share)  # fmt: skip
 
     # ---- answers --------------------------------------------------------------------------------------------
 
@@ -997,6 +997,11 @@ class EngineService:
             "counter",
             "Missed experts computed on the CPU (--cpu-experts).",
         )
+        share = Family(
+            "strata_expert_cache_cpu_share",
+            "gauge",
+            "The CPU's share of a decode step's misses now (tuned while serving, or --cpu-ratio).",
+        )
         for s in stages:
             ec, lab = s["expert_cache"], {"stage": s["stage"]}
             hits.add(ec["hits"], lab)
@@ -1004,7 +1009,9 @@ class EngineService:
             swaps.add(ec["swaps"], lab)
             moved.add(ec["bytes_moved"], lab)
             on_cpu.add(ec["computed_on_cpu"], lab)
-        fams += [hits, miss, swaps, moved, on_cpu]
+            if ec["cpu_share"] is not None:
+                share.add(ec["cpu_share"], lab)
+        fams += [hits, miss, swaps, moved, on_cpu, share]
         counts = snap["expert_counts"]
         if counts:
             sel = Family("strata_expert_selections_total", "counter", "Routed expert selections, per layer.")

@@ -71,6 +71,7 @@ class StageStats:
     expert_swaps: int = 0
     expert_bytes_moved: int = 0  # copied into VRAM by adaptive swaps and prompt chunks' staging
     experts_on_cpu: int = 0  # missed (token, expert) pairs the CPU computed (--cpu-experts)
+    cpu_share: float | None = None  # the CPU's share of a decode step's misses now; None: the CPU takes none
 
 
 class Telemetry:
@@ -137,8 +138,9 @@ class Telemetry:
         swaps: int = 0,
         bytes_moved: int = 0,
         on_cpu: int = 0,
+        cpu_share: float | None = None,
     ) -> None:
-        """A stage's expert cache as its card reports it (totals since load)."""
+        """A stage's expert cache as its card reports it (totals since load; `cpu_share` as it is now)."""
         with self._lock:
             while len(self.stages) <= stage:
                 self.stages.append(StageStats(RunningStat(), RunningStat()))
@@ -146,6 +148,7 @@ class Telemetry:
             st.expert_hits, st.expert_misses = hits, misses
             st.experts_in_vram, st.experts_total = in_vram, total
             st.expert_swaps, st.expert_bytes_moved, st.experts_on_cpu = swaps, bytes_moved, on_cpu
+            st.cpu_share = cpu_share
 
     def set_expert_counts(self, counts: list[list[int]] | None) -> None:
         with self._lock:
@@ -185,6 +188,7 @@ class Telemetry:
                         "swaps": s.expert_swaps,
                         "bytes_moved": s.expert_bytes_moved,
                         "computed_on_cpu": s.experts_on_cpu,
+                        "cpu_share": s.cpu_share,
                         "hit_rate": (
                             round(s.expert_hits / (s.expert_hits + s.expert_misses), 4)
                             if s.expert_hits + s.expert_misses

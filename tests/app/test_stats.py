@@ -60,3 +60,28 @@ def test_missing_fields_read_as_unknown() -> None:
     assert experts_held({"experts": None, "stages": []}) is None
     assert last_timings({"last_request": None}) is None
     assert runs_on({}) == "–" and queue_text({}) == "–"
+
+
+def test_a_cards_cpu_share_of_misses() -> None:
+    """A card whose CPU computes part of its decode misses: the engine's `cpu_share` in the Engine page's row."""
+    from app.ui.engine_page import stage_row
+
+    stats = {
+        "stages": [
+            {
+                "stage": 0,
+                "device": "cuda:0",
+                "layers": [0, 48],
+                "expert_cache": {"hits": 203, "misses": 797, "cpu_share": 0.6},
+            }
+        ],
+        "experts": {"routed": 6144, "in_vram": 1248},
+    }
+    (v,) = stage_views(stats)
+    assert v.cpu_share == 0.6
+    assert stage_row(v)[5] == "20.3% · CPU 60% of misses"
+    (v,) = stage_views(ENGINE_STATS)  # a CPU engine: no share, the cell as before
+    assert v.cpu_share is None and stage_row(v)[5] == "75.0%"
+    for bad in (None, "0.5", True, 1.5, -0.1):
+        stats["stages"][0]["expert_cache"]["cpu_share"] = bad
+        assert stage_views(stats)[0].cpu_share is None

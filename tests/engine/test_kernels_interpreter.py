@@ -494,5 +494,7 @@ def test_a_tuned_share_reaches_the_device() -> None:
     assert claim.tolist() == [0, 1, 1, 1]  # the three misses all go to the CPU now
     cm.collect(0, torch.zeros(1, d))
     assert cm.timing()["tuned"] and cm.timing()["ratio"] == 1.0
+    cache.cpu_misses = cm
+    assert cache.stats().cpu_share == 1.0  # what /stats and /metrics report as cpu_share
     cm.set_ratio(0.5)
     assert cm.tuner is None and not cm.timing()["tuned"]

@@ -65,6 +65,7 @@ def test_metrics_follow_a_request(server: ServerProc) -> None:
     assert after["strata_expert_cache_misses_total"] == {(("stage", "0"),): 0.0}
     for name in ("swaps", "bytes_moved", "cpu_computed"):  # a CPU model has no expert cache: zeros, labelled
         assert after[f"strata_expert_cache_{name}_total"] == {(("stage", "0"),): 0.0}
+    assert not after.get("strata_expert_cache_cpu_share")  # no CPU share of a card's misses: no sample
     # Every token that went through the model chose top-2 experts in each layer: the prompt tokens read, and
     # each generated token but the last (which is sampled, never fed back).
     forwarded = t["prompt_n"] + t["predicted_n"] - 1
@@ -89,6 +90,7 @@ def test_stats(server: ServerProc) -> None:
     assert st["stage"] == 0 and st["layers"] == [0, N_LAYER] and st["device"] == "cpu"
     assert st["step_ms"]["count"] >= 1 and st["step_ms"]["mean"] > 0
     assert st["prompt_chunk_ms"]["count"] >= 1
+    assert st["expert_cache"]["cpu_share"] is None
     assert s["totals"]["requests"] >= 1 and s["totals"]["generated_tokens"] >= 1
     last = s["last_request"]
     for key in (
@@ -218,3 +220,17 @@ def test_state_endpoints_need_no_model_lock(server: ServerProc, path: str) -> No
     assert server.get(path).status_code == 200
     assert time.perf_counter() - t0 < 0.5
     t.join(60)
+
+
+def test_a_stages_cpu_share_is_reported_as_it_is_now() -> None:
+    """The CPU's share of a card's decode misses (tuned while serving) in the snapshot /stats and /metrics read:
+    the last value a stage reported, not a total."""
+    tel = Telemetry(n_stages=2)
+    tel.set_expert_cache(0, 10, 30, 4, 16, on_cpu=12, cpu_share=0.5)
+    tel.set_expert_cache(0, 20, 60, 4, 16, on_cpu=25, cpu_share=0.6)
+    tel.set_expert_cache(1, 5, 0, 16, 16)
+    stages = tel.snapshot()["stages"]
+    assert (
+        stages[0]["expert_cache"]["cpu_share"] == 0.6 and stages[0]["expert_cache"]["computed_on_cpu"] == 25
+    )
+    assert stages[1]["expert_cache"]["cpu_share"] is None
