@@ -20,13 +20,14 @@ kernels: 270-380 us an expert from a second thread, 150-160 us from the launchin
 
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.experts.cpu_experts import CpuExperts
-from engine.experts.share_tuner import ShareTuner
+from engine.experts.share_tuner import ShareTuner, nested_turn
 from engine.kernels import cpu_handoff as ho
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ log = logging.getLogger("strata.engine")
 # -ncmoe 36 VRAM, docs/performance.md); --cpu-ratio fixes one.
 DEFAULT_RATIO = 0.5
 _IDLE_S = 30.0  # the host gives up on a request the device has not posted after this long (and says so)
+_TUNERS: "weakref.WeakSet[ShareTuner]" = weakref.WeakSet()  # the process's live tuners (their turns nest)
 
 
 class CpuMisses:
@@ -86,7 +88,8 @@ class CpuMisses:
         self._seen = 0.0  # when the host last saw a step reach its first held layer (perf_counter)
         self._apply(DEFAULT_RATIO if ratio is None else ratio)
         if ratio is None:
-            self.tuner = ShareTuner(self.ratio)
+            self.tuner = ShareTuner(self.ratio, turn=nested_turn(len(_TUNERS)))
+            _TUNERS.add(self.tuner)
         n_exp = max((le.n_expert for le in cache.layers.values()), default=1)
         cpu_of = torch.zeros(n_rows, n_exp, dtype=torch.int32)  # 1 where the CPU holds the expert
         for li, r in self.rows.items():

@@ -8,6 +8,11 @@ step time of each, and moves to the fastest; once the current share wins twice i
 steps and then looks again. Running the arms in alternating turns, not one after the other, keeps a slow drift
 (a growing context, another program) from favouring one of them.
 
+Several cards of one process (a layer split) each tune their own share on the same step time. Their turns are
+nested (`turn`: 4 steps for the first tuner, 12 for the second, 36 for a third), so that each arm of one tuner runs
+under every arm of the others in equal measure: with equal turns the arms would change in lockstep, and a card's
+better share could be masked by another card's worse one at the same moment.
+
 Pure logic on the step times it is given: engine/experts/cpu_misses.py times the steps and applies the share."""
 
 from dataclasses import dataclass, field
@@ -24,9 +29,10 @@ MAX_STEP_S = 1.0  # the same before the first comparison
 MIN_GAIN = 0.01  # a neighbour must be this much faster (median step time) to be taken
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the live tuners of a process are kept in a weak set
 class ShareTuner:
     ratio: float
+    turn: int = TURN  # steps per turn (tuners of one process: TURN x 3^i, `nested_turn`)
     lo: float = 0.0
     hi: float = 1.0
     arms: list[float] = field(default_factory=list)
@@ -53,7 +59,7 @@ class ShareTuner:
         """The share the next steps should run with."""
         if self.holding:
             return self.ratio
-        return self.arms[(self.step // TURN) % len(self.arms)]
+        return self.arms[(self.step // self.turn) % len(self.arms)]
 
     def observe(self, seconds: float) -> float:
         """A decode step took `seconds` (at the share `current()` gave before it); -> the share for the next."""
@@ -66,10 +72,10 @@ class ShareTuner:
         if seconds > (GAP * self.best_median if self.best_median else MAX_STEP_S):
             return self.current()  # a pause between requests (or a prompt), not a step: the turn goes on
         arm = self.current()
-        if self.step % TURN:
+        if self.step % self.turn:
             self.times[arm].append(seconds)
         self.step += 1
-        if self.step >= TURN * TURNS * len(self.arms):
+        if self.step >= self.turn * TURNS * len(self.arms):
             self._decide()
         return self.current()
 
@@ -88,3 +94,9 @@ class ShareTuner:
             self.step = 0
         else:
             self._start()
+
+
+def nested_turn(index: int) -> int:
+    """The turn of the index-th tuner alive in a process (0 for the first): TURN x 3^index, three arms per turn of
+    the one before it; past the third, the third's (the design is balanced for three cards, close for more)."""
+    return TURN * 3 ** min(index, 2)

@@ -471,8 +471,14 @@ def test_a_tuned_share_reaches_the_device() -> None:
 
     e_n, f, d, k = 8, 256, 256, 4
     cache = ExpertCache({0: _moe_layer(e_n, f, d)}, torch.device("cpu"), {0: 2})  # type: ignore[dict-item]
+    from engine.experts import cpu_misses
+    from engine.experts.share_tuner import nested_turn
+
+    alive = len(cpu_misses._TUNERS)
     cm = CpuMisses(cache, 1.0, k, "silu")
     assert cm.tuner is not None and cm.ratio == DEFAULT_RATIO
+    other = CpuMisses(cache, 1.0, k, "silu")  # a second card's in the same process: its turns nest over cm's
+    assert (cm.tuner.turn, other.tuner.turn) == (nested_turn(alive), nested_turn(alive + 1))  # type: ignore[union-attr]
     seen: list[float] = []
 
     class AllToTheCpu:

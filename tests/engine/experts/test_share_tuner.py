@@ -85,3 +85,22 @@ def test_arms_stay_within_zero_and_one() -> None:
     assert t.ratio == 0.0
     t = ShareTuner(1.0)
     assert t.arms == [1.0, 0.9]
+
+
+def _joint(turns: tuple[int, int], steps: int = 4000) -> tuple[float, float]:
+    """Two cards of one split tuning on the same step time: card A's best share is 0.6, card B's 0.3."""
+    a, b = ShareTuner(0.5, turn=turns[0]), ShareTuner(0.5, turn=turns[1])
+    rng = random.Random(4)
+    for _ in range(steps):
+        ra, rb = a.current(), b.current()
+        t = 0.02 + 0.02 * abs(ra - 0.6) + 0.02 * abs(rb - 0.3) + rng.gauss(0.0, 2e-4)
+        a.observe(t)
+        b.observe(t)
+    return a.ratio, b.ratio
+
+
+def test_the_tuners_of_a_split_nest_their_turns() -> None:
+    assert [st.nested_turn(i) for i in range(4)] == [4, 12, 36, 36]
+    assert _joint((st.nested_turn(0), st.nested_turn(1))) == (0.6, 0.3)
+    # in lockstep, one card's better share arrives with the other's worse one: they cancel, and neither moves
+    assert _joint((4, 4)) == (0.5, 0.5)
