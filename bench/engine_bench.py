@@ -317,21 +317,18 @@ def main() -> None:
     }
     # sized as the server sizes them: right after loading, before anything else allocates
     prompts = [int(x) for x in a.prompts.split(",") if x]
+    max_ctx = max(prompts, default=512) + 8  # the longest prompt's KV cache
     if a.chunk == "auto":
         from engine.pipeline.prefill import device_chunk
 
-        chunk = device_chunk(
-            lm.model, max(prompts, default=512) + 8, "bf16", a.vram_budget_mib, a.vram_reserve_mib
-        )
+        chunk = device_chunk(lm.model, max_ctx, "bf16", a.vram_budget_mib, a.vram_reserve_mib)
     else:
         chunk = int(a.chunk)
     res["prompt_chunk"] = chunk
     if a.span == "auto":
         from engine.pipeline.prefill import device_span
 
-        span = device_span(
-            lm.model, chunk, max(prompts, default=512) + 8, "bf16", a.vram_budget_mib, a.vram_reserve_mib
-        )
+        span = device_span(lm.model, chunk, max_ctx, "bf16", a.vram_budget_mib, a.vram_reserve_mib)
     else:
         span = int(a.span)
     res["prompt_span"] = span

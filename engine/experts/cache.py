@@ -102,9 +102,8 @@ class CacheStats:
     bytes_moved: int
     per_layer: dict[int, int] = field(default_factory=dict)
     cpu_computed: int = 0  # missed (token, expert) pairs the CPU computed (--cpu-experts)
-    cpu_share: float | None = (
-        None  # the CPU's share of a decode step's misses now (tuned or --cpu-ratio); None: off
-    )
+    # the CPU's share of a decode step's misses now (tuned or --cpu-ratio); None: the CPU takes none
+    cpu_share: float | None = None
 
 
 def _pin(raw: torch.Tensor) -> torch.Tensor:
@@ -275,7 +274,7 @@ class ExpertCache:
         if self.device.type == "cuda":  # a swap into a slot may still be in flight on the side stream
             torch.cuda.current_stream(self.device).wait_stream(self.side)
         if self.prompt_area is None or self.prompt_area[0].shape[0] < len(missing):
-            most = max(sum(c < 0 for c in lx.slot_of) for lx in self.layers.values())
+            most = self._area_rows()
             self.prompt_area = None  # the old area goes before the new one is allocated
             self.prompt_area = [
                 torch.empty((most, *p.host.raw.shape[1:]), dtype=torch.uint8, device=self.device)
@@ -295,9 +294,8 @@ class ExpertCache:
                     addrs[e] = area[i + n].data_ptr()
                 i = j + 1
             tab = torch.tensor(addrs, dtype=torch.int64)
-            if (
-                self.device.type == "cuda"
-            ):  # from pinned memory: a pageable copy would wait for the stream first
+            # from pinned memory: a pageable copy would wait for the stream first
+            if self.device.type == "cuda":
                 tab = tab.pin_memory()
             out.append(tab.to(self.device, non_blocking=True))
         le.bytes_moved += len(missing) * sum(p.expert_bytes for p in le.projections)
@@ -321,9 +319,12 @@ class ExpertCache:
         policy.stage_bytes kept out of the slots' budget): whoever sizes a chunk from the VRAM free counts it."""
         if self.prompt_area is not None or not self.streams_prompts:
             return 0
-        most = max(sum(c < 0 for c in le.slot_of) for le in self.layers.values())
         per = max(sum(p.expert_bytes for p in le.projections) for le in self.layers.values())
-        return most * per
+        return self._area_rows() * per
+
+    def _area_rows(self) -> int:
+        """Experts the staging area holds: the most any layer keeps in host RAM."""
+        return max(sum(c < 0 for c in le.slot_of) for le in self.layers.values())
 
     @property
     def streams_prompts(self) -> bool:

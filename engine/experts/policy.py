@@ -83,7 +83,7 @@ def build_expert_cache(model: "DecoderLM", policy: ExpertPolicy) -> ExpertCache:
         policy.miss_path != "copy"
         or model.device.type != "cuda"
         or not int8_activations()  # --activations float: exact products, and the CPU's kernels round
-        or all(le.host_tables is None for le in cache.layers.values())
+        or not cache.streams_prompts  # every expert in VRAM: no misses
     ):
         return cache  # the hand-off is for a card's decode misses; nothing to share here
     if auto or policy.cpu_share > 0:

@@ -90,8 +90,8 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="R",
-        help="the share (0-1) of a decode step's missed experts the CPU computes (default 0.5: 4 of 8, best on a "
-        "16-core host beside PCIe 5; bench/engine_bench.py --cpu-ratio measures yours)",
+        help="fixes the share (0-1) of a decode step's missed experts the CPU computes (default: tuned while "
+        "serving, from 0.5; bench/engine_bench.py --cpu-ratio measures fixed ones)",
     )
     e.add_argument(
         "--profile",
