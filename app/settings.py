@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from installer.engine_options import SAMPLING, OptionsError, check_args
 from installer.paths import config_dir
 
 SETTINGS_FILE = "app-settings.json"
@@ -20,10 +21,10 @@ DEVICES = ("auto", "cpu", "cuda")
 class Sampling:
     """Chat sampling settings sent with each request (OpenAI names; top_k and min_p as llama.cpp extends them)."""
 
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 40
-    min_p: float = 0.05
+    temperature: float = SAMPLING.temperature
+    top_p: float = SAMPLING.top_p
+    top_k: int = SAMPLING.top_k
+    min_p: float = SAMPLING.min_p
     max_tokens: int = 1024
     seed: int | None = None
 
@@ -107,6 +108,10 @@ class AppSettings:
             problems.append(
                 f"the model file {self.model} does not exist: choose another in Settings or run the setup wizard"
             )
+        try:
+            check_args(self.extra_args, "serve", "the extra engine arguments")
+        except OptionsError as e:
+            problems.append(f"{e}; correct them in Settings")
         if self.host not in ("127.0.0.1", "localhost", "::1") and not self.api_key:
             problems.append(
                 f"the API binds {self.host}, reachable from other PCs, but has no API key: set one in Settings"

@@ -62,7 +62,7 @@ def budget_cards(cards: list[Any], budget_mib: int) -> list[Any]:
 
 def modelled_cards(n: int, mib: int) -> list[Any]:
     """Cards for a CPU dry run (the placement is a pure function of the cards; nothing runs on them)."""
-    from engine.experts.placement import Card
+    from installer.placement import Card
 
     return [Card(i, f"modelled {mib} MiB card", mib * MIB, mib * MIB, (9, 0), 132, 1980) for i in range(n)]
 

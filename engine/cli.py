@@ -1,6 +1,5 @@
 """`strata-engine`: the inference engine's command line."""
 
-import argparse
 import logging
 import os
 import sys
@@ -8,10 +7,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.link.worker import add_worker_args, cmd_worker
-from engine.pipeline.split_args import add_split_args
-from engine.serve.cli import add_serve_args, cmd_serve
-from installer.version import __version__
+from engine.link.worker import cmd_worker
+from engine.serve.cli import cmd_serve
+from installer.config import ConfigError
+from installer.engine_options import EngineOptions, OptionsError, build_parser, resolve, typed
 
 if TYPE_CHECKING:
     from engine.loader import LoadedModel
@@ -19,137 +18,7 @@ if TYPE_CHECKING:
     from engine.pipeline.spec import SpecConfig
 
 PROG = "strata-engine"
-
-
-def _model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", "-m", help="GGUF file (any part of a multi-part file); default: the embedded Gemma 3 270M"
-    )
-    p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument(
-        "--dtype", default="auto", help="compute type: auto (bf16 on CUDA, f32 on CPU), f32, bf16, f16"
-    )
-    p.add_argument(
-        "--kv", default="auto", help="KV cache type: auto (the compute type), f32, f16, bf16, int8"
-    )
-    p.add_argument(
-        "--max-context", type=int, default=4096, help="positions the KV cache holds (default 4096)"
-    )
-    p.add_argument("--prefill", default="auto", help="prompt chunk size in tokens, or auto (512)")
-    p.add_argument(
-        "--activations",
-        choices=("int8", "float"),
-        default=None,
-        help="decode on CUDA: int8 (default) rounds the activations of the Q4_K/Q6_K matrix-vector kernels to 8 "
-        "bits, as llama.cpp does (faster); float keeps the exact float product",
-    )
-
-
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", "-n", type=int, default=128)
-    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-
-
-def _spec_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("verify windows (docs/speculative.md)")
-    g.add_argument(
-        "--spec",
-        type=int,
-        default=0,
-        metavar="N",
-        help="draft up to N tokens per step and verify them in one forward (default 0: off); greedy output is unchanged",
-    )
-    g.add_argument(
-        "--suffix-draft",
-        type=int,
-        choices=(0, 1),
-        default=1,
-        help="1: draft by copying earlier context, prompt and answer (default); 0: only the model's draft layer",
-    )
-    g.add_argument(
-        "--mtp",
-        nargs="?",
-        const="1",
-        default="auto",
-        metavar="auto|1|0",
-        help="draft with the model's own draft (MTP / nextn) layer: auto where the file has one (default), "
-        "1 (or --mtp alone) to require it, 0 to leave it out",
-    )
-    g.add_argument(
-        "--pipeline-windows",
-        type=int,
-        default=0,
-        metavar="N",
-        help="2: on a layer split, the first stages read the next (guessed) window while the last verifies (default 0)",
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="PolyStrata inference engine: runs GGUF models (Mixture-of-Experts and dense) on the CPU or CUDA.",
-    )
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    g = sub.add_parser("generate", help="generate text from a prompt or a chat message")
-    _model_arg(g)
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", "-p", help="raw prompt text (no chat template)")
-    src.add_argument("--chat", "-c", help="a user message, formatted with the model's chat template")
-    g.add_argument("--system", help="system prompt for --chat")
-    _sampling_args(g)
-    _spec_args(g)
-    add_split_args(g)
-
-    sv = sub.add_parser("serve", help="serve the OpenAI-compatible API, /metrics, /stats and /events")
-    _model_arg(sv)
-    add_serve_args(sv)
-    _spec_args(sv)
-    add_split_args(sv)
-
-    lg = sub.add_parser("logits", help="write the logits of a token-id list to a .npy file")
-    _model_arg(lg)
-    lg.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 2,651,6037")
-    lg.add_argument("--out", required=True, help="output .npy file")
-    lg.add_argument(
-        "--all", action="store_true", help="every position ([T, V]) instead of the last one ([V])"
-    )
-    add_split_args(lg)
-
-    pr = sub.add_parser(
-        "profile",
-        help="record which experts a set of prompts uses (the usage profile that fills the expert caches)",
-        description="Runs each line of --prompts as a user message (the model's chat template, then a few greedy "
-        "tokens) and adds the experts each layer selected to the model file's usage profile.",
-    )
-    _model_arg(pr)
-    pr.add_argument(
-        "--prompts", required=True, metavar="FILE", help="a UTF-8 text file: one user message per line"
-    )
-    pr.add_argument(
-        "--max-tokens", "-n", type=int, default=16, help="greedy tokens after each prompt (default 16)"
-    )
-    pr.add_argument(
-        "--out",
-        metavar="PATH",
-        help="the profile file to add to (default: --profile, else the one the engine reads for this file)",
-    )
-    add_split_args(pr)
-
-    wk = sub.add_parser("worker", help="run layers K onward of a model for a main process on another PC")
-    _model_arg(wk)
-    add_worker_args(wk)
-    return parser
+__all__ = ["build_parser", "main"]
 
 
 def _resolve_model(arg: str | None) -> Path:
@@ -174,7 +43,7 @@ def _prefill(arg: str) -> int:
     return n
 
 
-def _load(args: argparse.Namespace) -> "LoadedModel":
+def _load(args: EngineOptions) -> "LoadedModel":
     """The model on the card(s) the split flags name (one card or CPU: the plain model)."""
     from engine.pipeline.split import load_split_model
     from engine.pipeline.split_args import options_from_args
@@ -184,7 +53,7 @@ def _load(args: argparse.Namespace) -> "LoadedModel":
     )
 
 
-def _runner(args: argparse.Namespace, lm: "LoadedModel", spec: "SpecConfig | None" = None) -> "Runner":
+def _runner(args: EngineOptions, lm: "LoadedModel", spec: "SpecConfig | None" = None) -> "Runner":
     """The generation loop over the loaded model with the --max-context, --kv and --prefill flags."""
     from engine.layers.kv_cache import resolve_kv_type
     from engine.pipeline.generate import Runner
@@ -202,7 +71,7 @@ def _runner(args: argparse.Namespace, lm: "LoadedModel", spec: "SpecConfig | Non
     return Runner(lm.model, lm.tokenizer, args.max_context, kv, chunk, spec=spec, prefill_span=span)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def cmd_generate(args: EngineOptions) -> int:
     from engine.pipeline.generate import DoneEvent, GenerationRequest, TextEvent, TokenEvent
     from engine.pipeline.sampling import SamplingParams
     from engine.pipeline.spec import SpecConfig
@@ -228,7 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         ids = lm.tokenizer.encode(args.prompt, add_special=True, parse_special=False)
     runner = _runner(args, lm, spec)
-    stops = [*args.stop, *lm.chat.stop_strings] if args.chat is not None else args.stop
+    stops = [*args.stop, *lm.chat.stop_strings] if args.chat is not None else list(args.stop)
     req = GenerationRequest(ids, max_tokens=args.max_tokens, sampling=sampling, stop=stops)
     if args.prompt is not None:
         sys.stdout.write(args.prompt)
@@ -249,7 +118,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_logits(args: argparse.Namespace) -> int:
+def cmd_logits(args: EngineOptions) -> int:
     import numpy as np
     import torch
 
@@ -292,7 +161,7 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def cmd_profile(args: argparse.Namespace) -> int:
+def cmd_profile(args: EngineOptions) -> int:
     from engine.experts.profile import (
         UsageProfile,
         model_counts,
@@ -357,14 +226,19 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    given = typed(argv)  # a malformed command line exits here with argparse's usage message
     logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.INFO, format="%(message)s", stream=sys.stderr
+        level=logging.DEBUG if given.get("debug") else logging.INFO, format="%(message)s", stream=sys.stderr
     )
-    if not args.command:
-        parser.print_help()
+    if not given.get("command"):
+        build_parser().print_help()
         return 0
+    try:
+        args = resolve(argv, logger=logging.getLogger("strata.engine"))
+    except (OptionsError, ConfigError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     if getattr(args, "activations", None):  # read by the kernels (engine.kernels.gemv); children inherit it
         os.environ["STRATA_ACTIVATIONS"] = args.activations
     t0 = time.perf_counter()

@@ -279,9 +279,16 @@ def list_configs(directory: Path | None = None) -> list[Path]:
 
 
 def write_config(cfg: StrataConfig, path: Path | None = None) -> Path:
-    """Validate, then replace the file atomically (a crash never leaves half a config)."""
+    """Validate (its "args" as the engine's option parser reads them), then replace the file atomically (a crash
+    never leaves half a config)."""
+    from installer.engine_options import OptionsError, check_args
+
     target = path or config_path(cfg.model)
     cfg = cfg.validate(target.name)
+    try:
+        check_args(cfg.args, "serve", target.name)
+    except OptionsError as e:
+        raise ConfigError(str(e)) from None
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     try:

@@ -12,23 +12,20 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from installer import placement
 from installer.gpus import GIB, GpuInfo
+from installer.placement import (
+    DEFAULT_OVERHEAD_BYTES,
+    DEFAULT_RESERVE_BYTES,
+    Card,
+)
 from installer.rules import CardAssessment, OtherAssessment
 
-TIE_FRACTION = 0.05
-MAX_EXHAUSTIVE_CARDS = 4
-MIN_LAYERS_PER_CARD = 3
 MIB = 1024**2
-DEFAULT_RESERVE_BYTES = 512 * MIB
-"""Headroom per card left to the display, the driver and fragmentation (the engine's --vram-reserve-mib)."""
-DEFAULT_OVERHEAD_BYTES = 1024 * MIB
-"""Per card: CUDA context, cuBLAS workspace, activations and prompt buffers (an estimate)."""
-
 KV_BYTES_SCALE: dict[str, float] = {"bf16": 1.0, "int8": (1.0 + 2.0 / 32.0) / 2.0}
 """KV bytes relative to bf16: int8 keeps one byte per value plus a 2-byte scale per 32 values."""
 
@@ -114,25 +111,29 @@ class StageOrder:
     note: str
 
 
-def stage_order(gpus: Sequence[GpuInfo], gpu_order: Literal["auto", "as_given"] = "auto") -> StageOrder:
-    """The order of the stages: the last card runs the head, the draft layer and the verify, so the faster goes last."""
-    given = tuple(gpus)
-    if gpu_order == "as_given" or len(given) < 2:
-        return StageOrder(given, False, "card order as given")
-    scored = [g for g in given if g.speed_score is not None]
-    if len(scored) != len(given):
-        return StageOrder(given, False, "card order as given (speed of some card unknown)")
-    fastest = max(given, key=lambda g: (g.speed_score or 0.0, -given.index(g)))
-    last = given[-1]
-    fast, slow = fastest.speed_score or 0.0, last.speed_score or 0.0
-    if fastest is last or fast <= slow * (1.0 + TIE_FRACTION):
-        return StageOrder(given, False, "card order as given (the last card is the fastest or within 5%)")
-    order = (*tuple(g for g in given if g is not fastest), fastest)
-    note = (
-        f"card order: GPU {fastest.index} goes last ({fastest.sm_count} SMs x {fastest.max_sm_clock_mhz} MHz, "
-        f"{fast / slow - 1.0:.0%} faster than GPU {last.index})"
+def as_card(gpu: GpuInfo) -> Card:
+    """A card as the engine's placement sees it (NVML's free VRAM, as the engine reads it at load)."""
+    return Card(
+        index=gpu.index,
+        name=gpu.name,
+        free_bytes=gpu.vram_free,
+        total_bytes=gpu.vram_total,
+        compute_capability=gpu.compute_capability,
+        sm_count=gpu.sm_count,
+        max_clock_mhz=gpu.max_sm_clock_mhz,
     )
-    return StageOrder(order, True, note)
+
+
+def stage_order(gpus: Sequence[GpuInfo], gpu_order: Literal["auto", "as_given"] = "auto") -> StageOrder:
+    """The order of the stages (the engine's rule, installer.placement.order_cards): the last card runs the head,
+    the draft layer and the verify, so the faster goes last."""
+    given = tuple(gpus)
+    ordered, note = placement.order_cards([as_card(g) for g in given], gpu_order)
+    by_index = {g.index: g for g in given}
+    order = tuple(by_index[c.index] for c in ordered)
+    if note is None:
+        return StageOrder(given, False, "card order as given")
+    return StageOrder(order, order != given, note)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -159,7 +160,7 @@ class ModelGeometry:
     head_bytes: int
     """Output head and final norm: on the last card."""
     embedding_bytes: int = 0
-    """An untied token table: looked up in host RAM, not counted on a card (0 when tied to the head)."""
+    """An untied token table (0 when tied to the head): on the first card, where the engine keeps it."""
     first_dense_layers: int = 0
     """Leading layers without routed experts (GLM-4.5: 1)."""
     full_attention_interval: int = 1
@@ -205,6 +206,34 @@ class ModelGeometry:
         if tokens == 0 and self.full_attention_interval > 1:
             return self.recurrent_state_bytes
         return int(tokens * self.kv_bytes_per_token_layer * KV_BYTES_SCALE[kv])
+
+    def to_placement(self, kv: str = "bf16") -> placement.Geometry:
+        """The geometry the engine's placement prices, laid out as the engine lays a model out: the token table
+        on the first card (for a tied head too), the head and the draft layer on the last, the KV per token of
+        each layer (a sliding window's layers capped at the window), a linear-attention layer's fixed state."""
+        n = self.layers
+        scale = KV_BYTES_SCALE[kv]
+        per_token, window, state = [], [], []
+        for i in range(n):
+            linear = self.full_attention_interval > 1 and (i + 1) % self.full_attention_interval != 0
+            sliding = bool(self.sliding_window and self.sliding_window_pattern) and (
+                (i + 1) % self.sliding_window_pattern != 0
+            )
+            per_token.append(0 if linear else int(self.kv_bytes_per_token_layer * scale))
+            window.append(self.sliding_window if sliding and not linear else 0)
+            state.append(self.recurrent_state_bytes if linear else 0)
+        return placement.Geometry(
+            n_layer=n,
+            n_expert=self.experts,
+            dense_bytes=(self.dense_bytes_per_layer,) * n,
+            expert_bytes=tuple(self.expert_bytes if self.has_experts(i) else 0 for i in range(n)),
+            kv_bytes_per_token=tuple(per_token),
+            kv_window=tuple(window) if any(window) else (),
+            embed_bytes=self.embedding_bytes or self.head_bytes,
+            head_bytes=self.head_bytes,
+            draft_bytes=self.draft_bytes,
+            state_bytes=tuple(state) if any(state) else (),
+        )
 
     @property
     def moe_layers(self) -> int:
@@ -310,86 +339,49 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-class _Prefix:
-    """Prefix sums over layers so that one placement is priced in O(cards)."""
-
-    def __init__(self, g: ModelGeometry, context: int, kv: str) -> None:
-        self.kv = [0]
-        self.experts = [0]
-        for i in range(g.layers):
-            self.kv.append(self.kv[-1] + g.layer_kv_bytes(i, context, kv))
-            self.experts.append(self.experts[-1] + (g.experts if g.has_experts(i) else 0))
-
-
-def _card_fit(
-    g: ModelGeometry,
-    p: _Prefix,
-    gpu: GpuInfo,
-    begin: int,
-    end: int,
-    last: bool,
-    reserve: int,
-    overhead: int,
+def _stage_fit(
+    g: ModelGeometry, st: placement.StageFit, gpu: GpuInfo, context: int, kv: str, budget: placement.Budget
 ) -> CardFit:
-    dense = g.dense_bytes_per_layer * (end - begin) + ((g.head_bytes + g.draft_bytes) if last else 0)
-    kv_bytes = p.kv[end] - p.kv[begin]
-    room = gpu.vram_free - reserve - overhead - dense - kv_bytes
-    total = p.experts[end] - p.experts[begin]
-    held = min(total, max(room, 0) // g.expert_bytes) if g.expert_bytes and total else 0
+    pg = g.to_placement(kv)
+    kv_bytes = sum(pg.kv_bytes(i, context) for i in range(st.begin, st.end))
     return CardFit(
         gpu=gpu,
-        begin=begin,
-        end=end,
-        last=last,
+        begin=st.begin,
+        end=st.end,
+        last=st.last,
         vram_free=gpu.vram_free,
-        reserve_bytes=reserve,
-        overhead_bytes=overhead,
-        dense_bytes=dense,
+        reserve_bytes=budget.reserve(0 if st.first else 1),
+        overhead_bytes=budget.overhead,
+        dense_bytes=st.fixed_bytes - kv_bytes - budget.overhead,
         kv_bytes=kv_bytes,
-        expert_room=max(room, 0),
-        experts_total=total,
-        experts_in_vram=held,
-        shortfall=max(-room, 0),
+        expert_room=max(st.usable_bytes - st.fixed_bytes, 0),
+        experts_total=st.pairs,
+        experts_in_vram=st.held,
+        shortfall=st.shortfall,
     )
-
-
-def _fits(
-    g: ModelGeometry, p: _Prefix, gpus: Sequence[GpuInfo], starts: Sequence[int], reserve: int, overhead: int
-) -> tuple[CardFit, ...]:
-    bounds = [0, *starts, g.layers]
-    return tuple(
-        _card_fit(g, p, gpu, bounds[i], bounds[i + 1], i == len(gpus) - 1, reserve, overhead)
-        for i, gpu in enumerate(gpus)
-    )
-
-
-def _score(cards: Sequence[CardFit], expert_bytes: int) -> tuple[int, int, int]:
-    """Fewest bytes missing, then most experts in VRAM, then the most room left on the fullest card."""
-    left = min(c.expert_room - c.experts_in_vram * expert_bytes for c in cards)
-    return (-sum(c.shortfall for c in cards), sum(c.experts_in_vram for c in cards), left)
-
-
-def check_layer_split(split: Sequence[int], n_cards: int, layers: int) -> tuple[int, ...]:
-    """A manual split: one rising first layer per card after the first, each inside the model."""
-    starts = tuple(split)
-    if len(starts) != n_cards - 1:
-        raise ValueError(
-            f"layer split {list(starts)} has {len(starts)} numbers for {n_cards} cards: give the first layer "
-            f"of each card after the first ({n_cards - 1} rising numbers)"
-        )
-    prev = 0
-    for s in starts:
-        if s <= prev or s >= layers:
-            raise ValueError(
-                f"layer split {list(starts)}: each number must rise and lie between 1 and {layers - 1} "
-                f"(the model has {layers} layers), e.g. {even_split(layers, n_cards)}"
-            )
-        prev = s
-    return starts
 
 
 def even_split(layers: int, n_cards: int) -> list[int]:
     return [round(layers * i / n_cards) for i in range(1, n_cards)]
+
+
+def _plan(
+    g: ModelGeometry,
+    gpus: Sequence[GpuInfo],
+    context: int,
+    kv: str,
+    layer_split: Literal["auto"] | Sequence[int],
+    reserve_bytes: int,
+    overhead_bytes: int,
+) -> tuple[placement.Placement, placement.Budget]:
+    """The engine's placement (installer.placement.plan) of these cards, in the order given (already the stage
+    order: `stage_order`), with the shortfalls of a model that does not fit kept for the preview to show."""
+    budget = placement.Budget(context, reserve_first=reserve_bytes, overhead=overhead_bytes)
+    cards = [as_card(gpu) for gpu in gpus]
+    p = placement.plan(
+        cards, g.to_placement(kv), budget, layer_split, gpu_order="as_given", allow_shortfall=True
+    )
+    return p, budget
 
 
 def auto_split(
@@ -400,36 +392,10 @@ def auto_split(
     reserve_bytes: int = DEFAULT_RESERVE_BYTES,
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
 ) -> tuple[int, ...]:
-    """Every placement for up to four cards (at least 3 layers each where the model allows), best by `_score`;
-    beyond four, layers in proportion to each card's free VRAM."""
-    n = len(gpus)
-    if n <= 1:
+    """The first layer of each card after the first under `"layer_split": "auto"`: the engine's rule."""
+    if len(gpus) <= 1:
         return ()
-    min_layers = MIN_LAYERS_PER_CARD if g.layers >= MIN_LAYERS_PER_CARD * n else 1
-    if g.layers < n:
-        raise ValueError(
-            f"the model has {g.layers} layers, fewer than the {n} cards chosen: choose fewer cards"
-        )
-    p = _Prefix(g, context, kv)
-    if n > MAX_EXHAUSTIVE_CARDS:
-        avail = [max(gpu.vram_free - reserve_bytes - overhead_bytes, 1) for gpu in gpus]
-        total, acc, starts = sum(avail), 0, []
-        for i in range(n - 1):
-            acc += avail[i]
-            lo = (starts[-1] if starts else 0) + min_layers
-            hi = g.layers - min_layers * (n - 1 - i)
-            starts.append(min(max(round(g.layers * acc / total), lo), hi))
-        return tuple(starts)
-    best: tuple[int, ...] | None = None
-    best_score: tuple[int, int, int] | None = None
-    for starts in itertools.combinations(range(min_layers, g.layers - min_layers + 1), n - 1):
-        if any(b - a < min_layers for a, b in itertools.pairwise((0, *starts, g.layers))):
-            continue
-        score = _score(_fits(g, p, gpus, starts, reserve_bytes, overhead_bytes), g.expert_bytes)
-        if best_score is None or score > best_score:
-            best, best_score = starts, score
-    assert best is not None  # min_layers * n <= layers guarantees one placement
-    return best
+    return _plan(g, gpus, context, kv, "auto", reserve_bytes, overhead_bytes)[0].starts
 
 
 def estimate_fit(
@@ -441,16 +407,16 @@ def estimate_fit(
     reserve_bytes: int = DEFAULT_RESERVE_BYTES,
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
 ) -> FitEstimate:
-    """The fit of a model on these cards, in stage order (see `stage_order`). Raises ValueError on bad input."""
+    """The fit of a model on these cards, in stage order (see `stage_order`), split as the engine splits it.
+    Raises ValueError (PlacementError is one) on bad input: a split that does not suit the cards, too few layers
+    for the cards, an unknown KV type."""
     if not gpus:
         raise ValueError("estimate_fit needs at least one card")
     if kv not in KV_BYTES_SCALE:
         raise ValueError(f"kv type {kv!r} is not one of {sorted(KV_BYTES_SCALE)}")
     if context < 1:
         raise ValueError(f"context must be at least 1 token, got {context}")
-    if layer_split == "auto":
-        starts = auto_split(g, gpus, context, kv, reserve_bytes, overhead_bytes)
-    else:
-        starts = check_layer_split(layer_split, len(gpus), g.layers)
-    cards = _fits(g, _Prefix(g, context, kv), gpus, starts, reserve_bytes, overhead_bytes)
-    return FitEstimate(cards=cards, context=context, kv=kv, layer_split=starts)
+    p, budget = _plan(g, gpus, context, kv, layer_split, reserve_bytes, overhead_bytes)
+    by_index = {gpu.index: gpu for gpu in gpus}
+    cards = tuple(_stage_fit(g, st, by_index[st.card.index], context, kv, budget) for st in p.stages)
+    return FitEstimate(cards=cards, context=context, kv=kv, layer_split=p.starts)

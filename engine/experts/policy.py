@@ -8,6 +8,7 @@ import torch
 
 from engine.experts.cache import ExpertCache, plan_capacity
 from engine.kernels import int8_activations
+from installer.engine_options import D as OPTION_DEFAULTS
 
 if TYPE_CHECKING:
     from engine.models.decoder import DecoderLM
@@ -23,7 +24,8 @@ WORKSPACE_BYTES = 768 * MiB
 class ExpertPolicy:
     slots: int | None = None  # --expert-cache N: experts in VRAM on this card (all layers together)
     vram_budget_mib: int | None = None  # make the card behave like one of this size (tests, shared cards)
-    reserve_mib: int = 512  # --vram-reserve-mib: left free for the desktop and other programs
+    # --vram-reserve-mib: left free for the desktop and other programs
+    reserve_mib: int = OPTION_DEFAULTS.vram_reserve_mib
     kv_bytes: int = 0  # the KV cache still to be allocated
     profile: torch.Tensor | None = None  # usage counts [n_layer, n_expert] to fill the cache hottest first
     miss_path: str = (

@@ -10,58 +10,23 @@ Keys: `STRATA_STAGE_TOKEN` (the same secret on every PC) for a worker started by
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 import signal
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from installer.engine_options import EngineOptions
 
 PROG = "strata-engine worker"
-TIMING_ENV = "STRATA_REMOTE_TIMING"
 log = logging.getLogger("strata.link")
 
 
-def add_worker_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("stage worker")
-    g.add_argument(
-        "--stage-worker", type=int, required=True, metavar="PORT", help="TCP port to listen on (0: any)"
-    )
-    g.add_argument("--stage-begin", type=int, required=True, metavar="K", help="first layer this worker runs")
-    g.add_argument(
-        "--stage-end", type=int, metavar="K2", help="one past its last layer (default: the model's end)"
-    )
-    g.add_argument(
-        "--stage-next", metavar="HOST:PORT", help="the worker of the layers from K2 on (with --stage-end)"
-    )
-    g.add_argument(
-        "--stage-bind", default="0.0.0.0", metavar="ADDR", help="address to listen on (default all)"
-    )
-    g.add_argument(
-        "--stage-key", metavar="FILE", help="this worker's key (a ZeroMQ certificate with its secret)"
-    )
-    g.add_argument(
-        "--stage-allow",
-        action="append",
-        default=[],
-        metavar="KEY",
-        help="a client public key (Z85 or a certificate file) this worker admits; repeatable",
-    )
-    g.add_argument("--stage-next-key", metavar="KEY", help="the next worker's public key (with --stage-key)")
-    g.add_argument("--gpu", type=int, help="the card to run on (nvidia-smi's number)")
-    g.add_argument(
-        "--cpu-weights-mib",
-        type=int,
-        metavar="MIB",
-        help="on the CPU: RAM for float copies of this worker's weights (default: a quarter of the RAM, at most "
-        "8 GiB; 0: keep them in blocks)",
-    )
-
-
-def cmd_worker(args: argparse.Namespace) -> int:
-    from engine.experts.placement import PlacementError
+def cmd_worker(args: EngineOptions) -> int:
     from engine.link.client import StageError
     from engine.link.keys import LinkKeyError
     from engine.link.transport import EndpointError
+    from installer.placement import PlacementError
 
     try:
         server = _build(args)
@@ -78,10 +43,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build(args: argparse.Namespace) -> object:
+def _build(args: EngineOptions) -> object:
     import torch
 
-    from engine.experts.placement import PlacementError
     from engine.gguf.reader import GGUFFile
     from engine.layers import cpu_weights
     from engine.layers.kv_cache import resolve_kv_type
@@ -101,6 +65,7 @@ def _build(args: argparse.Namespace) -> object:
         visible_cards,
     )
     from engine.tokenizer import Tokenizer
+    from installer.placement import PlacementError
 
     if not args.model:
         raise PlacementError("--model is required: the same .gguf file as the main process")
@@ -154,7 +119,7 @@ def _build(args: argparse.Namespace) -> object:
     )
     cpu_weights.attach(model, getattr(args, "cpu_weights_mib", None))
     info = stage_info(gf, cfg, begin, end, args.max_context, max_tokens, kv)
-    timing = (lambda line: log.info("%s", line)) if os.environ.get(TIMING_ENV) == "1" else None
+    timing = (lambda line: log.info("%s", line)) if args.remote_timing else None
     server = StageServer(
         info, ModelCompute(model, sp.labels[0]), keys, args.stage_bind, args.stage_worker, next_endpoint, next_keys,
         timing=timing,

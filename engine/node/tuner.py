@@ -3,7 +3,7 @@
 For every candidate split the tuner makes sure each worker PC holds the layers it needs (shipped once, one file per
 PC covering every candidate's range), starts the workers through the agents (the last first, a relay's key made
 ahead so the stage after it admits it), and loads the main stage here the way `strata-engine` does: the candidate
-config goes through the engine's own flags (`config_args`) and option parser. Then for every chunk size it reads
+config goes through the engine's own option rules (`installer.engine_options`). Then for every chunk size it reads
 its own fixed prompts (the same token ids every time, no prompt cache) of the workload's lengths and answers of
 fixed length, and takes the generation stream's own timings. The best
 configuration is the one with the least expected time per request over the workload mix; the config is written in
@@ -168,18 +168,15 @@ class MainStage:
     engine's flags and option parser (what `strata-engine` does with the same config)."""
 
     def __init__(self, config: Any, key_flags: list[str], device: str, dtype: str) -> None:
-        from engine.cli import build_parser
         from engine.layers.kv_cache import resolve_kv_type
         from engine.pipeline.split import load_split_model
-        from engine.pipeline.split_args import config_args, options_from_args
+        from engine.pipeline.split_args import options_from_args
+        from installer.engine_options import from_config, merge, typed
 
-        argv = ["generate", "--model", config.model, "--prompt", "-", *config_args(config), *config.args]
-        argv += ["--device", device, "--dtype", dtype, *key_flags]
-        if config.max_context:
-            argv += ["--max-context", str(config.max_context)]
-        if config.kv:
-            argv += ["--kv", config.kv]
-        args = build_parser().parse_args(argv)
+        # What `strata-engine generate --config C` would run: the config, then the flags given here.
+        given = {**typed(["generate", "--prompt", "-", *key_flags]), "device": device, "dtype": dtype}
+        from_file, _ = from_config(config, "generate")
+        args, _ = merge("generate", given, from_file)
         self.max_context = int(args.max_context)
         opts = options_from_args(args)
         self.lm = load_split_model(config.model, opts, args.max_context, args.kv, args.dtype)

@@ -4,21 +4,17 @@ from dataclasses import dataclass
 
 import torch
 
+from installer.engine_options import SamplingDefaults
+
 
 class SamplingError(ValueError):
     pass
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repeat_last_n: int = 64
+class SamplingParams(SamplingDefaults):
+    """One request's sampling: the defaults of installer.engine_options where the request names none."""
+
     seed: int | None = None
 
     def __post_init__(self) -> None:

@@ -18,18 +18,6 @@ from typing import Literal
 import numpy as np
 import torch
 
-from engine.experts.placement import (
-    MIB,
-    Budget,
-    Card,
-    Geometry,
-    GpuOrder,
-    Placement,
-    PlacementError,
-    check_cards,
-    check_manual_split,
-    plan,
-)
 from engine.experts.policy import WORKSPACE_BYTES, ExpertPolicy
 from engine.gguf import names
 from engine.gguf.reader import GGUFFile, block_index
@@ -42,6 +30,19 @@ from engine.models.registry import file_config
 from engine.pipeline.handoff import HandoffMode
 from engine.pipeline.stages import LocalStage, SplitModel
 from engine.tokenizer import ChatFormatter, Tokenizer
+from installer.engine_options import D as OPTION_DEFAULTS
+from installer.placement import (
+    MIB,
+    Budget,
+    Card,
+    Geometry,
+    GpuOrder,
+    Placement,
+    PlacementError,
+    check_cards,
+    check_manual_split,
+    plan,
+)
 
 log = logging.getLogger("strata.engine")
 
@@ -59,7 +60,7 @@ class SplitOptions:
     layer_split: LayerSplitArg = None  # --layer-split auto | K1,K2 (None: auto when several cards)
     split_device: tuple[str, ...] = ()  # --split-device D1,D2: later stages' devices (card numbers or cpu)
     gpu_order: GpuOrder = "auto"
-    reserve_mib: int = 512
+    reserve_mib: int = OPTION_DEFAULTS.vram_reserve_mib
     reserve_later_mib: int | None = None
     skip_if_fits: bool = False
     handoff: HandoffMode = "auto"

@@ -1,10 +1,8 @@
 """`strata-engine serve`: the OpenAI-compatible server. Only the standard library is imported here, so that
 `strata-engine --help` stays fast; FastAPI, uvicorn and torch load when the server starts."""
 
-import argparse
 import ipaddress
 import logging
-import os
 import socket
 import sys
 from pathlib import Path
@@ -12,57 +10,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.pipeline.split import SplitOptions
+    from installer.engine_options import EngineOptions
 
 PROG = "strata-engine serve"
-API_KEY_ENV = "STRATA_API_KEY"
 log = logging.getLogger("strata.serve")
 
 
 class ServeError(RuntimeError):
     """A start that cannot go ahead; the message says why and what to do."""
-
-
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """The serve options (the model options come from engine/cli.py's shared set)."""
-    p.add_argument(
-        "--config", help="a strata-<model>.json config (its model, cards and args); flags override it"
-    )
-    p.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this PC only)"
-    )
-    p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 = any free port)")
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help=f"require this key (Authorization: Bearer KEY); needed off 127.0.0.1; also read from ${API_KEY_ENV}",
-    )
-    p.add_argument(
-        "--alias", action="append", default=[], help="another model name to answer to (repeatable)"
-    )
-    p.add_argument(
-        "--max-queue", type=int, default=64, help="requests that may wait for the model (default 64)"
-    )
-    p.add_argument(
-        "--prompt-cache-mib",
-        type=int,
-        default=2048,
-        help="host memory for the KV of recent conversations (default 2048 MiB; 0 = off)",
-    )
-    p.add_argument("--max-body-mib", type=float, default=16.0, help="largest request body (default 16 MiB)")
-    p.add_argument(
-        "--cors", action="append", default=[], help="a web origin allowed to call the API (repeatable)"
-    )
-    p.add_argument(
-        "--profile-every",
-        type=float,
-        default=300.0,
-        metavar="S",
-        help="save the experts used into the usage profile every S seconds of serving (checked after each "
-        "request; 0: after every request) and at shutdown (default 300); --no-profile turns it off",
-    )
-    p.add_argument(
-        "--threads", type=int, default=0, help="CPU threads for the model's math (default: torch's choice)"
-    )
 
 
 def is_loopback(host: str) -> bool:
@@ -72,43 +27,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def _defaults() -> argparse.Namespace:
-    from engine.cli import build_parser  # engine.cli imports this module; by now it is loaded
-
-    return build_parser().parse_args(["serve"])
-
-
-def apply_config(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill what the command line left at its default from the config file (its keys, then its "args"); the
-    cards, the layer split and the worker PCs become the split flags (`config_args`)."""
-    from installer.config import ConfigError, read_config
-
-    path = Path(args.config)
-    try:
-        cfg = read_config(path)
-    except ConfigError as e:
-        raise ServeError(str(e)) from None
-    from engine.cli import build_parser
-    from engine.pipeline.split_args import config_args
-
-    defaults = _defaults()
-    # The split keys ("gpu", "layer_split", "gpu_order", "workers", ...) as flags, before "args" (which win).
-    from_file, unknown = build_parser().parse_known_args(["serve", *config_args(cfg), *cfg.args])
-    if unknown:
-        log.warning("%s: args %s are not options of %s and are ignored", path.name, " ".join(unknown), PROG)
-    out = argparse.Namespace(**vars(args))
-    for key, value in vars(from_file).items():
-        if getattr(args, key, None) == getattr(defaults, key, None):
-            setattr(out, key, value)
-    keyed = {"model": cfg.model, "max_context": cfg.max_context, "kv": cfg.kv}
-    for key, value in keyed.items():
-        if value is not None and getattr(args, key) == getattr(defaults, key):
-            setattr(out, key, value)
-    if out.model and not Path(out.model).is_absolute():
-        out.model = str(path.parent / out.model)
-    return out
 
 
 def _prefill(arg: str) -> int | None:
@@ -121,7 +39,7 @@ def _prefill(arg: str) -> int | None:
     return int(arg)
 
 
-def _split_options(args: argparse.Namespace) -> "SplitOptions":
+def _split_options(args: "EngineOptions") -> "SplitOptions":
     """The split flags, checked as far as they can be without the model (the rest when it loads, on /health)."""
     from engine.pipeline.split_args import options_from_args
 
@@ -161,7 +79,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: "EngineOptions") -> int:
     try:
         return _serve(args)
     except ServeError as e:
@@ -169,14 +87,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
 
-def _serve(args: argparse.Namespace) -> int:
-    if args.config:
-        args = apply_config(args)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+def _serve(args: "EngineOptions") -> int:
+    api_key = args.api_key or None  # the flag, else $STRATA_API_KEY (installer.engine_options)
     if not is_loopback(args.host) and not api_key:
         raise ServeError(
             f"refusing to listen on {args.host} without an API key: anyone on the network could use the model; "
-            f"add --api-key KEY (or set {API_KEY_ENV}), or listen on 127.0.0.1"
+            "add --api-key KEY (or set STRATA_API_KEY), or listen on 127.0.0.1"
         )
     if not 0 <= args.port <= 65535:
         raise ServeError(f"--port must be 0..65535, not {args.port}")
@@ -232,7 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     sock = bind(args.host, args.port)
     service = EngineService(opts)
-    app = create_app(service, args.cors)
+    app = create_app(service, list(args.cors))
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     # The app and the tests read this line for the port (--port 0).

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from engine.experts.placement import Card
+from installer.placement import Card
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30

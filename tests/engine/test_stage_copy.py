@@ -3,44 +3,37 @@ CPU, test_gpu_fast_path.py on a GPU)."""
 
 import pytest
 
-from engine.pipeline.split_args import add_split_args, options_from_args
+from engine.pipeline.split_args import options_from_args
+from installer.engine_options import resolve
+
+
+def _opts(argv: list[str]):  # type: ignore[no-untyped-def]
+    return resolve(["serve", *argv], env={})
 
 
 def test_the_flag_reaches_the_policy() -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    add_split_args(ap)
-    assert (
-        options_from_args(ap.parse_args([])).expert_misses == "copy"
-    )  # measured the faster (docs/performance.md)
-    assert options_from_args(ap.parse_args(["--expert-misses", "direct"])).expert_misses == "direct"
+    assert options_from_args(_opts([])).expert_misses == "copy"  # measured the faster (docs/performance.md)
+    assert options_from_args(_opts(["--expert-misses", "direct"])).expert_misses == "direct"
     with pytest.raises(SystemExit):
-        ap.parse_args(["--expert-misses", "sometimes"])
+        _opts(["--expert-misses", "sometimes"])
 
 
 def test_cpu_experts_flag_reaches_the_policy() -> None:
-    import argparse
 
-    from engine.experts.placement import PlacementError
+    from installer.placement import PlacementError
 
-    ap = argparse.ArgumentParser()
-    add_split_args(ap)
-    assert options_from_args(ap.parse_args([])).cpu_share is None  # auto: the layers the CPU reads in place
-    assert options_from_args(ap.parse_args(["--cpu-experts", "0"])).cpu_share == 0.0  # off
-    assert options_from_args(ap.parse_args(["--cpu-experts", "0.5"])).cpu_share == 0.5
+    assert options_from_args(_opts([])).cpu_share is None  # auto: the layers the CPU reads in place
+    assert options_from_args(_opts(["--cpu-experts", "0"])).cpu_share == 0.0  # off
+    assert options_from_args(_opts(["--cpu-experts", "0.5"])).cpu_share == 0.5
     with pytest.raises(PlacementError, match="--cpu-experts is a fraction from 0 to 1"):
-        options_from_args(ap.parse_args(["--cpu-experts", "1.5"]))
+        options_from_args(_opts(["--cpu-experts", "1.5"]))
 
 
 def test_cpu_ratio_flag_reaches_the_policy() -> None:
-    import argparse
 
-    from engine.experts.placement import PlacementError
+    from installer.placement import PlacementError
 
-    ap = argparse.ArgumentParser()
-    add_split_args(ap)
-    assert options_from_args(ap.parse_args([])).cpu_ratio is None  # the engine's default share
-    assert options_from_args(ap.parse_args(["--cpu-experts", "1", "--cpu-ratio", "0.25"])).cpu_ratio == 0.25
+    assert options_from_args(_opts([])).cpu_ratio is None  # the engine's default share
+    assert options_from_args(_opts(["--cpu-experts", "1", "--cpu-ratio", "0.25"])).cpu_ratio == 0.25
     with pytest.raises(PlacementError, match="--cpu-ratio is a fraction from 0 to 1"):
-        options_from_args(ap.parse_args(["--cpu-ratio", "-0.1"]))
+        options_from_args(_opts(["--cpu-ratio", "-0.1"]))

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from engine.cli import main as engine_main
-from engine.experts.placement import PlacementError
 from engine.link.client import StageError
 from engine.loader import load_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
@@ -18,6 +17,7 @@ from engine.pipeline.sampling import GREEDY
 from engine.pipeline.split import SplitOptions, check_remote_options, load_split_model
 from engine.pipeline.stages import SplitModel
 from engine.testing.tiny_models import write_tiny_model
+from installer.placement import PlacementError
 from tests.engine.link.harness import TOKEN, WorkerProc, start_worker
 
 PROMPT = [1, 17, 42, 99, 150, 7, 300, 12, 5, 64, 128, 256, 33, 71, 200, 11, 90, 45, 13, 180, 3, 8]

@@ -266,8 +266,8 @@ def test_worker_gets_whitelisted_argv_and_a_fresh_key_file(
 
 
 def test_every_whitelisted_flag_is_a_worker_option() -> None:
-    from engine.cli import build_parser
     from engine.node.workers import FLAG_WHITELIST
+    from installer.engine_options import resolve
 
     sample = {"--kv": "int8", "--dtype": "f32", "--max-context": "64", "--prefill": "128", "--device": "cpu",
               "--activations": "float"}  # fmt: skip
@@ -275,7 +275,7 @@ def test_every_whitelisted_flag_is_a_worker_option() -> None:
     argv = ["worker", "--stage-worker", "1", "--stage-begin", "1"]
     for flag, value in sample.items():
         argv += [flag, FLAG_WHITELIST[flag](value)]
-    args = build_parser().parse_args(argv)
+    args = resolve(argv, env={})
     assert (args.kv, args.dtype, args.max_context, args.prefill, args.device, args.activations) == (
         "int8",
         "f32",
@@ -292,7 +292,7 @@ def test_keys_that_begin_with_a_dash_reach_the_worker_intact(
     """Z85 keys may begin with "-": the agent writes --flag=KEY, and the worker's own parser reads them back."""
     import json
 
-    from engine.cli import build_parser
+    from installer.engine_options import resolve
 
     dashed = next(k for k in iter(KeyPair.generate, None) if k.public.startswith("-"))
     p = _worker_agent(make_agent, tmp_path)
@@ -305,7 +305,7 @@ def test_keys_that_begin_with_a_dash_reach_the_worker_intact(
         allow_keys=[dashed.public],
     )
     argv = json.loads(p.client.logs(w["id"], 0, wait_ms=10_000)["lines"][0])["argv"]
-    args = build_parser().parse_args(argv)
-    assert args.stage_next_key == dashed.public and args.stage_allow == [dashed.public]
+    args = resolve(argv, env={})
+    assert args.stage_next_key == dashed.public and args.stage_allow == (dashed.public,)
     assert (args.stage_begin, args.stage_end, args.stage_worker) == (2, 3, w["port"])
     p.client.close()

@@ -126,12 +126,11 @@ def test_tuner_on_two_emulated_pcs(
     # and then the config, use the port the worker got: engine/node/chain.py)
     assert cfg.workers[0].port in p1.agent.workers.ports and cfg.workers[1].port in p2.agent.workers.ports
     assert cfg.args == ("--prefill", str(res.best_chunk)) and cfg.max_context == 128
-    from engine.cli import build_parser
     from engine.pipeline.split import check_remote_options
-    from engine.pipeline.split_args import config_args, options_from_args
+    from engine.pipeline.split_args import options_from_args
+    from installer.engine_options import config_args, from_config, merge
 
-    args = build_parser().parse_args(["generate", "--prompt", "x", *config_args(cfg), *cfg.args])
-    opts = options_from_args(args)
+    opts = options_from_args(merge("generate", {"prompt": "x"}, from_config(cfg, "generate")[0])[0])
     check_remote_options(opts, 6)
     assert opts.remote == f"127.0.0.1:{p1.agent.workers.ports.start}" and opts.layer_split == (k1,)
 

@@ -1,14 +1,12 @@
 """The split flags and config keys -> which layers run on which device, checked before anything loads; every
 refusal says what is wrong and how to fix it. Cards are given as data (no GPU needed)."""
 
-import argparse
 import logging
 from pathlib import Path
 
 import pytest
 
 from engine.cli import main
-from engine.experts.placement import GIB, Card, Geometry, PlacementError
 from engine.pipeline.split import (
     SplitOptions,
     parse_gpus,
@@ -16,9 +14,11 @@ from engine.pipeline.split import (
     parse_split_device,
     plan_stages,
 )
-from engine.pipeline.split_args import add_split_args, config_args, options_from_args
+from engine.pipeline.split_args import options_from_args
 from engine.testing.tiny_models import write_tiny_model
 from installer.config import ConfigError, parse_config
+from installer.engine_options import config_args, resolve
+from installer.placement import GIB, Card, Geometry, PlacementError
 
 MIB = 1 << 20
 
@@ -115,12 +115,9 @@ def test_flag_parsing() -> None:
     ):
         with pytest.raises(PlacementError):
             fn(bad)  # type: ignore[operator]
-    p = argparse.ArgumentParser()
-    p.add_argument("--device", default="auto")
-    add_split_args(p)
     o = options_from_args(
-        p.parse_args(["--gpus", "0,2", "--layer-split", "auto", "--gpu-order", "as_given", "--vram-reserve-mib", "300",
-                      "--vram-reserve-later-mib", "1800", "--split-skip-if-fits"])
+        resolve(["serve", "--gpus", "0,2", "--layer-split", "auto", "--gpu-order", "as_given", "--vram-reserve-mib",
+                 "300", "--vram-reserve-later-mib", "1800", "--split-skip-if-fits"], env={})
     )  # fmt: skip
     assert (o.gpus, o.layer_split, o.gpu_order, o.reserve_mib, o.reserve_later_mib, o.skip_if_fits) == (
         (0, 2), "auto", "as_given", 300, 1800, True,
@@ -167,11 +164,9 @@ def test_generate_cli_runs_a_cpu_split_and_refuses_a_bad_one(
 
 
 def test_expert_cache_flags_reach_the_split_options() -> None:
-    from engine.pipeline.split_args import add_split_args, options_from_args
-
-    p = argparse.ArgumentParser()
-    add_split_args(p)
-    opts = options_from_args(p.parse_args(["--expert-cache", "1536", "--vram-budget-mib", "16384"]))
+    opts = options_from_args(
+        resolve(["serve", "--expert-cache", "1536", "--vram-budget-mib", "16384"], env={})
+    )
     assert (opts.expert_slots, opts.vram_budget_mib) == (1536, 16384)
     with pytest.raises(ValueError, match="--expert-cache must be 0 or more"):
-        options_from_args(p.parse_args(["--expert-cache", "-1"]))
+        options_from_args(resolve(["serve", "--expert-cache", "-1"], env={}))

@@ -3,7 +3,6 @@ a remote stage (`--remote-stage` to a `strata-engine worker` subprocess on loopb
 with the single-process server's greedy text; /stats and /events show each stage; a killed worker gives a 502 that
 names it and /health says degraded, a restarted one serves again. Also the config keys that become split flags."""
 
-import argparse
 import json
 import threading
 import time
@@ -16,10 +15,9 @@ import openai
 import pytest
 from httpx_sse import connect_sse
 
-from engine.cli import build_parser
 from engine.cli import main as engine_main
-from engine.serve.cli import apply_config
 from engine.testing.tiny_models import write_tiny_model
+from installer.engine_options import EngineOptions, resolve
 from tests.engine.link.harness import TOKEN, WorkerProc, start_worker
 from tests.engine.serve.harness import ServerProc, start_server
 
@@ -200,10 +198,10 @@ def test_a_killed_worker_fails_the_request_and_a_restarted_one_serves(servers: S
 # ---- the config's split keys and the flags checked at start -------------------------------------------------
 
 
-def _from_config(tmp_path: Path, cfg: dict[str, Any], *argv: str) -> argparse.Namespace:
+def _from_config(tmp_path: Path, cfg: dict[str, Any], *argv: str) -> EngineOptions:
     path = tmp_path / "strata-tiny.json"
     path.write_text(json.dumps(cfg))
-    return apply_config(build_parser().parse_args(["serve", "--config", str(path), *argv]))
+    return resolve(["serve", "--config", str(path), *argv], env={})
 
 
 def test_config_split_keys_become_flags(tmp_path: Path) -> None:

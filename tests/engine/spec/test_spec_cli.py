@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import build_parser, main
+from engine.cli import main
 from engine.loader import load_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.sampling import GREEDY
 from engine.serve.cli import cmd_serve
+from installer.engine_options import resolve
 from tests.engine.serve.harness import start_server
 
 
@@ -59,18 +60,16 @@ def test_generate_refuses_bad_window_options(tiny_models: dict[str, Path]) -> No
 
 
 def test_serve_refuses_bad_spec(capsys: pytest.CaptureFixture[str]) -> None:
-    args = build_parser().parse_args(["serve", "--spec", "99"])
+    args = resolve(["serve", "--spec", "99"])
     assert cmd_serve(args) == 2
     assert "--spec 99: give the drafted tokens per window, 0 (off) to 32" in capsys.readouterr().err
-    args = build_parser().parse_args(["serve", "--mtp", "1"])
+    args = resolve(["serve", "--mtp", "1"])
     assert cmd_serve(args) == 2
     assert (
         "--mtp 1 drafts with the model's draft layer in verify windows: give --spec N"
         in capsys.readouterr().err
     )
-    args = build_parser().parse_args(
-        ["serve", "--spec", "4", "--suffix-draft", "0", "--pipeline-windows", "2", "--mtp", "0"]
-    )
+    args = resolve(["serve", "--spec", "4", "--suffix-draft", "0", "--pipeline-windows", "2", "--mtp", "0"])
     assert (args.spec, args.suffix_draft, args.pipeline_windows, args.mtp) == (4, 0, 2, "0")
 
 

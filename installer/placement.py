@@ -1,4 +1,6 @@
-"""Placement of layer ranges on the cards of one PC (seed 002): a pure function of (cards, model geometry, profile).
+"""Placement of layer ranges on the cards of one PC (seed 002): a pure function of (cards, model geometry, profile),
+torch-free, so that the engine (engine/pipeline/split.py) and the previews of the setup wizard and strata-setup
+(installer/recommend.py) run this one rule and show the split the engine will run.
 
 - `order_cards`: under `"gpu_order": "auto"` the faster card (SMs x max clock) goes last - it runs the head and a
   prompt chunk waits on it - unless its score is within 5% of the last card's; `"as_given"` and a manual split keep
@@ -25,16 +27,17 @@ from typing import Literal
 
 import numpy as np
 
-from installer.recommend import (
-    DEFAULT_OVERHEAD_BYTES,
-    DEFAULT_RESERVE_BYTES,
-    MAX_EXHAUSTIVE_CARDS,
-    MIN_LAYERS_PER_CARD,
-    TIE_FRACTION,
-)
+from installer.engine_options import D as OPTION_DEFAULTS
 
 GIB = 1024**3
 MIB = 1024**2
+TIE_FRACTION = 0.05  # a card within 5% of the fastest counts as fast as it
+MAX_EXHAUSTIVE_CARDS = 4
+MIN_LAYERS_PER_CARD = 3
+DEFAULT_RESERVE_BYTES = OPTION_DEFAULTS.vram_reserve_mib * MIB
+"""Headroom per card left to the display, the driver and fragmentation (the engine's --vram-reserve-mib)."""
+DEFAULT_OVERHEAD_BYTES = 1024 * MIB
+"""Per card: CUDA context, cuBLAS workspace, activations and prompt buffers (an estimate)."""
 MIN_CC = (7, 5)
 MIN_LAST_LAYERS = 2  # a manual split's last card keeps two layers at least
 
@@ -87,6 +90,7 @@ class Geometry:
     embed_bytes: int = 0  # the token table, on the first card
     head_bytes: int = 0  # output norm and head, on the last card
     draft_bytes: int = 0  # the draft (MTP) layer, on the last card
+    state_bytes: tuple[int, ...] = ()  # a fixed state per layer whatever the context (linear attention)
 
     def __post_init__(self) -> None:
         if self.n_layer < 1:
@@ -94,13 +98,14 @@ class Geometry:
         for name in ("dense_bytes", "expert_bytes", "kv_bytes_per_token"):
             if len(getattr(self, name)) != self.n_layer:
                 raise ValueError(f"Geometry.{name} needs one entry per layer ({self.n_layer})")
-        if self.kv_window and len(self.kv_window) != self.n_layer:
-            raise ValueError(f"Geometry.kv_window needs one entry per layer ({self.n_layer}) or none")
+        for name in ("kv_window", "state_bytes"):
+            if getattr(self, name) and len(getattr(self, name)) != self.n_layer:
+                raise ValueError(f"Geometry.{name} needs one entry per layer ({self.n_layer}) or none")
 
     def kv_bytes(self, layer: int, context: int) -> int:
         window = self.kv_window[layer] if self.kv_window else 0
         tokens = min(context, window) if window else context
-        return tokens * self.kv_bytes_per_token[layer]
+        return tokens * self.kv_bytes_per_token[layer] + (self.state_bytes[layer] if self.state_bytes else 0)
 
 
 @dataclass(frozen=True)
@@ -434,9 +439,12 @@ def plan(
     profile: np.ndarray | None = None,
     gpu_order: GpuOrder = "auto",
     skip_if_fits: bool = False,
+    allow_shortfall: bool = False,
 ) -> Placement:
     """Where each card's layers go. `cards` in the order the user gave them (the first is the main card);
-    `profile` [n_layer, n_expert] counts of expert selections, or None (every pair alike)."""
+    `profile` [n_layer, n_expert] counts of expert selections, or None (every pair alike). A placement that does
+    not fit raises PlacementError, or with `allow_shortfall` (a preview) is returned with its `shortfall`s: the
+    one missing the fewest bytes under auto."""
     if not cards:
         raise PlacementError("no card to place the model on: name one with --gpu N or --gpus 0,1")
     check_cards(cards)
@@ -449,14 +457,14 @@ def plan(
         if manual and list(layer_split):
             check_manual_split(list(layer_split), 1, g.n_layer)
         p = _single(pr, ordered[0], "single")
-        if p.stages[0].shortfall:
+        if p.stages[0].shortfall and not allow_shortfall:
             raise _shortfall_error(p.stages, budget.context, "the model does not fit the card")
         return p
     if manual:
         starts = tuple(int(s) for s in layer_split)  # type: ignore[union-attr]
         check_manual_split(starts, n, g.n_layer)
         stages = pr.stages(starts)
-        if any(s.shortfall for s in stages):
+        if any(s.shortfall for s in stages) and not allow_shortfall:
             raise _shortfall_error(
                 stages, budget.context, f"--layer-split {','.join(map(str, starts))} does not fit"
             )
@@ -492,7 +500,7 @@ def plan(
     if n > MAX_EXHAUSTIVE_CARDS:
         starts = _proportional(g, pr, n)
         stages = pr.stages(starts)
-        if any(s.shortfall for s in stages):
+        if any(s.shortfall for s in stages) and not allow_shortfall:
             raise _shortfall_error(stages, budget.context, "the model does not fit these cards")
         return Placement(
             ordered, starts, stages, "proportional", g.n_layer, pr.pairs_profiled(),
@@ -523,9 +531,15 @@ def plan(
                 best[rule] = (score, starts)
     if not best:
         assert worst_short is not None
-        raise _shortfall_error(
-            worst_short, budget.context, "the model does not fit these cards with any split"
-        )
+        if not allow_shortfall:
+            raise _shortfall_error(
+                worst_short, budget.context, "the model does not fit these cards with any split"
+            )
+        starts = tuple(s.begin for s in worst_short[1:])
+        return Placement(
+            ordered, starts, worst_short, "profile", g.n_layer, pr.pairs_profiled(),
+            sum(s.profiled_held for s in worst_short), _fullest(worst_short, pr.expert_bytes), note, notes,
+        )  # fmt: skip
     rule: Literal["share", "profile"] = "share" if "share" in best else "profile"
     starts = best[rule][1]
     stages = pr.stages(starts)

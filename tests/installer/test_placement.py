@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from engine.experts.placement import (
+from installer.placement import (
     GIB,
     MIB,
     Budget,
