@@ -16,10 +16,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.engine_bench import measure_decode, measure_prompt
 from engine.experts.policy import ExpertPolicy, MiB
+from engine.gguf.model_config import ModelConfig
 from engine.gguf.reader import GGUFFile
-from engine.loader import load_model
-from engine.models.config import ModelConfig
 from engine.models.registry import file_config
+from engine.pipeline.loader import load_model
 from engine.pipeline.split import kv_bytes_per_token
 from engine.tokenizer import Tokenizer
 

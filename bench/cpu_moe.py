@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.report import emit
-from engine.loader import load_model
+from engine.pipeline.loader import load_model
 from engine.testing.tiny_models import write_tiny_model
 
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import emit
 from engine.experts.policy import ExpertPolicy
-from engine.loader import load_model
+from engine.pipeline.loader import load_model
 
 
 def _kv_bytes(model_path: str, ctx: int) -> int:

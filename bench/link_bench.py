@@ -24,8 +24,9 @@ from engine.link import protocol as P
 from engine.link.client import StageClient
 from engine.link.keys import client_keys, server_keys
 from engine.link.server import StageServer
+from engine.link.startup import load_split_model
 from engine.link.transport import Endpoint
-from engine.pipeline.split import SplitOptions, load_split_model
+from engine.pipeline.split import SplitOptions
 from engine.testing.tiny_models import write_tiny_model
 from tests.engine.link.echo_worker import Echo
 from tests.engine.link.harness import TOKEN, _env, _start, start_worker

@@ -121,7 +121,8 @@ class _Scripted:
 
 
 def _load(a: argparse.Namespace) -> object:
-    from engine.pipeline.split import SplitOptions, load_split_model
+    from engine.link.startup import load_split_model
+    from engine.pipeline.split import SplitOptions
 
     path = a.model
     if a.tiny:

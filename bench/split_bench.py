@@ -19,9 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import emit
-from engine.loader import load_model
+from engine.link.startup import load_split_model
 from engine.pipeline.handoff import Handoff
-from engine.pipeline.split import SplitOptions, load_split_model
+from engine.pipeline.loader import load_model
+from engine.pipeline.split import SplitOptions
 from engine.pipeline.stages import SplitModel
 
 

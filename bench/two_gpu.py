@@ -291,12 +291,12 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from engine.gguf.reader import GGUFFile
+    from engine.link.startup import load_split_model
     from engine.models.registry import file_config
     from engine.pipeline.handoff import Handoff
     from engine.pipeline.split import (
         SplitOptions,
         geometry_from_gguf,
-        load_split_model,
         plan_stages,
         prefill_chunk,
         visible_cards,

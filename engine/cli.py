@@ -13,8 +13,8 @@ from installer.config import ConfigError
 from installer.engine_options import EngineOptions, OptionsError, build_parser, resolve, typed
 
 if TYPE_CHECKING:
-    from engine.loader import LoadedModel
     from engine.pipeline.generate import Runner
+    from engine.pipeline.loader import LoadedModel
     from engine.pipeline.spec import SpecConfig
 
 PROG = "strata-engine"
@@ -45,7 +45,7 @@ def _prefill(arg: str) -> int:
 
 def _load(args: EngineOptions) -> "LoadedModel":
     """The model on the card(s) the split flags name (one card or CPU: the plain model)."""
-    from engine.pipeline.split import load_split_model
+    from engine.link.startup import load_split_model
     from engine.pipeline.split_args import options_from_args
 
     return load_split_model(

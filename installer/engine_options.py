@@ -165,6 +165,53 @@ class OptionsError(ValueError):
     """Options that cannot be used together or read; the message says what and how to fix it."""
 
 
+# Every STRATA_* environment variable, with where it is read. Options (ENV above) are read here; the switches of
+# the model, layer and kernel code are read here too (`runtime_switches`), so that code reads no environment of its
+# own; the link's secrets and the folders are read by the package they belong to.
+ENVIRONMENT: dict[str, str] = {
+    "STRATA_API_KEY": "--api-key (serve)",
+    "STRATA_ACTIVATIONS": "--activations: int8 or float (runtime_switches)",
+    "STRATA_REMOTE_TIMING": "1: each stage's timing per chunk and step (serve, worker)",
+    "STRATA_NORM_ROUTE": "0: the decode step's norm and router as separate launches (runtime_switches)",
+    "STRATA_PROMPT_GRAPHS": "0: prompt chunks run eagerly, not from CUDA graphs (runtime_switches)",
+    "STRATA_GEMV_TUNED": "another GEMV tuning file (runtime_switches)",
+    "STRATA_STAGE_TOKEN": "the shared secret of a hand-started stage link (engine/link/keys.py)",
+    "STRATA_STAGE_SECRET_KEY": "a worker's own key, from its node agent (engine/link/keys.py)",
+    "STRATA_STAGE_ALLOW": "the keys a worker admits, from its node agent (engine/link/keys.py)",
+    "STRATA_CONFIG_DIR": "the folder of configs and app settings (installer/paths.py)",
+    "STRATA_DATA_DIR": "the folder of models, keys and node data (installer/paths.py)",
+    "STRATA_PROFILE_DIR": "the folder of expert usage profiles (engine/experts/profile.py)",
+    "STRATA_CI": "fixed hypothesis examples in the test suite (tests/conftest.py)",
+}
+
+
+@dataclass(frozen=True)
+class RuntimeSwitches:
+    """Process-wide switches of the kernels and the model code, from the environment (children inherit them)."""
+
+    activations: str = "int8"
+    norm_route: bool = True
+    prompt_graphs: bool = True
+    gemv_tuned: str | None = None
+
+
+def int8_activations(env: Mapping[str, str] | None = None) -> bool:
+    """STRATA_ACTIVATIONS alone (read once per MoE block and GEMV launch choice: one lookup)."""
+    return (os.environ if env is None else env).get("STRATA_ACTIVATIONS") != "float"
+
+
+def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
+    """STRATA_ACTIVATIONS, STRATA_NORM_ROUTE, STRATA_PROMPT_GRAPHS and STRATA_GEMV_TUNED, read now (a switch set
+    while the process runs takes effect at the next read)."""
+    e = os.environ if env is None else env
+    return RuntimeSwitches(
+        activations="int8" if int8_activations(e) else "float",
+        norm_route=e.get("STRATA_NORM_ROUTE", "1") != "0",
+        prompt_graphs=e.get("STRATA_PROMPT_GRAPHS", "1") != "0",
+        gemv_tuned=e.get("STRATA_GEMV_TUNED") or None,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The flags
 

@@ -1,8 +1,9 @@
 """How many experts each card keeps in VRAM: from `--expert-cache N`, a VRAM budget, or the free VRAM."""
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -10,8 +11,14 @@ from engine.experts.cache import ExpertCache, plan_capacity
 from engine.kernels import int8_activations
 from installer.engine_options import D as OPTION_DEFAULTS
 
-if TYPE_CHECKING:
-    from engine.models.decoder import DecoderLM
+
+
+class PlacedModel(Protocol):
+    """What the cache is built from: a model's layers (each with its `experts`), its card and its config."""
+
+    layers: Mapping[int, Any]
+    device: torch.device
+    cfg: Any
 
 log = logging.getLogger("strata.engine")
 MiB = 1 << 20
@@ -53,7 +60,7 @@ def stage_bytes(per_expert: dict[int, int], n_expert: int) -> int:
     return max(per_expert.values(), default=0) * n_expert
 
 
-def build_expert_cache(model: "DecoderLM", policy: ExpertPolicy) -> ExpertCache:
+def build_expert_cache(model: PlacedModel, policy: ExpertPolicy) -> ExpertCache:
     experts = {i: lw.experts for i, lw in model.layers.items() if lw.experts is not None}
     per_expert = {i: sum(q.raw[0].numel() for q in (ew.gate, ew.up, ew.down)) for i, ew in experts.items()}
     budget = expert_budget(model.device, policy)

@@ -25,8 +25,8 @@ import numpy as np
 from engine.private_file import write_private_text
 
 if TYPE_CHECKING:
+    from engine.gguf.model_config import ModelConfig
     from engine.gguf.reader import GGUFFile
-    from engine.models.config import ModelConfig
 
 log = logging.getLogger("strata.engine")
 

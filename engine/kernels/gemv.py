@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as QT
 
 from engine.kernels import int8_activations
 from engine.kernels.fused import last_to_finish, store_q8
+from installer.engine_options import runtime_switches
 
 # qtype -> (constexpr id, elements per block, bytes per block)
 KERNEL_TYPES: dict[QT, tuple[int, int, int]] = {
@@ -587,7 +588,7 @@ _BLOCK_N = 16
 # Launch shapes per block type and class (see _config), measured by bench/gemv_graph_micro.py on the GPU and kept in
 # gemv_tuned.json beside this file: [rows a program, super-blocks a step, warps, kernel variant].
 # STRATA_GEMV_TUNED names another file.
-_TUNED_FILE = Path(os.environ.get("STRATA_GEMV_TUNED") or Path(__file__).with_name("gemv_tuned.json"))
+_TUNED_FILE = Path(runtime_switches().gemv_tuned or Path(__file__).with_name("gemv_tuned.json"))
 
 
 @functools.cache

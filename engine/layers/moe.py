@@ -1,22 +1,27 @@
-"""The MoE block: router -> top-k -> selected experts -> weighted combine.
+"""The MoE block: router -> dispatch -> experts -> combine.
 
-`moe_forward` touches only the experts a token selected (their blocks are dequantized tile by tile);
-`moe_reference` is the plain dense einsum over every expert that the tests check it against."""
+Routing is the family's (softmax top-k: `route`; DeepSeek and GLM's grouped sigmoid scores: family_base's
+`grouped_route`; gpt-oss's router bias), so a block takes the routing result. What each selected expert computes is
+`ExpertMath` (a gated activation, optional per-expert biases); where its blocks are read and how is an `Experts`
+backend, chosen once when the model is loaded (engine.experts.backends.choose):
+
+- `HostExperts` (here): the layer's experts in one block tensor on the compute device, each selected expert on the
+  tokens that chose it;
+- engine.experts.backends: `CachedExperts` (CUDA: an expert cache's slots and host RAM; fused kernels for decode-sized
+  inputs, grouped tile kernels for prompt chunks) and `CpuInPlaceExperts` (decode on the CPU straight from the Q4_K
+  blocks with 8-bit activations).
+
+Every backend is tested against `reference`: a float64 einsum over all the dequantized experts."""
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType as QT
 
-from engine.kernels import int8_activations
 from engine.layers.qtensor import QTensor
-
-if TYPE_CHECKING:
-    from engine.experts.cache import ExpertCache, LayerExperts
 
 log = logging.getLogger("strata.engine")
 
@@ -25,6 +30,13 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
 
+# (gate [N, F], up [N, F]) -> hidden [N, F]: the gated activation of an FFN or expert
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def silu_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
+
 
 @dataclass
 class ExpertWeights:
@@ -32,9 +44,50 @@ class ExpertWeights:
     gate: QTensor  # [E, F, D]
     up: QTensor  # [E, F, D]
     down: QTensor  # [E, D, F]
-    # On the CPU: the in-place Q4_K kernels for decode (engine/experts/cpu_q4k.py), made on first use; False where
-    # the block types or the CPU do not allow them.
-    cpu_kernels: object = field(default=None, repr=False, compare=False)
+
+    def expert(self, e: int) -> "ExpertWeights":
+        return ExpertWeights(self.router, self.gate[e], self.up[e], self.down[e])
+
+
+@dataclass
+class ExpertBiases:
+    """Per-expert biases of the projections (gpt-oss), float32 on the compute device."""
+
+    gate: torch.Tensor  # [E, F]
+    up: torch.Tensor  # [E, F]
+    down: torch.Tensor  # [E, D]
+
+
+@dataclass(frozen=True)
+class ExpertMath:
+    """What one expert computes: down(glu(gate x + b_g, up x + b_u)) + b_d. `act` names the activation when `glu`
+    is act(gate) * up, which the fused kernels (and the CPU's in-place ones) have built in; None where it is a
+    family's own (gpt-oss's clamped SwiGLU)."""
+
+    glu: Glu = silu_glu
+    biases: ExpertBiases | None = None
+    act: str | None = "silu"
+
+    @classmethod
+    def gated(cls, act: str) -> "ExpertMath":
+        if act == "silu":
+            return cls()
+        fn = ACTIVATIONS[act]
+        return cls(glu=lambda g, u: fn(g) * u, act=act)
+
+    @property
+    def plain(self) -> bool:
+        """act(gate) * up with no biases: what the built-in kernels compute."""
+        return self.biases is None and self.act is not None
+
+
+class Experts(Protocol):
+    """A layer's routed experts where one backend reads them."""
+
+    def mix(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, D], routing weights w [T, k] and expert ids [T, k] -> sum over k of w * expert(x), float32 [T, D]
+        (it joins the float32 residual stream)."""
+        ...
 
 
 def route(x: torch.Tensor, router: QTensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,40 +98,6 @@ def route(x: torch.Tensor, router: QTensor, k: int, norm: bool) -> tuple[torch.T
     if norm:
         w = w / w.sum(dim=-1, keepdim=True)
     return w, ids
-
-
-def moe_forward(
-    x: torch.Tensor,
-    ew: ExpertWeights,
-    k: int,
-    norm: bool,
-    act: str = "silu",
-    counts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """x [T, D] -> [T, D]. `counts` [E] (optional) accumulates how often each expert was selected."""
-    w, ids = route(x, ew.router, k, norm)
-    _count(counts, ids)
-    if x.device.type == "cpu" and x.shape[0] <= _IN_PLACE_MAX_ROWS and int8_activations():
-        kernels = _cpu_kernels(ew, act)
-        if kernels is not None:  # a token's experts straight from their blocks, one call a token
-            out = torch.empty(x.shape, dtype=torch.float32)
-            xs, wf = x.float().contiguous(), w.float().contiguous()
-            for t in range(x.shape[0]):
-                kernels.mix(ids[t].numpy(), wf[t].numpy(), xs[t].numpy(), out[t].numpy())
-            return out
-    return _per_expert(x, w, ids, lambda e: ew.gate[e], lambda e: ew.up[e], lambda e: ew.down[e], act)
-
-
-_IN_PLACE_MAX_ROWS = 4  # decode on the CPU; longer prompt chunks go expert by expert over all their tokens
-
-
-def _cpu_kernels(ew: ExpertWeights, act: str):  # -> cpu_q4k.Q4KExperts | None
-    if ew.cpu_kernels is None:
-        from engine.experts.cpu_experts import CpuExperts
-
-        on_cpu = ew.gate.raw.device.type == "cpu"
-        ew.cpu_kernels = (on_cpu and CpuExperts.in_place_kernels(ew.gate, ew.up, ew.down, act)) or False
-    return ew.cpu_kernels or None
 
 
 def route_and_count(
@@ -93,184 +112,73 @@ def route_and_count(
         if fused_route is not None:
             return fused_route(router.linear(x.float()), k, norm, counts)
     w, ids = route(x, router, k, norm)
-    _count(counts, ids)
+    count_experts(counts, ids)
     return w, ids
 
 
-def _count(counts: torch.Tensor | None, ids: torch.Tensor) -> None:
-    if counts is not None:  # index_add_ rather than bincount: no host sync, capturable
+def count_experts(counts: torch.Tensor | None, ids: torch.Tensor) -> None:
+    """Add a step's selections to the usage counts [E] (index_add_ rather than bincount: no host sync,
+    capturable)."""
+    if counts is not None:
         flat = ids.flatten()
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
 
 
-def _per_expert(
+def per_expert(
     x: torch.Tensor,
     w: torch.Tensor,
     ids: torch.Tensor,
-    gate: Callable[[int], QTensor],
-    up: Callable[[int], QTensor],
-    down: Callable[[int], QTensor],
-    act: str,
+    get: Callable[[int], ExpertWeights],
+    math: ExpertMath,
 ) -> torch.Tensor:
-    """Each selected expert on the tokens that chose it (reads the ids on the host: prompt chunks, the CPU)."""
-    fn = ACTIVATIONS[act]
+    """Each selected expert on the tokens that chose it (reads the ids on the host: prompt chunks, the CPU, and
+    what the kernels do not cover). `get(e)` gives expert e's weights on the compute device."""
+    b = math.biases
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)  # [T, D]
     for e in torch.unique(ids).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         xe = x.index_select(0, tok)  # [n, D]
-        h = fn(gate(e).linear(xe)) * up(e).linear(xe)  # [n, F]
-        y = down(e).linear(h).float()  # [n, D]
+        ex = get(e)
+        hg, hu = ex.gate.linear(xe), ex.up.linear(xe)  # [n, F]
+        if b is not None:
+            hg, hu = hg + b.gate[e].to(hg.dtype), hu + b.up[e].to(hu.dtype)
+        y = ex.down.linear(math.glu(hg, hu).to(xe.dtype)).float()  # [n, D]
+        if b is not None:
+            y = y + b.down[e]
         out.index_add_(0, tok, y * w[tok, slot].unsqueeze(-1))
-    return out  # float32: it joins the float32 residual stream
+    return out
 
 
-def moe_forward_cached(
-    x: torch.Tensor,
-    cache: "ExpertCache",
-    layer: int,
-    k: int,
-    norm: bool,
-    act: str = "silu",
-    counts: torch.Tensor | None = None,
+class HostExperts:
+    """All of a layer's experts in one block tensor on the compute device (the CPU, or CUDA without an expert
+    cache): each selected expert dequantized tile by tile on the tokens that chose it."""
+
+    def __init__(self, ew: ExpertWeights, math: ExpertMath) -> None:
+        self.ew, self.math = ew, math
+
+    def mix(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return per_expert(x, w, ids, self.ew.expert, self.math)
+
+
+def reference(
+    x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, ew: ExpertWeights, math: ExpertMath = ExpertMath()
 ) -> torch.Tensor:
-    """The MoE block with the experts of an `ExpertCache` (CUDA). Decode-sized inputs run two fused kernels that
-    read each selected expert wherever the cache's table says it is; prompt chunks run grouped matrix multiplies on
-    tensor cores through the same tables (block types without a tile kernel: expert by expert)."""
-    le = cache.layers[layer]
-    w, ids = route_and_count(x, le.router, k, norm, counts)  # [T, k]
-    t, d = x.shape
-    g, u, dn = le.gate.host, le.up.host, le.down.host
-    f = g.shape[1]
-    if t <= _FUSED_MAX_ROWS and _fused_ok(g.qtype, u.qtype, dn.qtype, d, f):
-        from engine.kernels.gemv import moe_gemv
-
-        gt, ut, dt, sid = expert_tables(cache, layer, ids)
-        h = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, x, f, d, k, up_table=ut, act=act)
-        y = moe_gemv(dt, dn.qtype, dn.raw.shape[-1], sid, h, d, f, k, x_per_slot=True)  # [T*k, D]
-        return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
-    grouped = grouped_experts(x, le, w, ids, k, act, lambda: cache.prompt_tables(layer))  # a prompt chunk
-    if grouped is not None:
-        return grouped
-    experts: dict[int, ExpertWeights] = {}
-
-    def get(e: int) -> ExpertWeights:
-        if e not in experts:
-            experts[e] = le.expert(e, x.device)
-        return experts[e]
-
-    return _per_expert(x, w, ids, lambda e: get(e).gate, lambda e: get(e).up, lambda e: get(e).down, act)
-
-
-_FUSED_MAX_ROWS = 8
-
-
-def expert_tables(
-    cache: "ExpertCache", layer: int, ids: torch.Tensor, claim: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gate, up and down address tables a decode step's expert kernels read, and the ids to read them with:
-    the cache's own tables and the experts' ids, or (with `--expert-misses copy`) per-slot tables with the missed
-    experts staged in VRAM, read with the identity. `claim` [k]: slots the CPU computes (not staged)."""
-    staged = cache.staged_tables(layer, ids, claim)
-    if staged is not None:
-        assert cache.stager is not None
-        return staged[0], staged[1], staged[2], cache.stager.identity
-    le = cache.layers[layer]
-    return le.gate.table, le.up.table, le.down.table, ids
-
-
-_GROUPED_FAILED: set[tuple[QT, QT, int, int]] = set()
-
-
-def _is_build_error(e: Exception) -> bool:
-    try:
-        from triton.compiler.errors import CompilationError
-        from triton.runtime.errors import OutOfResources
-    except ImportError:
-        return False
-    return isinstance(e, CompilationError | OutOfResources)
-
-
-Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def grouped_experts(
-    x: torch.Tensor,
-    le: "LayerExperts",
-    w: torch.Tensor,
-    ids: torch.Tensor,
-    k: int,
-    act: str,
-    tables: Callable[[], Tables] | None = None,
-) -> torch.Tensor | None:
-    """A prompt chunk's routed experts (x [T, D], weights and ids [T, k]) as grouped launches on CUDA -> float32
-    [T, D]; None where the block types have no tile kernel or the kernel cannot be built here (said once).
-    `tables` gives the gate, up and down address tables to read (the cache's prompt_tables: experts in host
-    memory streamed into VRAM first); without it the layer's own."""
-    g, u, dn = le.gate.host, le.up.host, le.down.host
-    d, f = x.shape[1], g.shape[1]
-    key = (g.qtype, dn.qtype, d, f)
-    if not x.is_cuda or key in _GROUPED_FAILED or not _grouped_ok(g.qtype, u.qtype, dn.qtype, d, f):
-        return None
-    try:
-        tabs = tables() if tables is not None else (le.gate.table, le.up.table, le.down.table)
-        return _grouped(x, le, w, ids, k, act, tabs)
-    except Exception as e:  # a kernel this GPU or Triton cannot build: the per-expert path
-        if not _is_build_error(e):
-            raise
-        _GROUPED_FAILED.add(key)
-        log.warning("grouped expert kernel unavailable for %s/%s experts (%s): experts run one by one",
-                    g.qtype.name, dn.qtype.name, str(e).splitlines()[0][:160])  # fmt: skip
-        return None
-
-
-def _grouped(
-    x: torch.Tensor, le: "LayerExperts", w: torch.Tensor, ids: torch.Tensor, k: int, act: str, tabs: Tables
-) -> torch.Tensor:
-    """All the chunk's routed experts as two grouped launches (gate/up with the activation, down), then the
-    weighted combine."""
-    from engine.kernels.moe_gemm import Blocks, block_table, expert_order, moe_gemm
-
-    g, dn = le.gate.host, le.down.host
-    t, d = x.shape
-    f = g.shape[1]
-    blocks = Blocks(ids, le.router.shape[0], block_table, expert_order)
-    s = t * k
-    h = moe_gemm(blocks, tabs[0], g.qtype, g.raw.shape[-1], x, f, d, k, s, up_table=tabs[1], act=act,
-                 out_dtype=x.dtype)  # fmt: skip
-    y = moe_gemm(blocks, tabs[2], dn.qtype, dn.raw.shape[-1], h, d, f, k, s, x_per_slot=True)  # [S, D]
-    # the weighted sum as a batched product: no [T, k, D] temporary (268 MB for a 4,096-token chunk of Qwen3-30B,
-    # which took the reserved peak past a small card's budget)
-    return torch.bmm(w.float().unsqueeze(1), y.view(t, k, d)).squeeze(1)
-
-
-def _grouped_ok(gate: QT, up: QT, down: QT, d: int, f: int) -> bool:
-    try:
-        from engine.kernels.moe_gemm import supports
-    except ImportError:
-        return False
-    return gate == up and supports(gate, d) and supports(down, f)
-
-
-def _fused_ok(gate: QT, up: QT, down: QT, d: int, f: int) -> bool:
-    try:
-        from engine.kernels.gemv import supports
-    except ImportError:
-        return False
-    return gate == up and supports(gate, d) and supports(down, f)
-
-
-def fused_moe_available(gate: QT, up: QT, down: QT, d: int, f: int) -> bool:
-    """Whether decode steps of such experts avoid host synchronisation (and can be captured in a CUDA graph)."""
-    return _fused_ok(gate, up, down, d, f)
-
-
-def moe_reference(x: torch.Tensor, ew: ExpertWeights, k: int, norm: bool, act: str = "silu") -> torch.Tensor:
-    """Every expert on every token, then the routing weights as a dense [T, E] matrix: the plain einsum form."""
-    fn = ACTIVATIONS[act]
-    xf = x.float()
-    w, ids = route(xf, ew.router, k, norm)
-    dense_w = torch.zeros(x.shape[0], ew.gate.shape[0]).scatter(1, ids, w)  # [T, E]
-    g, u, d = ew.gate.dequant(), ew.up.dequant(), ew.down.dequant()  # [E, F, D], [E, F, D], [E, D, F]
-    h = fn(torch.einsum("td,efd->tef", xf, g)) * torch.einsum("td,efd->tef", xf, u)  # [T, E, F]
-    y = torch.einsum("tef,edf->ted", h, d)  # [T, E, D]
+    """The plain form every backend is checked against, in float64: every expert on every token (dequantized
+    whole), then the routing weights as a dense [T, E] matrix. -> float64 [T, D]"""
+    xf = x.double()
+    n_e = ew.gate.shape[0]
+    dense_w = torch.zeros(x.shape[0], n_e, dtype=torch.float64).scatter(
+        1, ids.cpu(), w.double().cpu()
+    )  # [T, E]
+    g, u, d = (
+        q.dequant().double().cpu() for q in (ew.gate, ew.up, ew.down)
+    )  # [E, F, D], [E, F, D], [E, D, F]
+    hg = torch.einsum("td,efd->tef", xf.cpu(), g)  # [T, E, F]
+    hu = torch.einsum("td,efd->tef", xf.cpu(), u)
+    b = math.biases
+    if b is not None:
+        hg, hu = hg + b.gate.double().cpu(), hu + b.up.double().cpu()
+    y = torch.einsum("tef,edf->ted", math.glu(hg, hu), d)  # [T, E, D]
+    if b is not None:
+        y = y + b.down.double().cpu()
     return torch.einsum("ted,te->td", y, dense_w)

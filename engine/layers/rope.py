@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from engine.models.config import RopeConfig
+from engine.gguf.model_config import RopeConfig
 
 
 def _yarn_corr_dim(n_dims: int, n_ctx_orig: int, n_rot: float, base: float) -> float:

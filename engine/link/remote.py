@@ -11,11 +11,11 @@ from collections.abc import Callable
 import torch
 
 from engine.gguf.digest import data_digest, header_digest
+from engine.gguf.model_config import ModelConfig
 from engine.gguf.reader import GGUFFile
 from engine.layers.kv_cache import KVCache
 from engine.link import protocol as P
 from engine.link.client import StageClient, StageError
-from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderLM
 from engine.pipeline.stages import LocalStage
 

@@ -53,9 +53,8 @@ def _build(args: EngineOptions) -> object:
     from engine.link.remote import ModelCompute, stage_info
     from engine.link.server import StageServer
     from engine.link.transport import parse_endpoint
-    from engine.loader import resolve_dtype
-    from engine.models.decoder import DecoderLM
-    from engine.models.registry import file_config, model_class
+    from engine.models.registry import file_config
+    from engine.pipeline.loader import build, resolve_dtype
     from engine.pipeline.split import (
         SplitOptions,
         StagePlan,
@@ -114,9 +113,7 @@ def _build(args: EngineOptions) -> object:
     kv = resolve_kv_type(args.kv, dtype)
     policy = _policies(StagePlan((range(begin, end),), (d,)), geometry_from_gguf(gf, cfg, kv), args.max_context,
                        SplitOptions(), None)[0]  # fmt: skip
-    model = (model_class(gf.architecture) or DecoderLM)(
-        cfg, gf, device=dev, dtype=dtype, layers=range(begin, end), embed=False, head=False, experts=policy
-    )
+    model = build(gf, cfg, dev, dtype, layers=range(begin, end), embed=False, head=False, experts=policy)
     cpu_weights.attach(model, getattr(args, "cpu_weights_mib", None))
     info = stage_info(gf, cfg, begin, end, args.max_context, max_tokens, kv)
     timing = (lambda line: log.info("%s", line)) if args.remote_timing else None

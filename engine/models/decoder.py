@@ -4,20 +4,19 @@ Each family's file only turns its metadata into a `ModelConfig`; the differences
 post norms, sliding windows, shared experts, RoPE layout) are flags of that config. A model can be loaded for a
 range of layers only (a pipeline stage), with or without the embedding and the output head."""
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from engine.gguf import names
 from engine.gguf.reader import GGUFFile
-from engine.layers import fast_decode
 from engine.layers.attention import attention, causal_mask, project_qkv
 from engine.layers.kv_cache import KVCache
-from engine.layers.moe import ACTIVATIONS, ExpertWeights, moe_forward, moe_forward_cached
+from engine.layers.moe import ACTIVATIONS, ExpertMath, ExpertWeights, route_and_count
 from engine.layers.norm import rms_norm
 from engine.layers.qtensor import QTensor
 from engine.layers.rope import Rope
+from engine.models import fast_decode
 from engine.models.family_base import FamilyLM, Weights
 
 
@@ -52,7 +51,8 @@ class DecoderLM(FamilyLM):
     """Layers `layers` of a decoder model on `device`, computing in `dtype`: the families whose differences are flags
     of `ModelConfig` (the stage surface - embed, layers, head, forward, CUDA graphs - is `FamilyLM`'s)."""
 
-    fast = False  # the fused decode path (engine/layers/fast_decode.py), decided once loaded
+    supports_prompt_graphs = True
+    fast = False  # the fused decode path (engine/models/fast_decode.py), decided once loaded
     route_done: dict[int, torch.Tensor] | None = None  # its fused launches' counts (fast_decode.route_counts)
     # (next layer, its input, that input's attention norm in 8 bits), written by a layer's last launch
     prenormed: tuple[int, torch.Tensor, torch.Tensor] | None = None
@@ -65,24 +65,19 @@ class DecoderLM(FamilyLM):
         base_swa = self.cfg.rope.base_swa
         self.rope_swa = Rope(self.cfg.rope, freq_factors, base=base_swa) if base_swa else self.rope
 
-    def _after_load(self) -> None:
-        from engine.pipeline.cuda_graphs import PromptGraphs
-
-        if (
-            self.graphs is not None
-            and self.has_embed
-            and self.has_head
-            and os.environ.get("STRATA_PROMPT_GRAPHS", "1") != "0"
-            and PromptGraphs.usable(self)
-        ):
-            self.prompt_graphs = PromptGraphs(self)
+    def _after_experts(self) -> None:
         self.fast = fast_decode.available(self)
         if self.fast:
             for lw in self.layers.values():
                 self._fuse_qkv(lw)  # type: ignore[arg-type]
             self.route_done = fast_decode.route_counts(self)
 
+    def _expert_math(self, i: int) -> ExpertMath:
+        return ExpertMath.gated(self.cfg.activation)
+
     def _fuse_qkv(self, lw: LayerWeights) -> None:
+        if lw.qkv is not None:  # fused already
+            return
         fused = fast_decode.fuse_qkv(lw.q, lw.k, lw.v)
         if fused is not None:
             lw.qkv, lw.q, lw.k, lw.v = fused
@@ -245,12 +240,10 @@ class DecoderLM(FamilyLM):
             assert lw.ffn_gate is not None and lw.ffn_up is not None and lw.ffn_down is not None
             return lw.ffn_down.linear(act(lw.ffn_gate.linear(x)) * lw.ffn_up.linear(x))
         counts = self.expert_counts[i] if self.expert_counts is not None else None
-        if self.expert_cache is not None:
-            y = moe_forward_cached(
-                x, self.expert_cache, i, c.n_expert_used, c.expert_weights_norm, c.activation, counts
-            )
-        else:
-            y = moe_forward(x, lw.experts, c.n_expert_used, c.expert_weights_norm, c.activation, counts)
+        w, ids = route_and_count(
+            x, lw.experts.router, c.n_expert_used, c.expert_weights_norm, counts
+        )  # [T, k]
+        y = self.moe[i].mix(x, w, ids)
         if lw.shexp_gate is not None:
             assert lw.shexp_up is not None and lw.shexp_down is not None
             s = lw.shexp_down.linear(act(lw.shexp_gate.linear(x)) * lw.shexp_up.linear(x))

@@ -21,15 +21,8 @@ from typing import Any
 import torch
 from gguf import Keys
 
-from engine.experts.cache import ExpertCache
 from engine.gguf import names
-from engine.gguf.reader import GGUFFile
-from engine.layers.attention import attention, causal_mask
-from engine.layers.kv_cache import KVCache
-from engine.layers.moe import ExpertWeights
-from engine.layers.qtensor import QTensor
-from engine.layers.rope import Rope
-from engine.models.config import (
+from engine.gguf.model_config import (
     Meta,
     ModelConfig,
     ModelConfigError,
@@ -37,12 +30,16 @@ from engine.models.config import (
     moe_fields,
     rope_from_meta,
 )
+from engine.gguf.reader import GGUFFile
+from engine.layers.attention import attention, causal_mask
+from engine.layers.kv_cache import KVCache
+from engine.layers.moe import Experts, ExpertWeights, count_experts
+from engine.layers.qtensor import QTensor
+from engine.layers.rope import Rope
 from engine.models.family_base import (
     DenseFFN,
     FamilyLM,
     Weights,
-    count_experts,
-    expert_mix,
     grouped_route,
     load_experts,
 )
@@ -143,9 +140,9 @@ def load_routed_ffn(model: FamilyLM, w: Weights, i: int) -> RoutedFFN:
 
 
 def routed_ffn(
-    model: FamilyLM, i: int, ffn: RoutedFFN, x: torch.Tensor, expert_cache: ExpertCache | None
+    model: FamilyLM, i: int, ffn: RoutedFFN, x: torch.Tensor, experts: Experts | None
 ) -> torch.Tensor:
-    """x [T, D] -> float32 [T, D]; routed experts through `expert_cache` where one holds them."""
+    """x [T, D] -> float32 [T, D]; the routed experts through `experts` (layer i's backend)."""
     c = model.cfg
     assert isinstance(c, RoutedConfig)
     if ffn.experts is None:
@@ -163,7 +160,8 @@ def routed_ffn(
         c.weights_scale,
     )
     count_experts(model._counts(i), ids)
-    y = expert_mix(x, w, ids, ffn.experts, cache=expert_cache, layer=i)
+    assert experts is not None
+    y = experts.mix(x, w, ids)
     if ffn.shared is not None:
         y = y + ffn.shared(x).float()
     return y
@@ -291,7 +289,7 @@ class DeepseekLM(FamilyLM):
         x = self.norm(h, lw.attn_norm, self.dtype)
         h = h + self._mla(i, lw.attn, x, cache, pos, span, masks).float()
         x = self.norm(h, lw.ffn_norm, self.dtype)
-        return h + routed_ffn(self, i, lw.ffn, x, self.expert_cache)
+        return h + routed_ffn(self, i, lw.ffn, x, self.moe.get(i))
 
     def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
         """Per position: the RoPE key as K [1, rope] and the latent as V [1, kv_lora]."""

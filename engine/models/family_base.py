@@ -7,38 +7,31 @@ start)`, `forward_at` (the CUDA-graph form of a step), `new_cache`, `device`, `d
 A family supplies `_load_layer` and `layer_at`.
 
 The routed experts run behind routing functions of the families' own (router biases, sigmoid scores with selection
-biases, grouped top-k, scaled weights): `expert_mix` takes the routing result and computes the selected experts,
-expert by expert from their blocks on the CPU and for prompt chunks, or through the expert cache's device tables
-with the fused kernels for decode-sized inputs on CUDA (no host synchronisation: the step can be captured).
+biases, grouped top-k, scaled weights); each MoE layer then calls its `Experts` backend (`self.moe[i].mix`), chosen
+in `attach_experts` by engine.experts.backends.choose (engine/layers/moe.py says which there are).
+
+A model file builds a plain model: its weights on the device, its routed experts left in host RAM on CUDA. What
+runs it fast is applied from outside by engine.pipeline.loader.prepare: the expert cache (`attach_experts`), the
+CUDA graphs (`graphs`, `prompt_graphs`).
 """
 
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from engine.experts.backends import choose
 from engine.experts.cache import ExpertCache
-from engine.experts.policy import ExpertPolicy, build_expert_cache
 from engine.gguf import names
+from engine.gguf.model_config import ModelConfig
 from engine.gguf.quants import SUPPORTED_TYPES
 from engine.gguf.reader import GGUFError, GGUFFile
 from engine.layers.attention import causal_mask
 from engine.layers.kv_cache import KVCache
-from engine.layers.moe import ExpertWeights, expert_tables, fused_moe_available, grouped_experts
+from engine.layers.moe import ExpertBiases, ExpertMath, Experts, ExpertWeights, Glu, silu_glu
 from engine.layers.norm import rms_norm
 from engine.layers.qtensor import QTensor
-from engine.models.config import ModelConfig
-
-# (gate [N, F], up [N, F]) -> hidden [N, F]: the gated activation of an FFN or expert
-Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-_FUSED_MAX_ROWS = 8  # decode-sized inputs take the fused expert kernels
-
-
-def silu_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return F.silu(g) * u
 
 
 class Weights:
@@ -111,15 +104,6 @@ class DenseFFN:
         )
 
 
-@dataclass
-class ExpertBiases:
-    """Per-expert biases of the projections (gpt-oss), float32 on the compute device."""
-
-    gate: torch.Tensor  # [E, F]
-    up: torch.Tensor  # [E, F]
-    down: torch.Tensor  # [E, D]
-
-
 def load_experts(w: Weights, i: int, e: int, d: int, f: int, host: bool) -> ExpertWeights:
     """Router and routed experts of layer i: separate gate/up tensors, or the fused `ffn_gate_up_exps` whose first
     F rows of each expert are the gate and the next F the up projection (views, nothing is copied)."""
@@ -148,89 +132,15 @@ def load_expert_biases(w: Weights, i: int, e: int, d: int, f: int) -> ExpertBias
     return ExpertBiases(gate, up, w.f(n(i, "ffn_down_exps", "bias"), (e, d)))
 
 
-def count_experts(counts: torch.Tensor | None, ids: torch.Tensor) -> None:
-    """Add a step's selections to the usage counts (index_add_: no host sync, capturable)."""
-    if counts is not None:
-        flat = ids.flatten()
-        counts.index_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
-
-
-def expert_mix(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    ids: torch.Tensor,
-    ew: ExpertWeights,
-    glu: Glu = silu_glu,
-    biases: ExpertBiases | None = None,
-    cache: ExpertCache | None = None,
-    layer: int = 0,
-    fused_act: str | None = "silu",
-) -> torch.Tensor:
-    """x [T, D], routing weights w [T, k] and expert ids [T, k] -> sum_k w * expert(x) as float32 [T, D].
-    `fused_act` names the kernel's built-in activation when `glu` is one (None: the kernel only multiplies)."""
-    t, d = x.shape
-    k = ids.shape[1]
-    if cache is not None:
-        le = cache.layers[layer]
-        g, u, dn = le.gate.host, le.up.host, le.down.host
-        f = g.shape[1]
-        if t <= _FUSED_MAX_ROWS and fused_moe_available(g.qtype, u.qtype, dn.qtype, d, f):
-            from engine.kernels.gemv import moe_gemv
-
-            flat = ids.reshape(-1)
-            gt, ut, dt, sid = expert_tables(
-                cache, layer, ids
-            )  # sid: the ids the kernels read the tables with
-            if biases is None and fused_act is not None:
-                h = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, x, f, d, k, up_table=ut, act=fused_act)
-            else:
-                hg = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, x, f, d, k)  # [T*k, F]
-                hu = moe_gemv(ut, u.qtype, u.raw.shape[-1], sid, x, f, d, k)
-                if biases is not None:
-                    hg, hu = hg + biases.gate[flat], hu + biases.up[flat]
-                h = glu(hg, hu)
-            y = moe_gemv(dt, dn.qtype, dn.raw.shape[-1], sid, h, d, f, k, x_per_slot=True)  # [T*k, D]
-            if biases is not None:
-                y = y + biases.down[flat]
-            return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
-        if biases is None and fused_act is not None:  # a prompt chunk: grouped launches where they exist
-            grouped = grouped_experts(x, le, w, ids, k, fused_act, lambda: cache.prompt_tables(layer))
-            if grouped is not None:
-                return grouped
-        loaded: dict[int, ExpertWeights] = {}
-
-        def get(e: int) -> ExpertWeights:
-            if e not in loaded:
-                loaded[e] = le.expert(e, x.device)
-            return loaded[e]
-
-    else:
-
-        def get(e: int) -> ExpertWeights:
-            return ExpertWeights(ew.router, ew.gate[e], ew.up[e], ew.down[e])
-
-    out = torch.zeros(t, d, dtype=torch.float32, device=x.device)  # [T, D]
-    for e in torch.unique(ids).tolist():
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        xe = x.index_select(0, tok)  # [n, D]
-        ex = get(e)
-        hg, hu = ex.gate.linear(xe), ex.up.linear(xe)  # [n, F]
-        if biases is not None:
-            hg, hu = hg + biases.gate[e].to(hg.dtype), hu + biases.up[e].to(hu.dtype)
-        y = ex.down.linear(glu(hg, hu).to(xe.dtype)).float()  # [n, D]
-        if biases is not None:
-            y = y + biases.down[e]
-        out.index_add_(0, tok, y * w[tok, slot].unsqueeze(-1))
-    return out
-
-
 class FamilyLM:
     """Layers `layers` of a model of one family on `device`, computing in `dtype`; the residual stream stays
     float32. Subclasses load their layers (`_load_layer`) and run them (`layer_at`)."""
 
-    prompt_graphs: Any = (
-        None  # prompt chunks as CUDA graphs (engine/pipeline/cuda_graphs.py), where a family has them
-    )
+    # Prompt chunks as CUDA graphs (engine/pipeline/cuda_graphs.py PromptGraphs) where the family allows them and
+    # the loader made them; the decode step's graphs likewise.
+    supports_prompt_graphs = False
+    prompt_graphs: Any = None
+    graphs: Any = None
 
     def __init__(
         self,
@@ -241,8 +151,6 @@ class FamilyLM:
         layers: range | None = None,
         embed: bool = True,
         head: bool = True,
-        experts: ExpertPolicy | None = None,
-        cuda_graphs: bool = True,
     ) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
@@ -263,31 +171,48 @@ class FamilyLM:
         self._experts_on_host = self.device.type == "cuda" and cfg.is_moe
         self._before_layers(gf)
         self.layers = {i: self._load_layer(w, i) for i in self.layer_range}
-        self.expert_cache: ExpertCache | None = None
-        if self._experts_on_host and any(
-            getattr(lw, "experts", None) is not None for lw in self.layers.values()
-        ):
-            self.expert_cache = build_expert_cache(self, experts or ExpertPolicy())  # type: ignore[arg-type]
         self.expert_counts = (
             torch.zeros(cfg.n_layer, cfg.n_expert, dtype=torch.int64, device=self.device)
             if cfg.is_moe
             else None
         )
-        attach = getattr(self.expert_cache, "attach_counts", None)
+        self.expert_cache: ExpertCache | None = None
+        self.moe: dict[int, Experts] = {}
+        if not self.needs_expert_cache:
+            self.attach_experts(None)
+
+    @property
+    def needs_expert_cache(self) -> bool:
+        """Routed experts left in host RAM (CUDA): the model runs once an expert cache is attached."""
+        return self._experts_on_host and any(
+            getattr(lw, "experts", None) is not None for lw in self.layers.values()
+        )
+
+    def attach_experts(self, cache: ExpertCache | None) -> None:
+        """Give each MoE layer its experts' backend: `cache`'s where one holds the routed experts (CUDA), else the
+        layer's own blocks (engine.experts.backends.choose); then whatever the family sets up once they are placed."""
+        self.expert_cache = cache
+        attach = getattr(cache, "attach_counts", None)
         if attach is not None and self.expert_counts is not None:
             attach(self.expert_counts)  # the cache's hit rates derive from the selection counts
-        self.graphs = self._decode_graphs() if cuda_graphs and self.device.type == "cuda" else None
-        if self.graphs is not None and hasattr(self.graphs, "counts"):
-            self.graphs.counts = self.expert_counts  # put back after the warm-up runs of a capture
-        self._after_load()
+        self.moe = {
+            i: choose(lw.experts, self._expert_math(i), cache, i)
+            for i, lw in self.layers.items()
+            if getattr(lw, "experts", None) is not None
+        }
+        self._after_experts()
 
     # ---- for the families ----
 
     def _before_layers(self, gf: GGUFFile) -> None:
         """Set-up the layers' loading or running needs (the shared decoder's RoPE tables)."""
 
-    def _after_load(self) -> None:
-        """Once everything is loaded and placed (the shared decoder's fused decode path)."""
+    def _after_experts(self) -> None:
+        """Once the experts are placed (the shared decoder's fused decode path)."""
+
+    def _expert_math(self, i: int) -> ExpertMath:
+        """What layer i's routed experts compute (SwiGLU by default)."""
+        return ExpertMath()
 
     def _load_layer(self, w: Weights, i: int) -> object:
         raise NotImplementedError
@@ -303,12 +228,6 @@ class FamilyLM:
     ) -> torch.Tensor:
         """One layer for the tokens at device positions `pos` [T], attending to cache positions below `span`."""
         raise NotImplementedError
-
-    def _decode_graphs(self) -> Any:
-        """The decode step's CUDA graphs (engine/pipeline/cuda_graphs.py)."""
-        from engine.pipeline.cuda_graphs import DecodeGraphs
-
-        return DecodeGraphs(self)  # type: ignore[arg-type]
 
     def _windows(self) -> set[int]:
         """The attention windows the layers use (0: the whole context), one mask each per step."""

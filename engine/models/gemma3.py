@@ -9,7 +9,7 @@ from typing import Any
 
 from gguf import Keys
 
-from engine.models.config import Meta, ModelConfig, common_fields, rope_from_meta
+from engine.gguf.model_config import Meta, ModelConfig, common_fields, rope_from_meta
 
 ARCH = "gemma3"
 # llama.cpp's values where the file carries none: one global layer in six, local RoPE base 10000.

@@ -28,13 +28,13 @@ import torch
 from gguf import Keys
 
 from engine.gguf import names
+from engine.gguf.model_config import Meta, ModelConfig, common_fields, rope_from_meta
 from engine.gguf.reader import GGUFFile
 from engine.layers.attention import attention, causal_mask, project_qkv
 from engine.layers.kv_cache import KVCache
-from engine.layers.moe import ExpertWeights
+from engine.layers.moe import ExpertMath, Experts, ExpertWeights, HostExperts
 from engine.layers.qtensor import QTensor
 from engine.layers.rope import Rope
-from engine.models.config import Meta, ModelConfig, common_fields, rope_from_meta
 from engine.models.deepseek2 import (
     GATING_SIGMOID,
     RoutedConfig,
@@ -109,6 +109,7 @@ class Glm4MoeLM(FamilyLM):
         super().__init__(cfg, gf, *args, **kwargs)
         # The draft block sits with the head (the last stage); its experts stay here, out of the expert cache.
         self.nextn: dict[int, NextNWeights] = {}
+        self._draft_moe: dict[int, Experts] = {}
         if with_draft and self.has_head:
             w = Weights(gf, self.device)
             for j in range(cfg.n_layer, cfg.n_layer + cfg.nextn_layers):
@@ -185,7 +186,16 @@ class Glm4MoeLM(FamilyLM):
         h = h + lw.o.linear(a).float()
         x = self.norm(h, lw.ffn_norm, self.dtype)
         # The draft block's experts are on the device, not in the expert cache.
-        return h + routed_ffn(self, i, lw.ffn, x, self.expert_cache if use_cache else None)
+        return h + routed_ffn(
+            self, i, lw.ffn, x, self.moe.get(i) if use_cache else self._draft_experts(i, lw)
+        )
+
+    def _draft_experts(self, j: int, lw: GlmLayer) -> Experts | None:
+        if lw.ffn.experts is None:
+            return None
+        if j not in self._draft_moe:
+            self._draft_moe[j] = HostExperts(lw.ffn.experts, ExpertMath())
+        return self._draft_moe[j]
 
     def layer_at(
         self,

@@ -16,13 +16,7 @@ import torch
 from gguf import Keys
 
 from engine.gguf import names
-from engine.gguf.reader import GGUFFile
-from engine.layers.attention import causal_mask, project_qkv
-from engine.layers.kv_cache import KVCache
-from engine.layers.moe import ExpertWeights
-from engine.layers.qtensor import QTensor
-from engine.layers.rope import Rope
-from engine.models.config import (
+from engine.gguf.model_config import (
     Meta,
     ModelConfig,
     RopeConfig,
@@ -30,12 +24,15 @@ from engine.models.config import (
     moe_fields,
     rope_from_meta,
 )
+from engine.gguf.reader import GGUFFile
+from engine.layers.attention import causal_mask, project_qkv
+from engine.layers.kv_cache import KVCache
+from engine.layers.moe import ExpertBiases, ExpertMath, ExpertWeights, count_experts
+from engine.layers.qtensor import QTensor
+from engine.layers.rope import Rope
 from engine.models.family_base import (
-    ExpertBiases,
     FamilyLM,
     Weights,
-    count_experts,
-    expert_mix,
     load_expert_biases,
     load_experts,
 )
@@ -176,6 +173,9 @@ class GptOssLM(FamilyLM):
             biases=load_expert_biases(w, i, e, d, f),
         )
 
+    def _expert_math(self, i: int) -> ExpertMath:
+        return ExpertMath(glu=self._glu, biases=self.layers[i].biases, act=None)
+
     def _glu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         lim, alpha = self.cfg.swiglu_limit, self.cfg.swiglu_alpha
         g = g.clamp(max=lim)
@@ -217,7 +217,7 @@ class GptOssLM(FamilyLM):
         x = self.norm(h, lw.ffn_norm, self.dtype)
         wts, ids = self.route(x, lw)
         count_experts(self._counts(i), ids)
-        y = expert_mix(x, wts, ids, lw.experts, self._glu, lw.biases, self.expert_cache, i, fused_act=None)
+        y = self.moe[i].mix(x, wts, ids)
         return h + y
 
 

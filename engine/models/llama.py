@@ -7,7 +7,7 @@ from typing import Any
 
 from gguf import Keys
 
-from engine.models.config import Meta, ModelConfig, common_fields, moe_fields, rope_from_meta
+from engine.gguf.model_config import Meta, ModelConfig, common_fields, moe_fields, rope_from_meta
 
 ARCH = "llama"
 

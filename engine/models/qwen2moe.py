@@ -6,7 +6,7 @@ from typing import Any
 
 from gguf import Keys
 
-from engine.models.config import (
+from engine.gguf.model_config import (
     Meta,
     ModelConfig,
     common_fields,

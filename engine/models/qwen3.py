@@ -3,7 +3,7 @@
 from collections.abc import Mapping
 from typing import Any
 
-from engine.models.config import Meta, ModelConfig, common_fields, rope_from_meta
+from engine.gguf.model_config import Meta, ModelConfig, common_fields, rope_from_meta
 
 ARCH = "qwen3"
 

@@ -4,7 +4,7 @@ routing weights are renormalised (norm_topk_prob), as llama.cpp does for this fa
 from collections.abc import Mapping
 from typing import Any
 
-from engine.models.config import (
+from engine.gguf.model_config import (
     Meta,
     ModelConfig,
     common_fields,

@@ -26,13 +26,7 @@ import torch.nn.functional as F
 from gguf import Keys
 
 from engine.gguf import names
-from engine.gguf.reader import GGUFFile
-from engine.layers.attention import attention, causal_mask
-from engine.layers.kv_cache import KVCache
-from engine.layers.moe import ExpertWeights, route
-from engine.layers.qtensor import QTensor
-from engine.layers.rope import Rope
-from engine.models.config import (
+from engine.gguf.model_config import (
     Meta,
     ModelConfig,
     ModelConfigError,
@@ -40,7 +34,13 @@ from engine.models.config import (
     moe_fields,
     rope_from_meta,
 )
-from engine.models.family_base import DenseFFN, FamilyLM, Weights, count_experts, expert_mix, load_experts
+from engine.gguf.reader import GGUFFile
+from engine.layers.attention import attention, causal_mask
+from engine.layers.kv_cache import KVCache
+from engine.layers.moe import ExpertWeights, count_experts, route
+from engine.layers.qtensor import QTensor
+from engine.layers.rope import Rope
+from engine.models.family_base import DenseFFN, FamilyLM, Weights, load_experts
 from engine.models.gated_delta import (
     RecurrentCache,
     _StepLog,
@@ -297,7 +297,7 @@ class Qwen3NextLM(FamilyLM):
             return h + lw.dense(x).float()
         w, ids = route(x, lw.experts.router, c.n_expert_used, c.expert_weights_norm)
         count_experts(self._counts(i), ids)
-        y = expert_mix(x, w, ids, lw.experts, cache=self.expert_cache, layer=i)
+        y = self.moe[i].mix(x, w, ids)
         if lw.shared is not None:
             s = lw.shared(x).float()
             if lw.shared_gate is not None:
@@ -317,22 +317,6 @@ class Qwen3NextLM(FamilyLM):
         return cache.forward(
             tokens, start, lambda x, at, lo: self._step(x, cache, at, last_only=lo), last_only, REPLAY_CHUNK
         )
-
-    def _decode_graphs(self) -> Any:
-        from engine.pipeline.cuda_graphs import DecodeGraphs
-
-        class RecurrentDecodeGraphs(DecodeGraphs):
-            """Capturing runs the step three times (warm-up and capture); a recurrent state must see it once, so
-            the states are put back after the capture and the replay that follows applies the step."""
-
-            def _capture(self, tokens: torch.Tensor, cache: KVCache, start: int, span: int) -> Any:
-                saved = cache.snapshot() if isinstance(cache, RecurrentCache) else None
-                g = super()._capture(tokens, cache, start, span)
-                if saved is not None and isinstance(cache, RecurrentCache):
-                    cache.restore_states(saved)
-                return g
-
-        return RecurrentDecodeGraphs(self)  # type: ignore[arg-type]
 
     def new_cache(self, max_ctx: int, kv_type: str) -> RecurrentCache:
         c = self.cfg

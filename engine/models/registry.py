@@ -6,8 +6,8 @@ from types import ModuleType
 from typing import Any
 
 from engine.gguf import names
+from engine.gguf.model_config import ModelConfig
 from engine.gguf.reader import GGUFFile
-from engine.models.config import ModelConfig
 
 # architecture -> module under engine.models (one file per family)
 ARCHITECTURES: dict[str, str] = {

@@ -169,7 +169,7 @@ class MainStage:
 
     def __init__(self, config: Any, key_flags: list[str], device: str, dtype: str) -> None:
         from engine.layers.kv_cache import resolve_kv_type
-        from engine.pipeline.split import load_split_model
+        from engine.link.startup import load_split_model
         from engine.pipeline.split_args import options_from_args
         from installer.engine_options import from_config, merge, typed
 

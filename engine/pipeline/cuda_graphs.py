@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
+from engine.experts.backends import grouped_available
 from engine.layers.kv_cache import KVCache
+from engine.models.fast_decode import fused_experts
 
 if TYPE_CHECKING:
     from engine.experts.cpu_misses import CpuMisses
@@ -159,19 +161,6 @@ def cpu_misses(model: object) -> "CpuMisses | None":
     return getattr(ec, "cpu_misses", None)
 
 
-def fused_experts(model: "DecoderLM") -> bool:
-    """Whether every routed expert's block types have the fused decode kernels."""
-    from engine.layers.moe import fused_moe_available
-
-    if model.expert_cache is None:
-        return True
-    c = model.cfg
-    return all(
-        fused_moe_available(le.gate.host.qtype, le.up.host.qtype, le.down.host.qtype, c.n_embd, c.n_ff_exp)
-        for le in model.expert_cache.layers.values()
-    )
-
-
 class DecodeGraphs(StepGraphs):
     """The whole model's decode step: token id in, logits out."""
 
@@ -185,6 +174,17 @@ class DecodeGraphs(StepGraphs):
     def step(self, inp: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         self.counts = self.model.expert_counts  # created after the graphs object
         return super().step(inp, cache, start)
+
+    def _capture(self, inp: torch.Tensor, cache: KVCache, start: int, span: int) -> _Graph:
+        # Capturing runs the step three times (warm-up and capture); a recurrent state (Qwen3-Next's
+        # RecurrentCache) must see it once, so the states are put back after the capture and the replay that
+        # follows applies the step.
+        snapshot = getattr(cache, "snapshot", None)
+        saved = snapshot() if snapshot is not None else None
+        g = super()._capture(inp, cache, start, span)
+        if saved is not None:
+            cache.restore_states(saved)  # type: ignore[attr-defined]
+        return g
 
 
 PROMPT_GRAPH_ROWS = range(9, 1025)  # prompt chunks whose launches cost more host time than device time
@@ -227,8 +227,6 @@ class PromptGraphs:
     def usable(model: "DecoderLM") -> bool:
         """Whether every piece can be captured: the experts (if any) all in VRAM with grouped kernels for their
         block types; prompt chunks of layers with experts in host memory stage them from the host first."""
-        from engine.layers.moe import _grouped_ok
-
         ec = model.expert_cache
         if model.cfg.is_moe and ec is None:
             return False
@@ -237,7 +235,9 @@ class PromptGraphs:
         c = model.cfg
         return all(
             le.host_tables is None
-            and _grouped_ok(le.gate.host.qtype, le.up.host.qtype, le.down.host.qtype, c.n_embd, c.n_ff_exp)
+            and grouped_available(
+                le.gate.host.qtype, le.up.host.qtype, le.down.host.qtype, c.n_embd, c.n_ff_exp
+            )
             for le in ec.layers.values()
         )
 

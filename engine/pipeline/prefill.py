@@ -12,7 +12,7 @@ device."""
 
 import logging
 
-from engine.models.config import ModelConfig
+from engine.gguf.model_config import ModelConfig
 
 log = logging.getLogger("strata.engine")
 

@@ -11,8 +11,7 @@ import itertools
 import logging
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -20,16 +19,12 @@ import torch
 
 from engine.experts.policy import WORKSPACE_BYTES, ExpertPolicy
 from engine.gguf import names
+from engine.gguf.model_config import ModelConfig
 from engine.gguf.reader import GGUFFile, block_index
-from engine.layers import cpu_weights
-from engine.layers.kv_cache import resolve_kv_type
-from engine.loader import LoadedModel, resolve_dtype
-from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderLM
-from engine.models.registry import file_config
 from engine.pipeline.handoff import HandoffMode
+from engine.pipeline.loader import build
 from engine.pipeline.stages import LocalStage, SplitModel
-from engine.tokenizer import ChatFormatter, Tokenizer
 from installer.engine_options import D as OPTION_DEFAULTS
 from installer.placement import (
     MIB,
@@ -457,83 +452,17 @@ def build_model(
 
     policies = _policies(sp, geometry_from_gguf(gf, cfg, kv_type), context, opts, profile)
     if not sp.split:
-        return _model_cls(gf)(cfg, gf, device=torch_device(sp.devices[0]), dtype=dtype, experts=policies[0])
+        return build(gf, cfg, torch_device(sp.devices[0]), dtype, experts=policies[0])
     n = len(sp.ranges)
     stages = []
     for j, (r, d, label) in enumerate(zip(sp.ranges, sp.devices, sp.labels, strict=True)):
         dev = torch_device(d)
-        m = _model_cls(gf)(
-            cfg, gf, device=dev, dtype=dtype, layers=r, embed=j == 0, head=j == n - 1, experts=policies[j]
-        )
+        m = build(gf, cfg, dev, dtype, layers=r, embed=j == 0, head=j == n - 1, experts=policies[j])
         stages.append(LocalStage(m, label))
     model = SplitModel(cfg, stages, handoff=opts.handoff, pipeline=opts.pipeline, pipe_chunk=opts.pipe_chunk)
     for line in model.describe():
         log.info("%s", line)
     return model
-
-
-def load_split_model(
-    path: str | Path,
-    opts: SplitOptions,
-    max_context: int = 4096,
-    kv: str = "auto",
-    dtype: str = "auto",
-    profile: np.ndarray | None = None,
-) -> LoadedModel:
-    """`engine.loader.load_model` with the split options: the plan is checked before any weight is read (a bad
-    split fails at once, saying how to fix it) and logged, then each stage loads only its own layers on its device.
-    One stage gives the plain `DecoderLM`; several a `SplitModel` (both drive `Runner` alike).
-    Without a `profile` given, that of the model file is read (`opts.profile`, else the data dir's; see
-    engine.experts.profile) unless `opts.use_profile` is off."""
-    gf = GGUFFile.open(path)
-    tok = Tokenizer.from_metadata(gf.metadata)
-    cfg = file_config(gf, tok.vocab_size)
-    if opts.remote:
-        check_remote_options(opts, cfg.n_layer)
-    if profile is None and opts.use_profile and cfg.is_moe:
-        from engine.experts.profile import startup_profile
-
-        used = startup_profile(gf, cfg, opts.profile)
-        profile = used.counts if used is not None else None
-    visible = visible_cards()
-    cards = [v.card for v in visible]
-    on_cuda = bool(cards) and opts.device.strip().lower() != "cpu"
-    dt = resolve_dtype(dtype, torch.device("cuda" if on_cuda else "cpu"))
-    kv_type = resolve_kv_type(kv, dt)
-    geometry = geometry_from_gguf(gf, cfg, kv_type) if cards else None
-    # With a remote stage this PC runs one stage: the plan places it (the rest is the worker's).
-    plan_opts = replace(opts, layer_split=None) if opts.remote else opts
-    sp = plan_stages(plan_opts, cfg.n_layer, cards, geometry, max_context, profile)
-    for line in sp.lines:
-        log.info("%s", line)
-    if all(d is None for d in sp.devices):
-        dt = resolve_dtype(dtype, torch.device("cpu"))
-        kv_type = resolve_kv_type(kv, dt)
-    ordinals = {v.card.index: v.ordinal for v in visible}
-    if opts.remote:
-        model: DecoderLM | SplitModel = build_remote_main(
-            gf, cfg, sp, dt, ordinals, opts, max_context, kv_type, profile
-        )
-    else:
-        model = build_model(gf, cfg, sp, dt, ordinals, opts, max_context, kv_type, profile)
-    first = model.stages[0].device if isinstance(model, SplitModel) else model.device
-    # the main card current (each stage makes its own current while it runs)
-    if first.type == "cuda" and first.index is not None:
-        torch.cuda.set_device(first)
-    cpu_weights.attach(model, opts.cpu_weights_mib)
-    chat = ChatFormatter.from_metadata(gf.metadata)
-    if chat.is_fallback:
-        log.warning("%s has no chat template: using the ChatML fallback template", Path(path).name)
-    log.info(
-        "loaded %s: %s, %d layers, %s on %s (%s)",
-        Path(path).name,
-        cfg.arch,
-        cfg.n_layer,
-        f"{cfg.n_expert} experts (top-{cfg.n_expert_used})" if cfg.is_moe else "dense",
-        ", ".join(sp.labels),
-        str(dt).removeprefix("torch."),
-    )
-    return LoadedModel(Path(path), gf, cfg, model, tok, chat)  # type: ignore[arg-type]
 
 
 def prefill_chunk(
@@ -574,117 +503,3 @@ def prefill_span(
     from engine.pipeline.prefill import device_span
 
     return device_span(model, chunk, max_ctx, kv_type, budget_mib, reserve_mib)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The main process of a split over several PCs (engine/link)
-
-
-def check_remote_options(opts: SplitOptions, n_layer: int) -> None:
-    """Refuse at start what cannot work with `--remote-stage`, saying why."""
-    from engine.link.transport import parse_endpoint
-
-    parse_endpoint(opts.remote or "", "--remote-stage")
-    split = opts.layer_split
-    if not isinstance(split, tuple) or len(split) != 1:
-        raise PlacementError(
-            "--remote-stage needs --layer-split K (one number: this PC runs layers 0 to K-1 and the head, the worker "
-            f"K onward; more PCs chain through the workers' --stage-end and --stage-next), not {split or 'none'}"
-        )
-    if not 1 <= split[0] < n_layer:
-        raise PlacementError(
-            f"--layer-split {split[0]} with --remote-stage must lie between 1 and {n_layer - 1}"
-        )
-    if opts.gpus is not None and (opts.gpus == "all" or len(opts.gpus) > 1):
-        raise PlacementError(
-            "--remote-stage runs this PC's layers on one card: use --gpu N (several cards here and a remote stage "
-            "together are not supported yet)"
-        )
-    if opts.split_device:
-        raise PlacementError(
-            "--split-device places in-process stages; with --remote-stage the worker runs K onward"
-        )
-    if opts.skip_if_fits:
-        raise PlacementError(
-            "--split-skip-if-fits decides an in-process split; it does not apply to --remote-stage"
-        )
-
-
-def build_remote_main(
-    gf: GGUFFile,
-    cfg: ModelConfig,
-    sp: StagePlan,
-    dtype: torch.dtype,
-    ordinals: dict[int, int],
-    opts: SplitOptions,
-    context: int,
-    kv_type: str,
-    profile: np.ndarray | None,
-) -> SplitModel:
-    """Layers [0, K) and the head here, [K, end) behind the link: connected and checked before it returns."""
-    from engine.link.client import StageClient, StageError
-    from engine.link.keys import client_keys
-    from engine.link.remote import HeadStage, RemoteStage, data_digest, header_digest, stage_info
-    from engine.link.transport import parse_endpoint
-
-    assert isinstance(opts.layer_split, tuple) and opts.remote
-    k = opts.layer_split[0]
-    d = sp.devices[0]
-    dev = torch.device("cpu") if d is None else torch.device("cuda", ordinals.get(d, d))
-    label = "CPU" if d is None else f"CUDA{d}"
-    main_plan = StagePlan((range(0, k),), (d,))
-    policy = _policies(main_plan, geometry_from_gguf(gf, cfg, kv_type), context, opts, profile)[0]
-    main = _model_cls(gf)(
-        cfg, gf, device=dev, dtype=dtype, layers=range(0, k), embed=True, head=True, experts=policy
-    )
-    header = header_digest(gf)
-    expect = stage_info(gf, cfg, k, cfg.n_layer, context, opts.pipe_chunk, kv_type, header=header, data=False)
-    endpoint = parse_endpoint(opts.remote, "--remote-stage")
-    digests: dict[tuple[int, int], str] = {}
-
-    def verify(chain: list) -> None:  # type: ignore[type-arg]
-        at = k
-        for c in chain:
-            if c.begin != at:
-                raise StageError(
-                    f"the chain behind {endpoint} runs layers {c.layers_text} where layer {at} was due"
-                )
-            key = (c.begin, c.end)
-            if key not in digests:
-                digests[key] = data_digest(gf, c.begin, c.end)
-            if c.data != digests[key]:
-                raise StageError(
-                    f"model mismatch: layers {c.layers_text} at {c.address or endpoint} have weights fingerprint "
-                    f"{c.data[:16]}, this PC's file {digests[key][:16]}: copy the same .gguf to both PCs",
-                    "mismatch",
-                )
-            at = c.end
-        if at != cfg.n_layer:
-            raise StageError(
-                f"the chain behind {endpoint} ends at layer {at - 1}; the model has {cfg.n_layer} layers: the last "
-                "worker must run to the end (leave out its --stage-end)",
-                "mismatch",
-            )
-
-    client = StageClient(
-        endpoint,
-        client_keys(opts.stage_key, opts.remote_key),
-        opts.pipe_chunk * cfg.n_embd * 4,
-        label=f"the worker at {endpoint}",
-        stall_s=opts.remote_stall_s,
-    )
-    sink = (lambda line: log.info("%s", line)) if opts.remote_timing else None
-    remote = RemoteStage(client, expect, verify)
-    stages = [LocalStage(main, label, head=False), remote, HeadStage(main, label)]
-    model = SplitModel(
-        cfg, stages, handoff=opts.handoff, pipeline=True, pipe_chunk=opts.pipe_chunk, timing_sink=sink
-    )
-    remote.connect()
-    return model
-
-
-def _model_cls(gf: GGUFFile) -> type:
-    """The family's own model class where it has one (engine.models.registry), else the shared decoder."""
-    from engine.models.registry import model_class
-
-    return model_class(gf.architecture) or DecoderLM

@@ -1,5 +1,5 @@
 """The layer-split options of `strata-engine generate|serve|logits|profile` (installer.engine_options defines
-the flags) as the `SplitOptions` that `engine.pipeline.split.load_split_model` takes."""
+the flags) as the `SplitOptions` that `engine.link.startup.load_split_model` takes."""
 
 from __future__ import annotations
 

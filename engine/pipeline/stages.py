@@ -25,8 +25,8 @@ from typing import Protocol
 
 import torch
 
+from engine.gguf.model_config import ModelConfig
 from engine.layers.kv_cache import KVCache
-from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderLM
 from engine.models.gated_delta import RecurrentCache
 from engine.pipeline.cuda_graphs import StepGraphs, cpu_misses
@@ -109,7 +109,7 @@ class LocalStage:
 # Verify windows (--spec) on a split's stages run as graphs of their row count, as one-token steps do: run eagerly,
 # a window's few hundred launches went one by one (on one H200 --spec 4 on a 2-stage split decoded at half the
 # speed of --spec 0; as graphs, at 2.05x it).
-_WINDOW_ROWS = 8  # the fused decode step's most rows (engine.layers.fast_decode.FAST_MAX_ROWS)
+_WINDOW_ROWS = 8  # the fused decode step's most rows (engine.models.fast_decode.FAST_MAX_ROWS)
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:

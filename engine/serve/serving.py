@@ -38,8 +38,8 @@ from installer.version import __version__
 
 if TYPE_CHECKING:
     from engine.experts.profile import ProfileRecorder
-    from engine.loader import LoadedModel
     from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+    from engine.pipeline.loader import LoadedModel
     from engine.pipeline.split import SplitOptions
 
 log = logging.getLogger("strata.serve")
@@ -204,10 +204,11 @@ class EngineService:
             import torch
 
             from engine.layers.kv_cache import resolve_kv_type
+            from engine.link.startup import load_split_model
             from engine.pipeline.generate import Runner
             from engine.pipeline.prompt_cache import PromptCache
             from engine.pipeline.spec import SpecConfig
-            from engine.pipeline.split import SplitOptions, load_split_model, prefill_chunk, prefill_span
+            from engine.pipeline.split import SplitOptions, prefill_chunk, prefill_span
 
             o = self.opts
             if o.threads:

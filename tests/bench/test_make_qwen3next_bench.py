@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from engine.loader import load_model
+from engine.pipeline.loader import load_model
 from engine.testing.tokenizer_fixture import tiny_bpe_metadata, write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

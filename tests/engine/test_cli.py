@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.loader import load_model
+from engine.pipeline.loader import load_model
 from engine.testing.tiny_models import write_tiny_model
 from installer.version import __version__
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from engine.layers.qtensor import QTensor
-from engine.loader import load_model
-from engine.pipeline.split import SplitOptions, load_split_model
+from engine.link.startup import load_split_model
+from engine.pipeline.loader import load_model
+from engine.pipeline.split import SplitOptions
 from engine.testing.tiny_models import write_tiny_model
 
 TOKENS = torch.tensor([1, 17, 42, 99, 150, 7])

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.experts.policy import ExpertPolicy
-from engine.loader import load_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
 from engine.testing.tiny_families import FAMILIES, write_tiny_family
 from tests.engine.hf_reference import hf_greedy, hf_logits

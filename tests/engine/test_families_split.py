@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import load_model
 from engine.models.gated_delta import RecurrentCache
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
 from engine.pipeline.stages import SplitModel
 from engine.testing.tiny_families import FAMILIES, write_tiny_family

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine.layers.kv_cache import resolve_kv_type
-from engine.loader import load_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
 from engine.testing.tiny_models import ARCHITECTURES, write_tiny_model
 from tests.engine.hf_reference import hf_greedy, hf_logits, hf_model

@@ -1,12 +1,12 @@
-"""One weight for q, k and v (engine.layers.fast_decode.fuse_qkv): the fused projection gives the three separate
+"""One weight for q, k and v (engine.models.fast_decode.fuse_qkv): the fused projection gives the three separate
 ones, its views stay the original weights, and different block types are left apart."""
 
 import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine.gguf.random_blocks import random_blocks
-from engine.layers.fast_decode import fuse_qkv
 from engine.layers.qtensor import QTensor
+from engine.models.fast_decode import fuse_qkv
 
 
 def _w(qt: QT, n: int, k: int, seed: int) -> QTensor:
@@ -34,7 +34,7 @@ def test_mixed_block_types_stay_apart() -> None:
 def test_prompt_path_reads_the_fused_weight_with_the_same_result(tmp_path) -> None:
     """On CUDA the layers hold the fused weight and prompt chunks project through it; the same done on the CPU
     (fused by hand) gives the logits of the separate projections. qwen2moe: with q/k/v biases."""
-    from engine.loader import load_model
+    from engine.pipeline.loader import load_model
     from engine.testing.tiny_models import write_tiny_model
 
     for arch in ("qwen3moe", "qwen2moe"):

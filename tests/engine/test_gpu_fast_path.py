@@ -10,8 +10,8 @@ from gguf import GGMLQuantizationType as QT
 from engine.experts.policy import ExpertPolicy
 from engine.gguf.quants import dequantize
 from engine.gguf.random_blocks import random_blocks
-from engine.loader import load_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
 from engine.testing.tiny_models import write_tiny_model
 
@@ -116,10 +116,10 @@ def test_adaptive_swaps_keep_the_output(moe_q4k: Path) -> None:
 
 @pytest.mark.parametrize("neox", [True, False])
 def test_fused_norm_and_rope_match_the_torch_path(neox: bool) -> None:
+    from engine.gguf.model_config import RopeConfig
     from engine.kernels.fused import norm_rope
     from engine.kernels.fused import rms_norm as fused_rms
     from engine.layers.rope import Rope
-    from engine.models.config import RopeConfig
 
     x = torch.randn(5, 2048, device="cuda")
     w = torch.randn(2048, device="cuda")

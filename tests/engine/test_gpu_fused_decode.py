@@ -1,4 +1,4 @@
-"""The fused decode layer (engine.layers.fast_decode) and its kernels against the general torch path: attention
+"""The fused decode layer (engine.models.fast_decode) and its kernels against the general torch path: attention
 from the cache against SDPA, norm + RoPE + cache write against Rope, the residual GEMV and the experts' down
 projection with the combine against dequantize + matmul, and whole models' greedy tokens with the path on and off."""
 
@@ -11,8 +11,8 @@ from gguf import GGMLQuantizationType as QT
 from engine.gguf.quants import dequantize
 from engine.gguf.random_blocks import random_blocks
 from engine.layers.attention import attention, causal_mask
-from engine.loader import load_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
 from engine.testing.tiny_models import write_tiny_model
 
@@ -78,9 +78,9 @@ def test_decode_attention_matches_sdpa(t, h, hkv, d, span, window, dtype, chunk)
 
 @pytest.mark.parametrize("neox", [True, False])
 def test_rope_store_matches_rope_and_writes_the_cache(neox: bool) -> None:
+    from engine.gguf.model_config import RopeConfig
     from engine.kernels.attention import rope_store
     from engine.layers.rope import Rope
-    from engine.models.config import RopeConfig
 
     t, h, hkv, d = 3, 8, 2, 128
     rope = Rope(RopeConfig(dim=64, base=1e6, neox=neox, scaling="yarn", factor=4.0, orig_ctx=4096))

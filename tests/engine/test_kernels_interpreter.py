@@ -135,9 +135,9 @@ def test_decode_attention(t: int, h: int, hkv: int, d: int, span: int, window: i
 
 @pytest.mark.parametrize("neox", [True, False])
 def test_rope_store(neox: bool) -> None:
+    from engine.gguf.model_config import RopeConfig
     from engine.kernels.attention import rope_store
     from engine.layers.rope import Rope
-    from engine.models.config import RopeConfig
 
     t, h, hkv, d = 2, 4, 2, 32
     rope = Rope(RopeConfig(dim=d, base=10000.0, neox=neox))

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine.experts.policy import ExpertPolicy
-from engine.loader import load_model
 from engine.pipeline import cuda_graphs
+from engine.pipeline.loader import load_model
 from engine.testing.tiny_models import write_tiny_model
 
 ARCHS = {

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.loader import load_model
-from engine.models.config import ModelConfig
+from engine.gguf.model_config import ModelConfig
 from engine.models.family_base import FamilyLM
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
 from engine.pipeline.prefill import SPAN_MAX, span_tokens
 from engine.pipeline.sampling import GREEDY
 from engine.testing.tiny_families import write_tiny_family

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.loader import load_model
 from engine.models.gated_delta import (
     RecurrentCache,
     RecurrentStateError,
@@ -19,6 +18,7 @@ from engine.models.gated_delta import (
     delta_rule_steps,
 )
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
 from engine.testing.tiny_families import write_tiny_family
 

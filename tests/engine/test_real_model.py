@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import load_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]

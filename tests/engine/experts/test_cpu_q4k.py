@@ -187,8 +187,9 @@ def test_cpu_decode_moe_goes_through_the_in_place_kernels(layer_q6k_down, monkey
     """A CPU model's MoE block at decode (up to 4 tokens) computes its experts from their blocks in place, unless
     --activations float asks for exact products; longer chunks and layers of other block types keep the
     expert-by-expert path. Both agree to the 8-bit rounding."""
-    import engine.layers.moe as moe
-    from engine.layers.moe import ExpertWeights, moe_forward
+    import engine.experts.backends as backends
+    from engine.experts.backends import CpuInPlaceExperts, choose
+    from engine.layers.moe import ExpertMath, ExpertWeights, HostExperts, route
 
     monkeypatch.setenv("STRATA_ACTIVATIONS", "int8")  # the default; the test suite runs with float
     raws, _ = layer_q6k_down
@@ -199,19 +200,19 @@ def test_cpu_decode_moe_goes_through_the_in_place_kernels(layer_q6k_down, monkey
     router = QTensor(torch.randn(E, D, generator=gen).view(torch.uint8).view(E, 4 * D), QT.F32, (E, D))
     ew = ExpertWeights(router=router, gate=g, up=u, down=dn)
     x = torch.randn(3, D, generator=torch.Generator().manual_seed(11))
-    fast = moe_forward(x, ew, 2, True)
-    assert ew.cpu_kernels is not None and ew.cpu_kernels is not False  # made on first use, kept
+    w, ids = route(x, router, 2, True)
+    experts = choose(ew, ExpertMath(), None, 0)
+    assert isinstance(experts, CpuInPlaceExperts)  # chosen at load
+    fast = experts.mix(x, w, ids)
     monkeypatch.setenv("STRATA_ACTIVATIONS", "float")  # exact products: expert by expert
-    slow = moe_forward(x, ew, 2, True)
+    slow = experts.mix(x, w, ids)
     monkeypatch.setenv("STRATA_ACTIVATIONS", "int8")
-    monkeypatch.setattr(moe, "_IN_PLACE_MAX_ROWS", 0)  # chunks longer than this: expert by expert too
-    assert torch.equal(moe_forward(x, ew, 2, True), slow)
+    monkeypatch.setattr(backends, "IN_PLACE_MAX_ROWS", 0)  # chunks longer than this: expert by expert too
+    assert torch.equal(experts.mix(x, w, ids), slow)
     assert fast.dtype == slow.dtype == torch.float32 and fast.shape == slow.shape == (3, D)
     for t in range(3):
         # the issue's bound for rounded computation; seen 0.99947-0.99991 per token over 40 routers (this one:
         # 0.99947 at its worst token), 0.9995 held for only 28 of them
         assert torch.nn.functional.cosine_similarity(fast[t], slow[t], dim=0).item() >= 0.999
     q8 = ExpertWeights(router=router, gate=QTensor(torch.from_numpy(random_blocks(QT.Q8_0, E * F, D).reshape(E, F, -1)), QT.Q8_0, (E, F, D)), up=u, down=dn)  # fmt: skip
-    monkeypatch.setattr(moe, "_IN_PLACE_MAX_ROWS", 4)
-    moe_forward(x[:1], q8, 2, True)
-    assert q8.cpu_kernels is False  # Q8_0 gate: not read in place
+    assert isinstance(choose(q8, ExpertMath(), None, 0), HostExperts)  # Q8_0 gate: not read in place

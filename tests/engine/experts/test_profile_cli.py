@@ -14,9 +14,10 @@ from engine.cli import main
 from engine.experts.profile import load_profile, profile_location
 from engine.gguf.digest import header_digest
 from engine.gguf.reader import GGUFFile
+from engine.link import startup as startup_mod
+from engine.link.startup import load_split_model
 from engine.models.registry import config_for
-from engine.pipeline import split as split_mod
-from engine.pipeline.split import SplitOptions, load_split_model
+from engine.pipeline.split import SplitOptions
 from engine.testing.tiny_models import write_tiny_model
 from engine.tokenizer import ChatFormatter, Tokenizer
 from tests.engine.hf_reference import hf_logits, hf_model, read_gguf
@@ -122,13 +123,13 @@ def test_the_split_loader_reads_the_profile_at_start(
                     "counts": counts.tolist()}), encoding="utf-8",
     )  # fmt: skip
     given: list[np.ndarray | None] = []
-    real = split_mod.plan_stages
+    real = startup_mod.plan_stages
 
     def spy(*args: object, **kw: object) -> object:
         given.append(args[5] if len(args) > 5 else kw.get("profile"))  # type: ignore[arg-type]
         return real(*args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(split_mod, "plan_stages", spy)
+    monkeypatch.setattr(startup_mod, "plan_stages", spy)
     with caplog.at_level(logging.INFO, "strata.engine"):
         load_split_model(tiny, SplitOptions(device="cpu"))
     assert f"expert profile: {path} (60 tokens)" in caplog.messages

@@ -10,8 +10,9 @@ import pytest
 from engine.cli import main
 from engine.experts.profile import profile_location
 from engine.gguf.reader import GGUFFile
+from engine.link.startup import load_split_model
 from engine.models.registry import config_for
-from engine.pipeline.split import SplitOptions, load_split_model
+from engine.pipeline.split import SplitOptions
 from engine.testing.tiny_models import write_tiny_model
 from tests.engine.experts.test_profile_cli import MAX_TOKENS, PROMPTS, reference_counts
 

@@ -14,11 +14,12 @@ import torch
 from engine.link import protocol as P
 from engine.link.client import StageClient, StageError
 from engine.link.keys import client_keys
+from engine.link.startup import load_split_model
 from engine.link.transport import Endpoint
-from engine.loader import load_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, PromptChunkEvent, Runner, TokenEvent
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
-from engine.pipeline.split import SplitOptions, load_split_model
+from engine.pipeline.split import SplitOptions
 from engine.testing.tiny_models import write_tiny_model
 from tests.engine.link.harness import ECHO_INFO, TOKEN, WorkerProc, start_echo, start_worker
 from tests.engine.link.proxy import CuttableLink

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from engine.link.client import StageError
-from engine.loader import load_model
+from engine.link.startup import load_split_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, PromptChunkEvent, Runner
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
-from engine.pipeline.split import SplitOptions, load_split_model
+from engine.pipeline.split import SplitOptions
 from engine.testing.tiny_models import write_tiny_model
 from tests.engine.link.harness import TOKEN, _env, _start
 

@@ -11,10 +11,11 @@ import torch
 
 from engine.cli import main as engine_main
 from engine.link.client import StageError
-from engine.loader import load_model
+from engine.link.startup import check_remote_options, load_split_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
-from engine.pipeline.split import SplitOptions, check_remote_options, load_split_model
+from engine.pipeline.split import SplitOptions
 from engine.pipeline.stages import SplitModel
 from engine.testing.tiny_models import write_tiny_model
 from installer.placement import PlacementError

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import load_model
+from engine.link.startup import load_split_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
-from engine.pipeline.split import SplitOptions, load_split_model
+from engine.pipeline.split import SplitOptions
 from engine.pipeline.stages import SplitModel
 from engine.testing.tiny_families import FAMILIES, write_tiny_family
 from tests.engine.link.harness import TOKEN, start_worker

@@ -126,7 +126,7 @@ def test_tuner_on_two_emulated_pcs(
     # and then the config, use the port the worker got: engine/node/chain.py)
     assert cfg.workers[0].port in p1.agent.workers.ports and cfg.workers[1].port in p2.agent.workers.ports
     assert cfg.args == ("--prefill", str(res.best_chunk)) and cfg.max_context == 128
-    from engine.pipeline.split import check_remote_options
+    from engine.link.startup import check_remote_options
     from engine.pipeline.split_args import options_from_args
     from installer.engine_options import config_args, from_config, merge
 

@@ -2,7 +2,7 @@
 once the KV cache and the reserve are counted (a 4,096-token chunk read a prompt twice as fast as 512-token ones on
 an H200, bench/results/ours_full.json)."""
 
-from engine.models.config import ModelConfig, RopeConfig
+from engine.gguf.model_config import ModelConfig, RopeConfig
 from engine.pipeline.prefill import auto_chunk, chunk_bytes
 
 MiB = 1 << 20
@@ -37,7 +37,7 @@ def test_the_largest_chunk_that_fits() -> None:
 
 
 def test_a_cpu_model_reads_512_token_chunks(tmp_path) -> None:
-    from engine.loader import load_model
+    from engine.pipeline.loader import load_model
     from engine.pipeline.split import prefill_chunk
     from engine.testing.tiny_models import write_tiny_model
 

@@ -5,11 +5,12 @@ every byte, across ring reuse, sizes and devices."""
 import pytest
 import torch
 
-from engine.loader import load_model
+from engine.link.startup import load_split_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.handoff import Handoff
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
-from engine.pipeline.split import SplitOptions, load_split_model
+from engine.pipeline.split import SplitOptions
 from engine.pipeline.stages import SplitModel
 from engine.testing.tiny_models import write_tiny_model
 

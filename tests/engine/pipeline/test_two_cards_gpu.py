@@ -5,8 +5,9 @@ and the peer-copy hand-off. The reference is the unsplit model on card 0."""
 import pytest
 import torch
 
-from engine.loader import load_model
-from engine.pipeline.split import SplitOptions, load_split_model
+from engine.link.startup import load_split_model
+from engine.pipeline.loader import load_model
+from engine.pipeline.split import SplitOptions
 from engine.pipeline.stages import LocalStage, SplitModel
 from engine.testing.tiny_models import write_tiny_model
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from engine.loader import load_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner, TextEvent, TokenEvent
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
 from tests.engine.serve.conftest import MAX_CONTEXT
 from tests.engine.serve.harness import ServerProc

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import LoadedModel, load_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import LoadedModel, load_model
 from engine.pipeline.prompt_cache import PromptCache, common_prefix
 from engine.pipeline.sampling import GREEDY
 from tests.engine.serve.harness import ServerProc

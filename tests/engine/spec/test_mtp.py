@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from engine.layers.qtensor import QTensor
-from engine.loader import load_model
 from engine.models.glm4moe import Glm4MoeLM
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
 from engine.pipeline.mtp import DraftLayerSource, draft_layer_of
 from engine.pipeline.sampling import GREEDY, Sampler, SamplingParams
 from engine.pipeline.spec import Draft, DraftPicker, SpecConfig, SpecError, draft_sources, window_graphs_for

@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import load_model
+from engine.link.startup import load_split_model
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY, Sampler
 from engine.pipeline.spec import SpecConfig, WindowDecoder
-from engine.pipeline.split import SplitOptions, load_split_model
+from engine.pipeline.split import SplitOptions
 from tests.engine.spec.toys import ScriptedDraft, reference_greedy
 
 PROMPT = [5, 9, 33, 71, 120, 200, 7, 64, 3, 11, 17, 42]

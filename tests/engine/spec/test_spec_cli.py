@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main
-from engine.loader import load_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
 from engine.serve.cli import cmd_serve
 from installer.engine_options import resolve

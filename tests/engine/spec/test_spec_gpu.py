@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import load_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
 from engine.pipeline.spec import SpecConfig, WindowGraphs
 from tests.engine.spec.toys import ScriptedDraft, reference_greedy
@@ -60,7 +60,8 @@ def test_split_windows_as_graphs(tiny_models: dict[str, Path], monkeypatch: pyte
     """A 2-stage split on one card: each stage replays its verify windows from
     graphs of their row count; greedy tokens with --spec 4 (drafts right, wrong, and sometimes wrong) are the
     one-card model's without drafts, and the stages did capture window graphs."""
-    from engine.pipeline.split import SplitOptions, load_split_model
+    from engine.link.startup import load_split_model
+    from engine.pipeline.split import SplitOptions
     from engine.pipeline.stages import LocalStage, SplitModel
 
     lm = load_model(tiny_models["qwen3moe"], "cuda", "f32")

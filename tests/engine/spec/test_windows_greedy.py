@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import load_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY, Sampler
 from engine.pipeline.spec import DraftSource, SpecConfig
 from engine.testing.tokenizer_fixture import tiny_bpe_metadata

@@ -9,9 +9,10 @@ import torch
 
 from engine.gguf.reader import GGUFFile
 from engine.layers.kv_cache import KVCache
+from engine.link.startup import load_split_model
 from engine.models.registry import config_for, model_class
 from engine.pipeline.spec import Draft
-from engine.pipeline.split import SplitOptions, load_split_model
+from engine.pipeline.split import SplitOptions
 from engine.pipeline.stages import LocalStage, SplitModel
 from engine.testing.tiny_models import ARCHITECTURES
 

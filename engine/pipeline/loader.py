@@ -1,5 +1,7 @@
 """Open a GGUF model: metadata -> typed config (through the architecture registry), tokenizer, chat template,
-weights on the chosen device in block format."""
+weights on the chosen device in block format; then apply from outside what runs it fast (`prepare`): the card's
+expert cache, the decode step's and the prompt chunks' CUDA graphs. Model files build plain models; every model the
+engine runs is made by `build`."""
 
 import logging
 from dataclasses import dataclass
@@ -7,12 +9,13 @@ from pathlib import Path
 
 import torch
 
-from engine.experts.policy import ExpertPolicy
+from engine.experts.policy import ExpertPolicy, build_expert_cache
+from engine.gguf.model_config import ModelConfig
 from engine.gguf.reader import GGUFFile
 from engine.layers import cpu_weights
-from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderLM
 from engine.models.registry import file_config, model_class
+from engine.pipeline.cuda_graphs import DecodeGraphs, PromptGraphs
 from engine.tokenizer import ChatFormatter, Tokenizer
 
 log = logging.getLogger("strata.engine")
@@ -41,6 +44,55 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise DeviceError(f"--dtype {name} is not a compute type: use auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def prepare(
+    model: DecoderLM,
+    experts: ExpertPolicy | None = None,
+    cuda_graphs: bool = True,
+    prompt_graphs: bool = True,
+) -> DecoderLM:
+    """Apply to a plain model what runs it on its card: the expert cache its routed experts need (CUDA, under
+    `experts`), then the decode step's CUDA graphs and, where the family allows them, the prompt chunks' graphs
+    (`prompt_graphs` False: chunks run eagerly, for comparisons). On the CPU nothing is applied."""
+    if model.needs_expert_cache:
+        model.attach_experts(build_expert_cache(model, experts or ExpertPolicy()))
+    if cuda_graphs and model.device.type == "cuda":
+        model.graphs = DecodeGraphs(model)
+        model.graphs.counts = model.expert_counts  # put back after the warm-up runs of a capture
+        if (
+            prompt_graphs
+            and model.supports_prompt_graphs
+            and model.has_embed
+            and model.has_head
+            and PromptGraphs.usable(model)
+        ):
+            model.prompt_graphs = PromptGraphs(model)
+    return model
+
+
+def build(
+    gf: GGUFFile,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    layers: range | None = None,
+    embed: bool = True,
+    head: bool = True,
+    experts: ExpertPolicy | None = None,
+    cuda_graphs: bool = True,
+) -> DecoderLM:
+    """The family's model of `layers` on `device` (engine.models.registry; the shared decoder otherwise), prepared."""
+    cls = model_class(gf.architecture) or DecoderLM
+    model = cls(cfg, gf, device=device, dtype=dtype, layers=layers, embed=embed, head=head)
+    return prepare(model, experts, cuda_graphs, prompt_graphs_wanted())
+
+
+def prompt_graphs_wanted() -> bool:
+    """STRATA_PROMPT_GRAPHS=0 runs prompt chunks eagerly (installer.engine_options reads the switch)."""
+    from installer.engine_options import runtime_switches
+
+    return runtime_switches().prompt_graphs
 
 
 @dataclass
@@ -72,8 +124,7 @@ def load_model(
     gf = GGUFFile.open(path)
     tok = Tokenizer.from_metadata(gf.metadata)
     cfg = file_config(gf, tok.vocab_size)
-    cls = model_class(gf.architecture) or DecoderLM
-    model = cls(cfg, gf, device=dev, dtype=dt, experts=experts, cuda_graphs=cuda_graphs)
+    model = build(gf, cfg, dev, dt, experts=experts, cuda_graphs=cuda_graphs)
     cpu_weights.attach(model, cpu_weights_mib)
     chat = ChatFormatter.from_metadata(gf.metadata)
     if chat.is_fallback:

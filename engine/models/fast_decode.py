@@ -6,14 +6,15 @@ norm + RoPE of queries and keys together with the cache write, attention straigh
 projection with the residual add, the FFN norm with the router and its top-k (one launch), and the experts' down
 projection with the weighted combine and the residual add. Same math as the general path; the tests compare them."""
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from engine.experts.backends import expert_tables, fused_moe_available
 from engine.layers.kv_cache import KVCache, KVCacheError
-from engine.layers.moe import ACTIVATIONS, expert_tables, route_and_count
+from engine.layers.moe import ACTIVATIONS, route_and_count
+from installer.engine_options import runtime_switches
 
 if TYPE_CHECKING:
     from engine.models.decoder import DecoderLM
@@ -35,9 +36,18 @@ def available(model: "DecoderLM") -> bool:
         return False
     if c.is_moe and model.expert_cache is None:
         return False
-    from engine.pipeline.cuda_graphs import fused_experts
-
     return fused_experts(model)
+
+
+def fused_experts(model: "DecoderLM") -> bool:
+    """Whether every routed expert's block types have the fused decode kernels."""
+    if model.expert_cache is None:
+        return True
+    c = model.cfg
+    return all(
+        fused_moe_available(le.gate.host.qtype, le.up.host.qtype, le.down.host.qtype, c.n_embd, c.n_ff_exp)
+        for le in model.expert_cache.layers.values()
+    )
 
 
 def route_counts(model: "DecoderLM") -> dict[int, torch.Tensor] | None:
@@ -46,7 +56,7 @@ def route_counts(model: "DecoderLM") -> dict[int, torch.Tensor] | None:
     (gemv.moe_down_combine's next_norm). Made at load, outside any graph capture. None with STRATA_NORM_ROUTE=0
     (the separate launches run instead)."""
     moe = [i for i, lw in model.layers.items() if lw.experts is not None]
-    if os.environ.get("STRATA_NORM_ROUTE", "1") == "0" or not moe:
+    if not runtime_switches().norm_route or not moe:
         return None
     buf = torch.zeros(len(moe), 2, FAST_MAX_ROWS, dtype=torch.int32, device=model.device)
     return {i: buf[j] for j, i in enumerate(moe)}  # [2, rows]: the router's launch, the down projection's

@@ -1,0 +1,200 @@
+"""The expert backends of the MoE block (engine.layers.moe) that read an expert cache or the CPU's own kernels, and
+the rule that picks one for each layer when a model is loaded (`choose`).
+
+- `CachedExperts`: a card's expert cache (engine.experts.cache): its slots in VRAM and the rest in host RAM.
+  Decode-sized inputs (up to 8 rows) run two fused kernels that read each selected expert wherever the cache's
+  device tables say it is (no host synchronisation: the step can be captured in a CUDA graph); prompt chunks run
+  grouped matrix multiplies on tensor cores through the same tables, the experts in host RAM streamed into VRAM
+  first; block types without those kernels go expert by expert.
+- `CpuInPlaceExperts`: decode on the CPU computes a token's Q4_K experts (Q4_K or Q6_K down) from their blocks
+  where they lie, against activations rounded to 8 bits (engine.experts.cpu_q4k); longer inputs, `--activations
+  float` and other block types go expert by expert (engine.layers.moe.HostExperts).
+"""
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.experts.cpu_experts import CpuExperts
+from engine.kernels import int8_activations
+from engine.layers.moe import ExpertMath, Experts, ExpertWeights, HostExperts, per_expert
+
+if TYPE_CHECKING:
+    from engine.experts.cache import ExpertCache, LayerExperts
+
+log = logging.getLogger("strata.engine")
+
+FUSED_MAX_ROWS = 8  # decode-sized inputs (a step, a verify window) take the fused expert kernels
+IN_PLACE_MAX_ROWS = 4  # decode on the CPU; longer prompt chunks go expert by expert over all their tokens
+Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def choose(ew: ExpertWeights, math: ExpertMath, cache: "ExpertCache | None", layer: int) -> Experts:
+    """The backend of one MoE layer: its card's expert cache where it has one; on the CPU the in-place kernels
+    where the block types and the math allow them; else every expert from the layer's own block tensors."""
+    if cache is not None:
+        return CachedExperts(cache, layer, math)
+    if ew.gate.raw.device.type == "cpu" and math.plain:
+        assert math.act is not None
+        kernels = CpuExperts.in_place_kernels(ew.gate, ew.up, ew.down, math.act)
+        if kernels is not None:
+            return CpuInPlaceExperts(ew, math, kernels)
+    return HostExperts(ew, math)
+
+
+class CpuInPlaceExperts:
+    def __init__(self, ew: ExpertWeights, math: ExpertMath, kernels: object) -> None:
+        self.host = HostExperts(ew, math)
+        self.kernels = kernels  # engine.experts.cpu_q4k.Q4KExperts
+
+    def mix(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > IN_PLACE_MAX_ROWS or not int8_activations():
+            return self.host.mix(x, w, ids)
+        out = torch.empty(x.shape, dtype=torch.float32)
+        xs, wf = x.float().contiguous(), w.float().contiguous()
+        for t in range(x.shape[0]):  # a token's experts straight from their blocks, one call a token
+            self.kernels.mix(ids[t].numpy(), wf[t].numpy(), xs[t].numpy(), out[t].numpy())  # type: ignore[attr-defined]
+        return out
+
+
+class CachedExperts:
+    def __init__(self, cache: "ExpertCache", layer: int, math: ExpertMath) -> None:
+        self.cache, self.layer, self.math = cache, layer, math
+
+    def mix(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        cache, layer, math = self.cache, self.layer, self.math
+        le = cache.layers[layer]
+        t, d = x.shape
+        k = ids.shape[1]
+        g, u, dn = le.gate.host, le.up.host, le.down.host
+        f = g.shape[1]
+        b = math.biases
+        if t <= FUSED_MAX_ROWS and fused_moe_available(g.qtype, u.qtype, dn.qtype, d, f):
+            from engine.kernels.gemv import moe_gemv
+
+            flat = ids.reshape(-1)
+            gt, ut, dt, sid = expert_tables(
+                cache, layer, ids
+            )  # sid: the ids the kernels read the tables with
+            if math.plain:
+                h = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, x, f, d, k, up_table=ut, act=math.act)
+            else:
+                hg = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, x, f, d, k)  # [T*k, F]
+                hu = moe_gemv(ut, u.qtype, u.raw.shape[-1], sid, x, f, d, k)
+                if b is not None:
+                    hg, hu = hg + b.gate[flat], hu + b.up[flat]
+                h = math.glu(hg, hu)
+            y = moe_gemv(dt, dn.qtype, dn.raw.shape[-1], sid, h, d, f, k, x_per_slot=True)  # [T*k, D]
+            if b is not None:
+                y = y + b.down[flat]
+            return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
+        if math.plain:  # a prompt chunk: grouped launches where they exist
+            assert math.act is not None
+            grouped = grouped_experts(x, le, w, ids, k, math.act, lambda: cache.prompt_tables(layer))
+            if grouped is not None:
+                return grouped
+        loaded: dict[int, ExpertWeights] = {}
+
+        def get(e: int) -> ExpertWeights:
+            if e not in loaded:
+                loaded[e] = le.expert(e, x.device)
+            return loaded[e]
+
+        return per_expert(x, w, ids, get, math)
+
+
+def expert_tables(
+    cache: "ExpertCache", layer: int, ids: torch.Tensor, claim: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gate, up and down address tables a decode step's expert kernels read, and the ids to read them with:
+    the cache's own tables and the experts' ids, or (with `--expert-misses copy`) per-slot tables with the missed
+    experts staged in VRAM, read with the identity. `claim` [k]: slots the CPU computes (not staged)."""
+    staged = cache.staged_tables(layer, ids, claim)
+    if staged is not None:
+        assert cache.stager is not None
+        return staged[0], staged[1], staged[2], cache.stager.identity
+    le = cache.layers[layer]
+    return le.gate.table, le.up.table, le.down.table, ids
+
+
+_GROUPED_FAILED: set[tuple[QT, QT, int, int]] = set()
+
+
+def _is_build_error(e: Exception) -> bool:
+    try:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+    except ImportError:
+        return False
+    return isinstance(e, CompilationError | OutOfResources)
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    le: "LayerExperts",
+    w: torch.Tensor,
+    ids: torch.Tensor,
+    k: int,
+    act: str,
+    tables: Callable[[], Tables] | None = None,
+) -> torch.Tensor | None:
+    """A prompt chunk's routed experts (x [T, D], weights and ids [T, k]) as grouped launches on CUDA -> float32
+    [T, D]; None where the block types have no tile kernel or the kernel cannot be built here (said once).
+    `tables` gives the gate, up and down address tables to read (the cache's prompt_tables: experts in host
+    memory streamed into VRAM first); without it the layer's own."""
+    g, u, dn = le.gate.host, le.up.host, le.down.host
+    d, f = x.shape[1], g.shape[1]
+    key = (g.qtype, dn.qtype, d, f)
+    if not x.is_cuda or key in _GROUPED_FAILED or not grouped_available(g.qtype, u.qtype, dn.qtype, d, f):
+        return None
+    try:
+        tabs = tables() if tables is not None else (le.gate.table, le.up.table, le.down.table)
+        return _grouped(x, le, w, ids, k, act, tabs)
+    except Exception as e:  # a kernel this GPU or Triton cannot build: the per-expert path
+        if not _is_build_error(e):
+            raise
+        _GROUPED_FAILED.add(key)
+        log.warning("grouped expert kernel unavailable for %s/%s experts (%s): experts run one by one",
+                    g.qtype.name, dn.qtype.name, str(e).splitlines()[0][:160])  # fmt: skip
+        return None
+
+
+def _grouped(
+    x: torch.Tensor, le: "LayerExperts", w: torch.Tensor, ids: torch.Tensor, k: int, act: str, tabs: Tables
+) -> torch.Tensor:
+    """All the chunk's routed experts as two grouped launches (gate/up with the activation, down), then the
+    weighted combine."""
+    from engine.kernels.moe_gemm import Blocks, block_table, expert_order, moe_gemm
+
+    g, dn = le.gate.host, le.down.host
+    t, d = x.shape
+    f = g.shape[1]
+    blocks = Blocks(ids, le.router.shape[0], block_table, expert_order)
+    s = t * k
+    h = moe_gemm(blocks, tabs[0], g.qtype, g.raw.shape[-1], x, f, d, k, s, up_table=tabs[1], act=act,
+                 out_dtype=x.dtype)  # fmt: skip
+    y = moe_gemm(blocks, tabs[2], dn.qtype, dn.raw.shape[-1], h, d, f, k, s, x_per_slot=True)  # [S, D]
+    # the weighted sum as a batched product: no [T, k, D] temporary (268 MB for a 4,096-token chunk of Qwen3-30B,
+    # which took the reserved peak past a small card's budget)
+    return torch.bmm(w.float().unsqueeze(1), y.view(t, k, d)).squeeze(1)
+
+
+def grouped_available(gate: QT, up: QT, down: QT, d: int, f: int) -> bool:
+    """Whether prompt chunks of such experts have the grouped tile kernels."""
+    try:
+        from engine.kernels.moe_gemm import supports
+    except ImportError:
+        return False
+    return gate == up and supports(gate, d) and supports(down, f)
+
+
+def fused_moe_available(gate: QT, up: QT, down: QT, d: int, f: int) -> bool:
+    """Whether decode steps of such experts avoid host synchronisation (and can be captured in a CUDA graph)."""
+    try:
+        from engine.kernels.gemv import supports
+    except ImportError:
+        return False
+    return gate == up and supports(gate, d) and supports(down, f)
