@@ -12,13 +12,13 @@ from engine.kernels import int8_activations
 from installer.engine_options import D as OPTION_DEFAULTS
 
 
-
 class PlacedModel(Protocol):
     """What the cache is built from: a model's layers (each with its `experts`), its card and its config."""
 
     layers: Mapping[int, Any]
     device: torch.device
     cfg: Any
+
 
 log = logging.getLogger("strata.engine")
 MiB = 1 << 20

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 from collections.abc import Iterable, Mapping
@@ -48,10 +49,15 @@ class TokenKeys:
     client: KeyPair  # the main process's (and a relay's towards the next worker)
 
 
-def fingerprint(public: bytes) -> str:
-    """A short, readable fingerprint of a public key: `3f2a-91c0-7d44-e215`."""
-    h = hashlib.sha256(z85.decode(public)).hexdigest()[:16]
-    return "-".join(h[i : i + 4] for i in range(0, 16, 4))
+def fingerprint(public: bytes | str) -> str:
+    """The one fingerprint of a CURVE public key (Z85) everywhere a user sees one: pairing screens, the node
+    agent, the worker's start line, the link's refusals. `7KQ2-MX4P-A9RT-WZ3B`: 80 bits of its SHA-256 in base32
+    (letters and digits that read aloud), four groups of four."""
+    raw = z85.decode(public.encode("ascii") if isinstance(public, str) else public)
+    if len(raw) != 32:
+        raise LinkKeyError(f"a CURVE public key decodes to 32 bytes, not {len(raw)}")
+    text = base64.b32encode(hashlib.sha256(raw).digest()[:10]).decode("ascii")  # 80 bits, 16 characters
+    return "-".join(text[i : i + 4] for i in range(0, 16, 4))
 
 
 def _pair_from_secret(secret32: bytes) -> KeyPair:

@@ -5,8 +5,6 @@ SHA-256 of the raw 32-byte public key, in base32 groups (`7KQ2-MX4P-A9RT-WZ3B`).
 0600 and replaced atomically, so a crash never leaves half a key.
 """
 
-import base64
-import hashlib
 import hmac
 import json
 import secrets
@@ -17,6 +15,7 @@ from typing import Any
 import zmq
 import zmq.utils.z85
 
+from engine.link.keys import fingerprint as link_fingerprint
 from engine.private_file import write_private_text
 
 # Pairing codes avoid characters that read alike (0/O, 1/I/L).
@@ -61,10 +60,9 @@ def check_key(text: Any, what: str = "key") -> str:
 
 
 def fingerprint(public_key: str) -> str:
-    """`7KQ2-MX4P-A9RT-WZ3B`: what a user compares between the two screens when pairing."""
-    raw = zmq.utils.z85.decode(check_key(public_key).encode("ascii"))
-    text = base64.b32encode(hashlib.sha256(raw).digest()[:10]).decode("ascii")  # 80 bits, 16 characters
-    return "-".join(text[i : i + 4] for i in range(0, 16, 4))
+    """What a user compares between the two screens when pairing: the link's one fingerprint format
+    (engine.link.keys.fingerprint) of a checked key."""
+    return link_fingerprint(check_key(public_key))
 
 
 def normalize_fingerprint(text: str) -> str:

@@ -189,3 +189,38 @@ def test_the_config_writer_checks_args(tmp_path: Path) -> None:
         write_config(StrataConfig(model="m.gguf", args=("--kv",)), tmp_path / "strata-c.json")
     assert not (tmp_path / "strata-b.json").exists()
     check_args(["--gpu", "1", "--no-profile"])
+
+
+def test_every_strata_variable_is_listed_and_model_code_reads_none() -> None:
+    """installer.engine_options.ENVIRONMENT names every STRATA_* variable the code uses; model, layer and kernel
+    code read no environment of their own (their switches come through runtime_switches)."""
+    import ast
+    import re
+
+    from installer.engine_options import ENVIRONMENT
+
+    root = Path(__file__).resolve().parents[2]
+    used: set[str] = set()
+    for package in ("engine", "installer", "app"):
+        for path in (root / package).rglob("*.py"):
+            used |= set(re.findall(r"\bSTRATA_[A-Z_]+\b", path.read_text(encoding="utf-8")))
+    assert used <= set(ENVIRONMENT), sorted(used - set(ENVIRONMENT))
+    for package in ("models", "layers", "kernels"):
+        for path in (root / "engine" / package).rglob("*.py"):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
+                    line = ast.get_source_segment(path.read_text(encoding="utf-8"), node) or ""
+                    where = f"{path.relative_to(root)}:{node.lineno}"
+                    assert (
+                        "TRITON_INTERPRET" in path.read_text(encoding="utf-8").splitlines()[node.lineno - 1]
+                    ), f"{where} reads the environment ({line}): read it in installer/engine_options.py"
+
+
+def test_runtime_switches() -> None:
+    from installer.engine_options import runtime_switches
+
+    assert runtime_switches({}) == runtime_switches({"STRATA_ACTIVATIONS": "int8"})
+    s = runtime_switches({"STRATA_ACTIVATIONS": "float", "STRATA_NORM_ROUTE": "0", "STRATA_PROMPT_GRAPHS": "0",
+                          "STRATA_GEMV_TUNED": "/x.json"})  # fmt: skip
+    assert (s.activations, s.norm_route, s.prompt_graphs, s.gemv_tuned) == ("float", False, False, "/x.json")

@@ -95,3 +95,20 @@ def test_stage_info_round_trips_and_rejects_strangers() -> None:
     ):
         with pytest.raises(P.FrameError, match=msg):
             P.StageInfo.from_wire(bad)
+
+
+def test_one_fingerprint_format_for_link_and_pairing() -> None:
+    """The worker's start line, the link's refusals and the pairing screens show a key the same way."""
+    import re
+
+    import zmq
+
+    from engine.node.keys import KeyPair as NodeKeyPair
+    from engine.node.keys import fingerprint as node_fingerprint
+
+    pair = NodeKeyPair.generate()
+    fp = fingerprint(pair.public.encode("ascii"))
+    assert re.fullmatch(r"[A-Z2-7]{4}(-[A-Z2-7]{4}){3}", fp)
+    assert fp == node_fingerprint(pair.public) == pair.fingerprint == fingerprint(pair.public)
+    pub, _ = zmq.curve_keypair()
+    assert fingerprint(pub) == node_fingerprint(pub.decode("ascii"))
