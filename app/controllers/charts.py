@@ -183,9 +183,8 @@ class ChartsController(QObject):
             if p is not None:
                 self.chunks.setdefault(stage, deque(maxlen=MAX_POINTS)).append(p)
         elif kind == "request":
-            timings = ev.get("timings") if isinstance(ev.get("timings"), dict) else ev
-            prompt = float(timings.get("prompt_per_second") or 0.0)
-            decode = float(timings.get("predicted_per_second") or 0.0)
+            prompt = float(ev.get("prompt_per_second") or 0.0)
+            decode = float(ev.get("predicted_per_second") or 0.0)
             self.requests.append((now, prompt, decode))
 
     def on_stats(self, stats: dict) -> None:

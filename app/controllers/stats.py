@@ -49,6 +49,7 @@ def _fraction(v: Any) -> float | None:
 
 
 def stage_views(stats: dict[str, Any]) -> list[StageView]:
+    """The stages of GET /stats (engine/serve/protocol.py `StageStats`)."""
     stages = [s for s in stats.get("stages") or [] if isinstance(s, dict)]
     experts = stats.get("experts") if isinstance(stats.get("experts"), dict) else {}
     out = []
@@ -57,11 +58,11 @@ def stage_views(stats: dict[str, Any]) -> list[StageView]:
         begin = end = None
         if isinstance(layers, list) and len(layers) == 2 and all(_int(x) is not None for x in layers):
             begin, end = int(layers[0]), int(layers[1])
-        held, total = _int(s.get("experts_in_vram")), _int(s.get("experts_total"))
-        if total is None and len(stages) == 1 and experts:  # one stage holds the model's whole count
+        cache = s.get("expert_cache") if isinstance(s.get("expert_cache"), dict) else {}
+        held, total = _int(cache.get("in_vram")), _int(cache.get("total"))
+        if total is None and len(stages) == 1 and experts:  # no expert cache (the CPU): the model's own count
             held, total = _int(experts.get("in_vram")), _int(experts.get("routed"))
-        cache = s.get("expert_cache") if isinstance(s.get("expert_cache"), dict) else s
-        index = _int(s.get("index", s.get("stage")))
+        index = _int(s.get("stage"))
         out.append(
             StageView(
                 index=i if index is None else index,
@@ -94,12 +95,9 @@ def experts_held(stats: dict[str, Any]) -> tuple[int, int] | None:
 
 
 def last_timings(stats: dict[str, Any]) -> dict[str, Any] | None:
-    for key in ("last_request", "last", "last_timings"):
-        last = stats.get(key)
-        if isinstance(last, dict):
-            inner = last.get("timings")
-            return inner if isinstance(inner, dict) else last
-    return None
+    """The last finished request's timings (`LastRequest`: llama-server's timings, its endpoint and outcome)."""
+    last = stats.get("last_request")
+    return last if isinstance(last, dict) else None
 
 
 def runs_on(stats: dict[str, Any]) -> str:

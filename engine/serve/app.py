@@ -122,7 +122,7 @@ def create_app(service: EngineService, cors_origins: Sequence[str] = ()) -> Fast
     # ---- routes ---------------------------------------------------------------------------------------------
 
     async def health() -> JSONResponse:
-        return JSONResponse(service.health())
+        return JSONResponse(service.health().model_dump(mode="json", exclude_unset=True))
 
     async def models() -> JSONResponse:
         return JSONResponse(service.models())
@@ -165,7 +165,9 @@ def create_app(service: EngineService, cors_origins: Sequence[str] = ()) -> Fast
         return Response(service.metrics(), media_type=METRICS_CONTENT_TYPE)
 
     async def stats(experts: str | None = None) -> JSONResponse:
-        return JSONResponse(service.stats(experts_detail=experts == "full"))
+        return JSONResponse(
+            service.stats(experts_detail=experts == "full").model_dump(mode="json", exclude_unset=True)
+        )
 
     async def events() -> EventStreamResponse:
         async def body() -> AsyncIterator[bytes]:

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 if TYPE_CHECKING:  # torch loads in the background, after the server already answers /health
     from engine.pipeline.generate import Timings
@@ -390,3 +390,214 @@ def timings_dict(t: "Timings", queued_ms: float = 0.0) -> dict[str, Any]:
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# ---- status: /health, /stats, /events ---------------------------------------------------------------------------
+# What the server reports about itself, typed: the app (app/controllers/engine.py, stats.py, charts.py) reads these
+# fields and tests/engine/serve/test_status_contract.py checks every key it reads against them. Optional fields are
+# left out of the JSON where they do not apply (dumped with exclude_unset).
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+ServerStatus = Literal["loading", "ready", "degraded", "error"]
+
+
+class QueueHealth(_Status):
+    waiting: int
+    active: int
+
+
+class RemoteStageHealth(_Status):
+    address: str
+    status: str  # "ok" or "down: <why>"
+
+
+class Health(_Status):
+    status: ServerStatus
+    model: str
+    error: str | None
+    queue: QueueHealth
+    remote_stages: list[RemoteStageHealth] | None = None
+
+
+class Series(_Status):
+    """A series of times (ms): telemetry.stats.RunningStat.to_dict; None until the first value."""
+
+    count: int
+    total: float
+    mean: float | None
+    last: float | None
+    min: float | None
+    max: float | None
+    recent: float | None
+
+
+class ExpertCacheStats(_Status):
+    in_vram: int | None
+    total: int | None
+    hits: int
+    misses: int
+    swaps: int
+    bytes_moved: int
+    computed_on_cpu: int
+    cpu_share: float | None
+    hit_rate: float | None
+
+
+class StageStats(_Status):
+    stage: int
+    step_ms: Series
+    prompt_chunk_ms: Series
+    prompt_chunk_tokens: int
+    expert_cache: ExpertCacheStats
+    device: str | None = None
+    layers: list[int] | None = None  # [begin, end)
+    host: str | None = None  # a worker's address
+    status: str | None = None  # a remote stage's link: "ok" or "down: <why>"
+    # a split's waiting for the stage and transfers to it (engine/serve/stages.py link_stats)
+    step_wait_ms: Series | None = None
+    step_transfer_ms: Series | None = None
+    prompt_chunk_wait_ms: Series | None = None
+    prompt_chunk_transfer_ms: Series | None = None
+
+
+class ActiveRequest(_Status):
+    id: str
+    endpoint: str
+    prompt_tokens: int
+    generated: int
+    running_s: float
+
+
+class QueueStats(_Status):
+    waiting: int
+    active: int
+    max: int
+    active_request: ActiveRequest | None
+
+
+class Totals(_Status):
+    requests: int
+    prompt_tokens: int
+    prompt_cached_tokens: int
+    generated_tokens: int
+    prompt_seconds: float
+    decode_seconds: float
+
+
+class RequestCount(_Status):
+    endpoint: str
+    outcome: str
+    count: int
+
+
+class RequestTimings(_Status):
+    """llama-server's `timings` of one request (`timings_dict`)."""
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+    queued_ms: float
+    draft_n: int
+    draft_n_accepted: int
+
+
+class LastRequest(RequestTimings):
+    endpoint: str
+    outcome: str
+    t: float
+
+
+class EventsStats(_Status):
+    subscribers: int
+    dropped: int
+
+
+class PromptCacheStats(_Status):
+    entries: int
+    bytes: int
+    max_bytes: int
+    saves: int
+    restores: int
+    evictions: int
+    restored_tokens: int
+
+
+class ExpertsStats(_Status):
+    n_expert: int
+    n_expert_used: int
+    routed: int
+    in_vram: int
+    selections_total: int
+    selections_per_layer: list[int]
+    cache: list[ExpertCacheStats]
+    counts: list[list[int]] | None = None  # with ?experts=full
+
+
+class Stats(_Status):
+    status: ServerStatus
+    error: str | None
+    model: str
+    version: str
+    uptime_s: float
+    queue: QueueStats
+    totals: Totals
+    requests: list[RequestCount]
+    last_request: LastRequest | None
+    events: EventsStats
+    stages: list[StageStats]
+    # once the model is loaded
+    arch: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    kv_type: str | None = None
+    max_context: int | None = None
+    n_layer: int | None = None
+    prompt_cache: PromptCacheStats | None = None
+    experts: ExpertsStats | None = None
+
+
+class _StageEvent(_Status):
+    stage: int
+    ms: float
+    t: float
+    # a split's stage details (engine/serve/stages.py): its layers ("0-23"), device, a worker's address, and the
+    # stage's own compute, its waiting and the transfers
+    layers: str | None = None
+    device: str | None = None
+    host: str | None = None
+    compute_ms: float | None = None
+    wait_ms: float | None = None
+    transfer_ms: float | None = None
+    tokens: int | None = None  # rows of a decode step (verify windows: more than one)
+
+
+class StepEvent(_StageEvent):
+    type: Literal["step"]
+    index: int | None = None  # the step's index in its request
+
+
+class PromptChunkEvent(_StageEvent):
+    type: Literal["prompt_chunk"]
+    tokens: int | None = None
+    start: int | None = None  # the chunk's first position
+
+
+class RequestEvent(RequestTimings):
+    type: Literal["request"]
+    endpoint: str
+    outcome: str
+    t: float
+
+
+Event = Annotated[StepEvent | PromptChunkEvent | RequestEvent, Field(discriminator="type")]
+EVENT: TypeAdapter[StepEvent | PromptChunkEvent | RequestEvent] = TypeAdapter(Event)

@@ -16,43 +16,99 @@ from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+
+def _series(mean: float, n: int = 10) -> dict[str, Any]:
+    return {
+        "count": n,
+        "total": mean * n,
+        "mean": mean,
+        "last": mean,
+        "min": mean,
+        "max": mean,
+        "recent": mean,
+    }
+
+
+def _cache(in_vram: int, total: int, hits: int, misses: int) -> dict[str, Any]:
+    return {"in_vram": in_vram, "total": total, "hits": hits, "misses": misses, "swaps": 0, "bytes_moved": 0,
+            "computed_on_cpu": 0, "cpu_share": None, "hit_rate": round(hits / (hits + misses), 4)}  # fmt: skip
+
+
+# A two-card split's GET /stats, in the engine's protocol (engine/serve/protocol.py `Stats`; the contract test
+# validates it there).
 STATS = {
+    "status": "ready",
+    "error": None,
     "model": "tiny-test.gguf",
-    "arch": "qwen3moe",
-    "device": "cpu",
-    "stages": [
-        {
-            "index": 0,
-            "device": "cuda:0",
-            "layers": [0, 12],
-            "experts_in_vram": 1536,
-            "experts_total": 1536,
-            "hits": 900,
-            "misses": 100,
-            "step_ms": 11.5,
-        },
-        {
-            "index": 1,
-            "device": "cuda:1",
-            "layers": [12, 48],
-            "experts_in_vram": 3000,
-            "experts_total": 4608,
-            "hits": 700,
-            "misses": 300,
-            "step_ms": 19.0,
-        },
-    ],
-    "queue": {"running": 0, "waiting": 0},
-    "totals": {"requests": 3},
-    "last": {
+    "version": "0.0.0",
+    "uptime_s": 12.5,
+    "queue": {"waiting": 0, "active": 0, "max": 64, "active_request": None},
+    "totals": {
+        "requests": 3,
+        "prompt_tokens": 360,
+        "prompt_cached_tokens": 0,
+        "generated_tokens": 126,
+        "prompt_seconds": 0.45,
+        "decode_seconds": 4.2,
+    },
+    "requests": [{"endpoint": "chat", "outcome": "ok", "count": 3}],
+    "last_request": {
+        "endpoint": "chat",
+        "outcome": "ok",
+        "t": 1.7e9,
+        "cache_n": 0,
         "prompt_n": 120,
         "prompt_ms": 150.0,
+        "prompt_per_token_ms": 1.25,
         "prompt_per_second": 800.0,
         "predicted_n": 42,
         "predicted_ms": 1400.0,
+        "predicted_per_token_ms": 33.333,
         "predicted_per_second": 30.0,
+        "queued_ms": 0.0,
+        "draft_n": 0,
+        "draft_n_accepted": 0,
     },
+    "events": {"subscribers": 1, "dropped": 0},
+    "arch": "qwen3moe",
+    "device": "cuda:0",
+    "dtype": "bfloat16",
+    "kv_type": "bf16",
+    "max_context": 4096,
+    "n_layer": 48,
+    "stages": [
+        {
+            "stage": 0,
+            "device": "cuda:0",
+            "layers": [0, 12],
+            "step_ms": _series(11.5),
+            "prompt_chunk_ms": _series(90.0),
+            "prompt_chunk_tokens": 120,
+            "expert_cache": _cache(1536, 1536, 900, 100),
+        },
+        {
+            "stage": 1,
+            "device": "cuda:1",
+            "layers": [12, 48],
+            "step_ms": _series(19.0),
+            "prompt_chunk_ms": _series(140.0),
+            "prompt_chunk_tokens": 120,
+            "expert_cache": _cache(3000, 4608, 700, 300),
+        },
+    ],
+    "prompt_cache": None,
+    "experts": None,
 }
+STATS["experts"] = {
+    "n_expert": 128, "n_expert_used": 8, "routed": 6144, "in_vram": 4536, "selections_total": 2016,
+    "selections_per_layer": [42] * 48, "cache": [st["expert_cache"] for st in STATS["stages"]],  # type: ignore[index]
+}  # fmt: skip
+
+
+def health_body(status: str, model: str, error: str | None) -> dict[str, Any]:
+    """GET /health in the engine's protocol (`Health`)."""
+    return {"status": status, "model": model, "error": error, "queue": {"waiting": 0, "active": 0}}
+
 
 # One decode step of a two-stage split as the engine reports it: each stage's compute, waiting and transfer.
 SPLIT_EVENTS = [
@@ -165,7 +221,7 @@ class FakeEngine:
                 if self.path == "/health":
                     status = engine.next_health()
                     error = engine.error_message if status in ("error", "degraded") else None
-                    self._json(200, {"status": status, "model": engine.model, "error": error})
+                    self._json(200, health_body(status, engine.model, error))
                 elif not self._authorized():
                     return
                 elif self.path == "/stats":

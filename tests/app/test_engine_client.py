@@ -12,7 +12,12 @@ def test_health_and_stats(qtbot: QtBot, fake_engine: FakeEngine) -> None:
     call = client.health()
     with qtbot.waitSignal(call.done, timeout=3000) as got:
         pass
-    assert got.args[0] == {"status": "ready", "model": "tiny-test.gguf", "error": None}
+    assert got.args[0] == {
+        "status": "ready",
+        "model": "tiny-test.gguf",
+        "error": None,
+        "queue": {"waiting": 0, "active": 0},
+    }
     call = client.stats()
     with qtbot.waitSignal(call.done, timeout=3000) as got:
         pass

@@ -1,5 +1,6 @@
 """The real server as a subprocess (`python -m engine.cli serve ... --port 0`), for the serve tests."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from httpx_sse import connect_sse
 
 KEY = "test-key-123"
 READY_TIMEOUT_S = 90.0
@@ -55,6 +57,39 @@ class ServerProc:
                 return last
             time.sleep(0.05)
         raise AssertionError(f"/health never said {wanted}: last {last}\n" + "\n".join(self.log[-30:]))
+
+    def events_of(
+        self, request: dict[str, Any], path: str = "/v1/completions"
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """(the /events stream around one request to `path`, until its `request` event; the request's answer). The
+        stream's content type is checked on the way."""
+        events: list[dict[str, Any]] = []
+        connected = threading.Event()
+
+        def listen() -> None:
+            with (
+                httpx.Client(headers=self.headers, timeout=30) as c,
+                connect_sse(c, "GET", self.url + "/events") as s,
+            ):
+                assert s.response.headers["content-type"].startswith("text/event-stream")
+                connected.set()
+                for sse in s.iter_sse():
+                    events.append(json.loads(sse.data))
+                    if events[-1]["type"] == "request":
+                        return
+
+        t = threading.Thread(target=listen)
+        t.start()
+        assert connected.wait(10)
+        deadline = time.monotonic() + 10
+        while self.get("/stats").json()["events"]["subscribers"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        answer = self.post(path, request)
+        assert answer.status_code == 200, answer.text
+        t.join(30)
+        assert not t.is_alive()
+        return events, answer.json()
 
     def stop(self) -> None:
         if self.alive():

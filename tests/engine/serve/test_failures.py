@@ -81,5 +81,5 @@ def test_failure_gives_500_and_the_server_goes_on(live, monkeypatch: pytest.Monk
     # is the one from before the failure.
     again = httpx.post(url + "/v1/chat/completions", json=BODY, timeout=60).json()
     assert again["choices"][0]["message"]["content"] == good["choices"][0]["message"]["content"]
-    outcomes = {(r["endpoint"], r["outcome"]): r["count"] for r in service.stats()["requests"]}
+    outcomes = {(r["endpoint"], r["outcome"]): r["count"] for r in service.stats().model_dump()["requests"]}
     assert outcomes[("chat", "error")] == 2 and outcomes[("chat", "ok")] == 2

@@ -4,16 +4,12 @@ with the single-process server's greedy text; /stats and /events show each stage
 names it and /health says degraded, a restarted one serves again. Also the config keys that become split flags."""
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
-from httpx_sse import connect_sse
 
 from engine.cli import main as engine_main
 from engine.testing.tiny_models import write_tiny_model
@@ -113,33 +109,6 @@ def test_in_process_split_answers_like_one_process(servers: Servers) -> None:
     assert "remote_stages" not in servers.split.get("/health").json()
 
 
-def _events_of(server: ServerProc, request: dict[str, Any]) -> list[dict[str, Any]]:
-    """The /events stream around one completion (until its `request` event)."""
-    events: list[dict[str, Any]] = []
-    connected = threading.Event()
-
-    def listen() -> None:
-        with httpx.Client(headers=server.headers, timeout=30) as c:
-            with connect_sse(c, "GET", server.url + "/events") as source:
-                connected.set()
-                for sse in source.iter_sse():
-                    events.append(json.loads(sse.data))
-                    if events[-1]["type"] == "request":
-                        return
-
-    t = threading.Thread(target=listen)
-    t.start()
-    assert connected.wait(10)
-    deadline = time.monotonic() + 10
-    while server.get("/stats").json()["events"]["subscribers"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    assert server.post("/v1/completions", request).status_code == 200
-    t.join(30)
-    assert not t.is_alive()
-    return events
-
-
 def test_remote_stage_answers_like_one_process(servers: Servers) -> None:
     assert _chat(servers.remote) == _chat(servers.plain)
     assert [_complete(servers.remote, p) for p in PROMPTS] == [_complete(servers.plain, p) for p in PROMPTS]
@@ -157,7 +126,7 @@ def test_remote_stage_answers_like_one_process(servers: Servers) -> None:
             assert there[key]["count"] >= 1 and there[key]["min"] >= 0, key
     assert there["step_ms"]["count"] == here["step_ms"]["count"]
 
-    events = _events_of(servers.remote, {"prompt": "stage by stage", "max_tokens": 4, "ignore_eos": True})
+    events, _ = servers.remote.events_of({"prompt": "stage by stage", "max_tokens": 4, "ignore_eos": True})
     steps = [e for e in events if e["type"] == "step"]
     chunks = [e for e in events if e["type"] == "prompt_chunk"]
     # 4 tokens: 3 decode steps, each reported by both stages.

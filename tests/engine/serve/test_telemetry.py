@@ -1,15 +1,12 @@
 """/metrics read by prometheus_client's parser, /events read by an SSE client (httpx-sse), /stats, and the
 telemetry pieces on their own."""
 
-import json
 import math
 import threading
 import time
 from typing import Any
 
-import httpx
 import pytest
-from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.telemetry.prometheus import Family, render, summary
@@ -115,32 +112,7 @@ def test_stats(server: ServerProc) -> None:
 
 
 def test_event_stream(server: ServerProc) -> None:
-    events: list[dict[str, Any]] = []
-    connected = threading.Event()
-
-    def listen() -> None:
-        with httpx.Client(headers=server.headers, timeout=30) as c:
-            with connect_sse(c, "GET", server.url + "/events") as source:
-                assert source.response.headers["content-type"].startswith("text/event-stream")
-                connected.set()
-                for sse in source.iter_sse():
-                    ev = json.loads(sse.data)
-                    events.append(ev)
-                    if ev["type"] == "request":
-                        return
-
-    t = threading.Thread(target=listen)
-    t.start()
-    assert connected.wait(10)
-    deadline = time.monotonic() + 10
-    while server.get("/stats").json()["events"]["subscribers"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    r = server.post(
-        "/v1/completions", {"prompt": "events please", "max_tokens": 6, "ignore_eos": True}
-    ).json()
-    t.join(30)
-    assert not t.is_alive()
+    events, r = server.events_of({"prompt": "events please", "max_tokens": 6, "ignore_eos": True})
     steps = [e for e in events if e["type"] == "step"]
     chunks = [e for e in events if e["type"] == "prompt_chunk"]
     req = events[-1]
