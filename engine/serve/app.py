@@ -15,9 +15,10 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from engine.serve.errors import APIError, from_validation
+from engine.serve.jobs import ClientGone, Job, sse_event
 from engine.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware, BodyTooLarge
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from engine.serve.serving import METRICS_CONTENT_TYPE, ClientGone, EngineService, Job, sse_event
+from engine.serve.serving import METRICS_CONTENT_TYPE, EngineService
 from engine.serve.sse import EventStreamResponse
 from installer.version import __version__
 

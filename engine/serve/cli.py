@@ -124,7 +124,8 @@ def _serve(args: "EngineOptions") -> int:
     import uvicorn
 
     from engine.serve.app import create_app
-    from engine.serve.serving import EngineService, ServeOptions
+    from engine.serve.options import ServeOptions
+    from engine.serve.serving import EngineService
 
     opts = ServeOptions(
         model=model,

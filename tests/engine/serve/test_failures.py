@@ -14,7 +14,8 @@ import uvicorn
 
 from engine.serve.app import create_app
 from engine.serve.cli import bind
-from engine.serve.serving import EngineService, ServeOptions
+from engine.serve.options import ServeOptions
+from engine.serve.serving import EngineService
 
 
 @pytest.fixture(scope="module")

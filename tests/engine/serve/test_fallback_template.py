@@ -13,7 +13,8 @@ import torch
 from starlette.testclient import TestClient
 
 from engine.serve.app import create_app
-from engine.serve.serving import EngineService, ServeOptions
+from engine.serve.options import ServeOptions
+from engine.serve.serving import EngineService
 from engine.testing.tiny_models import write_tiny_model
 
 REPLY = "Sure, here it is.<|im_end|>\n<|im_start|>user\nAnd again"

@@ -1,0 +1,332 @@
+"""What the server says about itself: /health, /v1/models, /stats (typed: engine/serve/protocol.py) and /metrics
+(Prometheus), from the telemetry, the expert caches, the prompt cache and the links to remote stages."""
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from engine.serve.options import ServeOptions
+from engine.serve.protocol import Health, Stats
+from engine.telemetry.events import EventHub
+from engine.telemetry.prometheus import Family, render, summary
+from engine.telemetry.stats import Telemetry
+from installer.version import __version__
+
+if TYPE_CHECKING:
+    from engine.pipeline.generate import Runner
+    from engine.pipeline.loader import LoadedModel
+    from engine.serve.jobs import Job
+    from engine.serve.stages import StageSlot, StageTimes
+
+
+class Status:
+    """Part of EngineService: reads its state (`status`, `error`), model, runner, queue, telemetry and stages."""
+
+    status: str
+    error: str | None
+    lm: "LoadedModel | None"
+    runner: "Runner | None"
+    opts: ServeOptions
+    model_name: str
+    model_created: int
+    kv_type: str | None
+    hub: EventHub
+    telemetry: Telemetry
+    stage_slots: "list[StageSlot]"
+    stage_times: "StageTimes | None"
+    active: "Job | None"
+
+    @property
+    def waiting(self) -> int:
+        raise NotImplementedError
+
+    def _snapshot_experts(self) -> None:
+        counts = self.lm.model.expert_counts if self.lm is not None else None
+        if counts is not None:
+            self.telemetry.set_expert_counts(counts.tolist())
+        if self.lm is None:
+            return
+        # Each card's expert cache (CUDA): experts in VRAM, hits and misses since load, per stage.
+        stages = getattr(self.lm.model, "stages", None)
+        models = [getattr(st, "model", None) for st in stages] if stages is not None else [self.lm.model]
+        for j, m in enumerate(models):
+            cache = getattr(m, "expert_cache", None)
+            if cache is not None:
+                st = cache.stats()
+                self.telemetry.set_expert_cache(j, st.hits, st.misses, st.experts_in_vram, st.experts_total,
+                                                st.swaps, st.bytes_moved, st.cpu_computed, st.cpu_share)  # fmt: skip
+
+    def links(self) -> list[tuple[str, str]]:
+        """(address, status) of each link to a remote stage: "ok", or "down: <why>" since a request failed on it
+        (the next request reconnects); empty without remote stages."""
+        health = getattr(self.lm.model, "health", None) if self.lm is not None else None
+        return [(str(a), str(st)) for a, st in health()] if health is not None else []
+
+    def state(self) -> tuple[str, str | None]:
+        """(status, error): loading, ready, error, or degraded while a remote stage is down (requests then fail
+        with a 502 naming it; each new request tries to reconnect, and a success makes it ready again)."""
+        down = [(a, st) for a, st in self.links() if st != "ok"]
+        if self.status == "ready" and down:
+            why = "; ".join(f"the remote stage at {a} is {st}" for a, st in down)
+            return "degraded", f"{why}: requests fail until it is back (each request tries to reconnect)"
+        return self.status, self.error
+
+    def health(self) -> Health:
+        status, error = self.state()
+        out: dict[str, Any] = {
+            "status": status,
+            "model": self.model_name,
+            "error": error,
+            "queue": {"waiting": self.waiting, "active": 1 if self.active is not None else 0},
+        }
+        links = self.links()
+        if links:
+            out["remote_stages"] = [{"address": a, "status": st} for a, st in links]
+        return Health.model_validate(out)
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict[str, Any]:
+        card: dict[str, Any] = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.model_created,
+            "owned_by": "polystrata",
+            "status": self.state()[0],
+        }
+        if self.lm is not None:
+            c = self.lm.config
+            card["meta"] = {
+                "arch": c.arch,
+                "n_layer": c.n_layer,
+                "n_expert": c.n_expert,
+                "n_expert_used": c.n_expert_used,
+                "n_ctx": self.opts.max_context,
+                "n_ctx_train": c.n_ctx_train,
+                "n_vocab": c.n_vocab,
+                "size": self.lm.path.stat().st_size,
+            }
+        return card
+
+    def stats(self, experts_detail: bool = False) -> Stats:
+        snap = self.telemetry.snapshot()
+        counts = snap.pop("expert_counts")
+        active = self.active
+        status, error = self.state()
+        out: dict[str, Any] = {
+            "status": status,
+            "error": error,
+            "model": self.model_name,
+            "version": __version__,
+            "uptime_s": snap["uptime_s"],
+            "queue": {
+                "waiting": self.waiting,
+                "active": 1 if active is not None else 0,
+                "max": self.opts.max_queue,
+                "active_request": (
+                    {
+                        "id": active.id,
+                        "endpoint": active.endpoint,
+                        "prompt_tokens": len(active.req.prompt),
+                        "generated": active.generated,
+                        "running_s": round(time.perf_counter() - (active.started or active.created), 3),
+                    }
+                    if active is not None
+                    else None
+                ),
+            },
+            "totals": snap["totals"],
+            "requests": snap["requests"],
+            "last_request": snap["last_request"],
+            "events": {"subscribers": self.hub.subscribers, "dropped": self.hub.dropped},
+        }
+        lm = self.lm
+        if lm is None:
+            out["stages"] = snap["stages"]
+            return Stats.model_validate(out)
+        c = lm.config
+        device = str(lm.model.device)
+        out.update(
+            arch=c.arch,
+            device=device,
+            dtype=str(lm.model.dtype).removeprefix("torch."),
+            kv_type=self.kv_type,
+            max_context=self.opts.max_context,
+            n_layer=c.n_layer,
+        )
+        links = dict(self.links())
+        for st, slot in zip(snap["stages"], self.stage_slots, strict=False):
+            st.update(device=slot.device, layers=[slot.begin, slot.end])
+            if slot.remote:
+                st.update(host=slot.host, status=links.get(slot.link, "ok"))
+            if self.stage_times is not None:
+                # step_ms and prompt_chunk_ms are the stage's own compute; its waiting and transfer come apart.
+                st.update(self.stage_times.link_stats(slot.index))
+        out["stages"] = snap["stages"]
+        pc = self.runner.prompt_cache if self.runner is not None else None
+        if pc is not None:
+            s = pc.stats()
+            out["prompt_cache"] = {
+                "entries": s.entries,
+                "bytes": s.bytes,
+                "max_bytes": s.max_bytes,
+                "saves": s.saves,
+                "restores": s.restores,
+                "evictions": s.evictions,
+                "restored_tokens": s.restored_tokens,
+            }
+        else:
+            out["prompt_cache"] = None
+        if c.is_moe:
+            routed = c.n_layer * c.n_expert
+            per_layer = [sum(r) for r in counts] if counts else [0] * c.n_layer
+            experts: dict[str, Any] = {
+                "n_expert": c.n_expert,
+                "n_expert_used": c.n_expert_used,
+                "routed": routed,
+                # With an expert cache (CUDA) its cards say how many are in VRAM; on the CPU none are.
+                "in_vram": sum(st["expert_cache"]["in_vram"] or 0 for st in snap["stages"]),
+                "selections_total": sum(per_layer),
+                "selections_per_layer": per_layer,
+                "cache": [st["expert_cache"] for st in snap["stages"]],
+            }
+            if experts_detail:
+                experts["counts"] = counts
+            out["experts"] = experts
+        else:
+            out["experts"] = None
+        return Stats.model_validate(out)
+
+    def metrics(self) -> str:
+        snap = self.telemetry.snapshot()
+        tot = snap["totals"]
+        fams = [
+            Family("strata_info", "gauge", "The model served, its architecture and device.").add(
+                1,
+                {
+                    "model": self.model_name,
+                    "arch": self.lm.config.arch if self.lm else "",
+                    "device": str(self.lm.model.device) if self.lm else "",
+                    "version": __version__,
+                },
+            ),
+            Family("strata_model_ready", "gauge", "1 once the model is loaded and serving.").add(
+                1 if self.status == "ready" else 0
+            ),
+            Family("strata_uptime_seconds", "gauge", "Seconds since the server started.").add(
+                snap["uptime_s"]
+            ),
+        ]
+        links = self.links()
+        if links:
+            up = Family(
+                "strata_remote_stage_up", "gauge", "1 while the link to a remote stage works, by address."
+            )
+            for address, st in links:
+                up.add(1 if st == "ok" else 0, {"address": address})
+            fams.append(up)
+        req = Family("strata_requests_total", "counter", "Requests finished, by endpoint and outcome.")
+        for r in snap["requests"]:
+            req.add(r["count"], {"endpoint": r["endpoint"], "outcome": r["outcome"]})
+        fams.append(req)
+        for name, key, help_ in (
+            ("strata_prompt_tokens_total", "prompt_tokens", "Prompt tokens of finished requests."),
+            (
+                "strata_prompt_tokens_cached_total",
+                "prompt_cached_tokens",
+                "Prompt tokens reused from the prompt cache.",
+            ),
+            ("strata_tokens_predicted_total", "generated_tokens", "Tokens generated."),
+            ("strata_prompt_seconds_total", "prompt_seconds", "Seconds spent reading prompts."),
+            ("strata_tokens_predicted_seconds_total", "decode_seconds", "Seconds spent generating tokens."),
+        ):
+            fams.append(Family(name, "counter", help_).add(tot[key]))
+        fams.append(
+            Family("strata_queue_waiting", "gauge", "Requests waiting for the model.").add(self.waiting)
+        )
+        fams.append(
+            Family("strata_requests_active", "gauge", "Requests being generated (0 or 1).").add(
+                1 if self.active is not None else 0
+            )
+        )
+        stages = snap["stages"]
+        fams.append(
+            summary(
+                "strata_step_seconds",
+                "Time of one decode step, per pipeline stage.",
+                [({"stage": s["stage"]}, s["step_ms"]["count"], s["step_ms"]["total"] / 1e3) for s in stages],
+            )
+        )
+        fams.append(
+            summary(
+                "strata_prompt_chunk_seconds",
+                "Time of one prompt chunk, per pipeline stage.",
+                [
+                    (
+                        {"stage": s["stage"]},
+                        s["prompt_chunk_ms"]["count"],
+                        s["prompt_chunk_ms"]["total"] / 1e3,
+                    )
+                    for s in stages
+                ],
+            )
+        )
+        hits = Family(
+            "strata_expert_cache_hits_total", "counter", "Expert lookups served from the card's cache."
+        )
+        miss = Family(
+            "strata_expert_cache_misses_total", "counter", "Expert lookups that missed the card's cache."
+        )
+        swaps = Family(
+            "strata_expert_cache_swaps_total", "counter", "Experts the adaptive swaps brought into VRAM."
+        )
+        moved = Family(
+            "strata_expert_cache_bytes_moved_total",
+            "counter",
+            "Expert bytes copied into VRAM by adaptive swaps and prompt chunks' staging.",
+        )
+        on_cpu = Family(
+            "strata_expert_cache_cpu_computed_total",
+            "counter",
+            "Missed experts computed on the CPU (--cpu-experts).",
+        )
+        share = Family(
+            "strata_expert_cache_cpu_share",
+            "gauge",
+            "The CPU's share of a decode step's misses now (tuned while serving, or --cpu-ratio).",
+        )
+        for s in stages:
+            ec, lab = s["expert_cache"], {"stage": s["stage"]}
+            hits.add(ec["hits"], lab)
+            miss.add(ec["misses"], lab)
+            swaps.add(ec["swaps"], lab)
+            moved.add(ec["bytes_moved"], lab)
+            on_cpu.add(ec["computed_on_cpu"], lab)
+            if ec["cpu_share"] is not None:
+                share.add(ec["cpu_share"], lab)
+        fams += [hits, miss, swaps, moved, on_cpu, share]
+        counts = snap["expert_counts"]
+        if counts:
+            sel = Family("strata_expert_selections_total", "counter", "Routed expert selections, per layer.")
+            for layer, row in enumerate(counts):
+                sel.add(sum(row), {"layer": layer})
+            fams.append(sel)
+        pc = self.runner.prompt_cache if self.runner is not None else None
+        if pc is not None:
+            s = pc.stats()
+            fams.append(
+                Family("strata_prompt_cache_bytes", "gauge", "Bytes of KV kept by the prompt cache.").add(
+                    s.bytes
+                )
+            )
+            fams.append(
+                Family("strata_prompt_cache_entries", "gauge", "Sequences kept by the prompt cache.").add(
+                    s.entries
+                )
+            )
+            fams.append(
+                Family(
+                    "strata_prompt_cache_restores_total", "counter", "Prompt cache entries brought back."
+                ).add(s.restores)
+            )
+        return render(fams)

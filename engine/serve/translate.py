@@ -1,0 +1,129 @@
+"""Requests into generation requests: chat messages through the model's template, prompts into token ids, the
+sampling fields into the sampler's, each refusal an OpenAI-style 400 that names the field."""
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from engine.serve.errors import APIError
+from engine.serve.options import ServeOptions
+from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, template_message
+
+if TYPE_CHECKING:
+    from engine.pipeline.generate import GenerationRequest
+    from engine.pipeline.loader import LoadedModel
+
+# Names a chat template receives from us; chat_template_kwargs may not replace them.
+_RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "source"}
+
+
+class RequestTranslation:
+    """Part of EngineService: reads its loaded model (`lm`) and options (`opts`)."""
+
+    lm: "LoadedModel | None"
+    opts: ServeOptions
+
+    def _encode(self, text: str, parse_special: bool) -> list[int]:
+        assert self.lm is not None
+        try:
+            return self.lm.tokenizer.encode(text, add_special=True, parse_special=parse_special)
+        except UnicodeError as e:
+            raise APIError(400, f"the text cannot be encoded as UTF-8: {e}", code="invalid_text") from None
+
+    def _sampling(self, r: ChatCompletionRequest | CompletionRequest) -> Any:
+        from engine.pipeline.sampling import SamplingError, SamplingParams
+
+        d = SamplingParams()
+        temperature = d.temperature if r.temperature is None else r.temperature
+        top_p = d.top_p if r.top_p is None else r.top_p
+        if top_p == 0:  # "only the most likely token"
+            temperature, top_p = 0.0, 1.0
+        try:
+            return SamplingParams(
+                temperature=temperature,
+                top_k=d.top_k if r.top_k is None else r.top_k,
+                top_p=top_p,
+                min_p=d.min_p if r.min_p is None else r.min_p,
+                repeat_penalty=d.repeat_penalty if r.repeat_penalty is None else r.repeat_penalty,
+                presence_penalty=d.presence_penalty if r.presence_penalty is None else r.presence_penalty,
+                frequency_penalty=d.frequency_penalty if r.frequency_penalty is None else r.frequency_penalty,
+                repeat_last_n=d.repeat_last_n if r.repeat_last_n is None else r.repeat_last_n,
+                seed=None if r.seed is None else r.seed % 2**64,
+            )
+        except SamplingError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
+
+    def _generation(
+        self, ids: list[int], r: ChatCompletionRequest | CompletionRequest, template_stops: Sequence[str] = ()
+    ) -> "GenerationRequest":
+        from engine.pipeline.generate import GenerationRequest
+
+        ctx = self.opts.max_context
+        if not ids:
+            raise APIError(400, "the prompt is empty: give some text", code="empty_prompt", param="prompt")
+        if len(ids) >= ctx:
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens but the context holds {ctx} (--max-context): shorten the "
+                "prompt or the conversation, or restart the server with a larger --max-context",
+                code="context_length_exceeded",
+                param="messages" if isinstance(r, ChatCompletionRequest) else "prompt",
+            )
+        limit = r.token_limit
+        return GenerationRequest(
+            ids,
+            max_tokens=ctx - len(ids) if limit is None else limit,
+            sampling=self._sampling(r),
+            stop=[*r.stops, *(s for s in template_stops if s not in r.stops)],
+            ignore_eos=bool(r.ignore_eos),
+            cache_prompt=r.cache_prompt is not False,
+        )
+
+    def prepare_chat(self, r: ChatCompletionRequest) -> "GenerationRequest":
+        """Messages through the model's chat template, then tokens (runs in a thread: templates and long
+        prompts take time)."""
+        from engine.tokenizer import ChatTemplateError
+
+        assert self.lm is not None
+        extra = dict(r.chat_template_kwargs or {})
+        bad = sorted(_RESERVED_TEMPLATE_VARS & extra.keys())
+        if bad:
+            raise APIError(
+                400,
+                f"chat_template_kwargs may not set {', '.join(bad)}: those come from the request itself",
+                code="invalid_value",
+                param="chat_template_kwargs",
+            )
+        if r.reasoning_effort is not None:
+            extra.setdefault("reasoning_effort", r.reasoning_effort)
+        tools = None
+        if r.tools and r.tool_choice != "none":
+            tools = [t.model_dump(exclude_none=True) for t in r.tools]
+        try:
+            text = self.lm.chat.render(
+                [template_message(m) for m in r.messages], add_generation_prompt=True, tools=tools, **extra
+            )
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), code="chat_template_error", param="messages") from None
+        # a reply under the fallback template may write its end marker as text: it ends there
+        return self._generation(self._encode(text, parse_special=True), r, self.lm.chat.stop_strings)
+
+    def prepare_completion(self, r: CompletionRequest) -> tuple["GenerationRequest", str]:
+        """-> (generation, echo text)"""
+        assert self.lm is not None
+        p = r.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], str)):
+            text = p if isinstance(p, str) else str(p[0])
+            ids = self._encode(text, parse_special=True)
+        else:
+            ids = [int(x) for x in (p[0] if isinstance(p[0], list) else p)]  # type: ignore[union-attr]
+            vocab = self.lm.tokenizer.vocab_size
+            bad = [x for x in ids if not 0 <= x < vocab]
+            if bad:
+                raise APIError(
+                    400,
+                    f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})",
+                    code="invalid_value",
+                    param="prompt",
+                )
+            text = self.lm.tokenizer.decode(ids) if r.echo else ""
+        return self._generation(ids, r), text if r.echo else ""
