@@ -119,41 +119,23 @@ class Answers:
             self.cancel(job)
 
     def chat_response(self, res: Result) -> dict[str, Any]:
-        t = res.done.timings
-        return {
-            "id": new_id("chatcmpl"),
-            "object": "chat.completion",
-            "created": now(),
-            "model": self.model_name,
-            "system_fingerprint": FINGERPRINT,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": res.text, "refusal": None},
-                    "logprobs": None,
-                    "finish_reason": res.done.finish_reason,
-                }
-            ],
-            "usage": usage_dict(t),
-            "timings": timings_dict(t, res.queued_ms),
-        }
+        message = {"role": "assistant", "content": res.text, "refusal": None}
+        return self._whole("chatcmpl", "chat.completion", {"message": message}, res)
 
     def completion_response(self, res: Result, echo: str) -> dict[str, Any]:
+        return self._whole("cmpl", "text_completion", {"text": echo + res.text}, res)
+
+    def _whole(self, prefix: str, kind: str, content: dict[str, Any], res: Result) -> dict[str, Any]:
+        """A whole answer: its one choice (`content` and how it finished), usage and timings."""
         t = res.done.timings
+        choice = {"index": 0, **content, "logprobs": None, "finish_reason": res.done.finish_reason}
         return {
-            "id": new_id("cmpl"),
-            "object": "text_completion",
+            "id": new_id(prefix),
+            "object": kind,
             "created": now(),
             "model": self.model_name,
             "system_fingerprint": FINGERPRINT,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": echo + res.text,
-                    "logprobs": None,
-                    "finish_reason": res.done.finish_reason,
-                }
-            ],
+            "choices": [choice],
             "usage": usage_dict(t),
             "timings": timings_dict(t, res.queued_ms),
         }
