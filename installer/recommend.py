@@ -125,15 +125,21 @@ def as_card(gpu: GpuInfo) -> Card:
 
 
 def stage_order(gpus: Sequence[GpuInfo], gpu_order: Literal["auto", "as_given"] = "auto") -> StageOrder:
-    """The order of the stages (the engine's rule, installer.placement.order_cards): the last card runs the head,
-    the draft layer and the verify, so the faster goes last."""
+    """The order of the stages, by the engine's rule (installer.placement.order_cards): the last card runs the
+    head, the draft layer and the verify, so the faster goes last. The note names the cards as setup lists them."""
     given = tuple(gpus)
-    ordered, note = placement.order_cards([as_card(g) for g in given], gpu_order)
+    ordered, moved = placement.order_cards([as_card(g) for g in given], gpu_order)
     by_index = {g.index: g for g in given}
     order = tuple(by_index[c.index] for c in ordered)
-    if note is None:
+    if moved is None:
         return StageOrder(given, False, "card order as given")
-    return StageOrder(order, order != given, note)
+    fastest, last = order[-1], given[-1]
+    fast, slow = fastest.speed_score or 0.0, last.speed_score or 1.0
+    note = (
+        f"card order: GPU {fastest.index} goes last ({fastest.sm_count} SMs x {fastest.max_sm_clock_mhz} MHz, "
+        f"{fast / slow - 1.0:.0%} faster than GPU {last.index})"
+    )
+    return StageOrder(order, True, note)
 
 
 # ---------------------------------------------------------------------------------------------------------------

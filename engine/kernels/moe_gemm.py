@@ -11,8 +11,9 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QT
 
-from engine.kernels.gemv import _GLU, k_scales
+from engine.kernels.gemv import _GLU
 from engine.kernels.moe_blocks import BLOCK_M, Blocks
+from engine.kernels.vec_dot import k_scales
 
 # Block types with a tile dequantizer here (K a multiple of 256): id as in engine.kernels.gemv.
 TILE_TYPES = {QT.Q4_K: 0, QT.Q6_K: 1, QT.Q8_0: 2, QT.Q4_0: 3, QT.Q5_K: 4, QT.MXFP4: 8, QT.IQ4_XS: 9}

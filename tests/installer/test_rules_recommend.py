@@ -41,10 +41,7 @@ def test_seed_card_order_under_auto_puts_the_faster_card_last() -> None:
     order = recommend.stage_order((g[0], g[2]), "auto")
     # 84 SMs x 3090 MHz = 259,560 against 82 x 2100 = 172,200: the 5080 is 51% faster and goes last.
     assert [x.index for x in order.gpus] == [2, 0] and order.changed
-    assert (
-        "CUDA0 (NVIDIA GeForce RTX 5080, 84 SMs x 3090 MHz) is 51% faster than CUDA2 and goes last"
-        in order.note
-    )
+    assert "GPU 0 goes last" in order.note and "51% faster than GPU 2" in order.note
     assert recommend.stage_order((g[0], g[2]), "as_given").gpus == (g[0], g[2])
     assert recommend.stage_order((g[2], g[0]), "auto").changed is False  # already last
 
