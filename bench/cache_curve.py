@@ -18,9 +18,9 @@ from bench.engine_bench import measure_decode, measure_prompt
 from engine.experts.policy import ExpertPolicy, MiB
 from engine.gguf.model_config import ModelConfig
 from engine.gguf.reader import GGUFFile
+from engine.layers.kv_cache import kv_bytes_per_token
 from engine.models.registry import file_config
 from engine.pipeline.loader import load_model
-from engine.pipeline.split import kv_bytes_per_token
 from engine.tokenizer import Tokenizer
 
 

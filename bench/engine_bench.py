@@ -25,8 +25,8 @@ from engine.pipeline.loader import load_model
 def _kv_bytes(model_path: str, ctx: int) -> int:
     """The bf16 KV cache of the longest prompt measured (allocated after load: the expert budget leaves room)."""
     from engine.gguf.reader import GGUFFile
+    from engine.layers.kv_cache import kv_bytes_per_token
     from engine.models.registry import file_config
-    from engine.pipeline.split import kv_bytes_per_token
     from engine.tokenizer import Tokenizer
 
     gf = GGUFFile.open(model_path)

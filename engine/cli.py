@@ -1,228 +1,33 @@
-"""`strata-engine`: the inference engine's command line."""
+"""`strata-engine`: the inference engine's command line. Standard library only at import (--help stays fast): each
+command's module loads when the command runs."""
 
+import importlib
 import logging
 import os
 import sys
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from engine.link.worker import cmd_worker
-from engine.serve.cli import cmd_serve
 from installer.config import ConfigError
 from installer.engine_options import EngineOptions, OptionsError, build_parser, resolve, typed
-
-if TYPE_CHECKING:
-    from engine.pipeline.generate import Runner
-    from engine.pipeline.loader import LoadedModel
-    from engine.pipeline.spec import SpecConfig
 
 PROG = "strata-engine"
 __all__ = ["build_parser", "main"]
 
-
-def _resolve_model(arg: str | None) -> Path:
-    if arg:
-        return Path(arg)
-    from installer.default_model import default_model_path
-
-    return default_model_path()
-
-
-def _prefill(arg: str) -> int:
-    if arg == "auto":
-        return 512
-    try:
-        n = int(arg)
-    except ValueError:
-        raise SystemExit(
-            f"{PROG}: error: --prefill must be auto or a number of tokens, not {arg!r}"
-        ) from None
-    if n < 1:
-        raise SystemExit(f"{PROG}: error: --prefill must be at least 1")
-    return n
-
-
-def _load(args: EngineOptions) -> "LoadedModel":
-    """The model on the card(s) the split flags name (one card or CPU: the plain model)."""
-    from engine.link.startup import load_split_model
-    from engine.pipeline.split_args import options_from_args
-
-    return load_split_model(
-        _resolve_model(args.model), options_from_args(args), args.max_context, args.kv, args.dtype
-    )
-
-
-def _runner(args: EngineOptions, lm: "LoadedModel", spec: "SpecConfig | None" = None) -> "Runner":
-    """The generation loop over the loaded model with the --max-context, --kv and --prefill flags."""
-    from engine.layers.kv_cache import resolve_kv_type
-    from engine.pipeline.generate import Runner
-    from engine.pipeline.split import prefill_chunk, prefill_span
-    from engine.pipeline.split_args import options_from_args
-
-    kv = resolve_kv_type(args.kv, lm.model.dtype)
-    opts = options_from_args(args)
-    if args.prefill == "auto":
-        chunk = prefill_chunk(lm.model, "auto", max_ctx=args.max_context, kv_type=kv,
-                              budget_mib=opts.vram_budget_mib, reserve_mib=opts.reserve_mib)  # fmt: skip
-    else:
-        chunk = _prefill(args.prefill)
-    span = prefill_span(lm.model, chunk, args.max_context, kv, opts.vram_budget_mib, opts.reserve_mib)
-    return Runner(lm.model, lm.tokenizer, args.max_context, kv, chunk, spec=spec, prefill_span=span)
-
-
-def cmd_generate(args: EngineOptions) -> int:
-    from engine.pipeline.generate import DoneEvent, GenerationRequest, TextEvent, TokenEvent
-    from engine.pipeline.sampling import SamplingParams
-    from engine.pipeline.spec import SpecConfig
-
-    sampling = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repeat_penalty=args.repeat_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        seed=args.seed,
-    )
-    spec = SpecConfig.from_flags(args.spec, bool(args.suffix_draft), args.mtp, args.pipeline_windows)
-    lm = _load(args)
-    if args.chat is not None:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.chat}
-        ]
-        text = lm.chat.render(messages, add_generation_prompt=True)
-        ids = lm.tokenizer.encode(text, add_special=True, parse_special=True)
-    else:
-        ids = lm.tokenizer.encode(args.prompt, add_special=True, parse_special=False)
-    runner = _runner(args, lm, spec)
-    stops = [*args.stop, *lm.chat.stop_strings] if args.chat is not None else list(args.stop)
-    req = GenerationRequest(ids, max_tokens=args.max_tokens, sampling=sampling, stop=stops)
-    if args.prompt is not None:
-        sys.stdout.write(args.prompt)
-    for ev in runner.generate(req):
-        if isinstance(ev, TokenEvent | TextEvent):
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
-        elif isinstance(ev, DoneEvent):
-            t = ev.timings
-            sys.stdout.write("\n")
-            drafts = f", drafts kept {t.drafts_accepted} of {t.drafts_proposed}" if spec.n else ""
-            print(
-                f"[{t.prompt_tokens} prompt tokens at {t.prompt_per_second:.1f} tok/s, "
-                f"{t.generated_tokens} generated at {t.generated_per_second:.1f} tok/s{drafts}, "
-                f"finish: {ev.finish_reason}]",
-                file=sys.stderr,
-            )
-    return 0
-
-
-def cmd_logits(args: EngineOptions) -> int:
-    import numpy as np
-    import torch
-
-    from engine.layers.kv_cache import resolve_kv_type
-
-    try:
-        ids = [int(x) for x in args.tokens.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(
-            f"{PROG}: error: --tokens must be comma-separated integers, e.g. 2,651,6037"
-        ) from None
-    if not ids:
-        raise SystemExit(f"{PROG}: error: --tokens is empty")
-    lm = _load(args)
-    bad = [i for i in ids if not 0 <= i < lm.config.n_vocab]
-    if bad:
-        raise SystemExit(
-            f"{PROG}: error: token ids {bad[:5]} are outside the vocabulary (0..{lm.config.n_vocab - 1})"
-        )
-    cache = lm.model.new_cache(max(len(ids), 1), resolve_kv_type(args.kv, lm.model.dtype))
-    with torch.inference_mode():
-        logits = lm.model.forward(torch.tensor(ids), cache, 0).float().cpu().numpy()  # [T, V]
-    out = logits if args.all else logits[-1]
-    np.save(args.out, out)
-    print(f"wrote logits {tuple(out.shape)} to {args.out}", file=sys.stderr)
-    return 0
-
-
-def read_prompts(path: Path) -> list[str]:
-    """`--prompts`: one user message per line; blank lines are skipped."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SystemExit(f"{PROG}: error: --prompts {path} does not exist") from None
-    except UnicodeDecodeError:
-        raise SystemExit(f"{PROG}: error: --prompts {path} is not UTF-8 text (one prompt per line)") from None
-    prompts = [line.strip() for line in text.splitlines() if line.strip()]
-    if not prompts:
-        raise SystemExit(f"{PROG}: error: --prompts {path} has no prompt: write one user message per line")
-    return prompts
-
-
-def cmd_profile(args: EngineOptions) -> int:
-    from engine.experts.profile import (
-        UsageProfile,
-        model_counts,
-        profile_location,
-        save_profile,
-        tokens_from_counts,
-    )
-    from engine.pipeline.generate import GenerationRequest
-    from engine.pipeline.sampling import SamplingParams
-
-    if args.max_tokens < 0:
-        raise SystemExit(f"{PROG}: error: --max-tokens must be 0 or more, not {args.max_tokens}")
-    if args.no_profile:
-        raise SystemExit(
-            f"{PROG}: error: --no-profile does not go with profile, which writes one: leave it out"
-        )
-    prompts = read_prompts(Path(args.prompts))
-    lm = _load(args)
-    before = model_counts(lm.model)
-    if before is None:
-        raise SystemExit(
-            f"{PROG}: error: {lm.name} is a dense {lm.config.arch} model: it has no experts to profile"
-        )
-    runner = _runner(args, lm)
-    greedy = SamplingParams(temperature=0.0)
-    log = logging.getLogger("strata.engine")
-    done = 0
-    for n, text in enumerate(prompts, 1):
-        rendered = lm.chat.render([{"role": "user", "content": text}], add_generation_prompt=True)
-        ids = lm.tokenizer.encode(rendered, add_special=True, parse_special=True)
-        if len(ids) >= args.max_context:
-            log.warning(
-                "prompt %d of %s has %d tokens, --max-context is %d: skipped", n, args.prompts, len(ids),
-                args.max_context,
-            )  # fmt: skip
-            continue
-        # Each prompt is read whole (no prefix reuse): the profile counts every token of it.
-        req = GenerationRequest(ids, max_tokens=args.max_tokens, sampling=greedy, cache_prompt=False)
-        for _ in runner.generate(req):
-            pass
-        done += 1
-    after = model_counts(lm.model)
-    assert after is not None
-    counts = after - before  # [L, E]
-    path, ident = profile_location(lm.gguf, lm.config, args.out or args.profile)
-    added = UsageProfile(ident, counts, tokens_from_counts(counts, lm.config.n_expert_used))
-    total = save_profile(path, added)
-    print(
-        f"expert profile {path}: {done} prompts, {added.summary()}"
-        + (f"; the file now holds {total.tokens} tokens" if total.tokens != added.tokens else "")
-    )
-    return 0
-
-
+# Each command's function, as "module:function": imported when that command runs (torch, uvicorn and pyzmq load
+# then, not for --help or a usage error).
 COMMANDS = {
-    "generate": cmd_generate,
-    "logits": cmd_logits,
-    "profile": cmd_profile,
-    "serve": cmd_serve,
-    "worker": cmd_worker,
+    "generate": "engine.commands:cmd_generate",
+    "logits": "engine.commands:cmd_logits",
+    "profile": "engine.commands:cmd_profile",
+    "serve": "engine.serve.cli:cmd_serve",
+    "worker": "engine.link.worker:cmd_worker",
 }
+
+
+def command(name: str) -> Callable[[EngineOptions], int]:
+    module, _, func = COMMANDS[name].partition(":")
+    return getattr(importlib.import_module(module), func)  # type: ignore[no-any-return]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["STRATA_ACTIVATIONS"] = args.activations
     t0 = time.perf_counter()
     try:
-        return COMMANDS[args.command](args)
+        return command(args.command)(args)
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # a user never sees a traceback; --debug shows it

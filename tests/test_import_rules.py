@@ -3,7 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.import_rules import check_runtime, check_source
+from tests.import_rules import MAX_LAZY_IMPORTS, check_engine_layers, check_runtime, check_source
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,7 +16,32 @@ def _copy_tree(dst: Path) -> Path:
 
 def test_the_project_follows_the_rules() -> None:
     assert check_source(ROOT) == []
+    assert check_engine_layers(ROOT) == []
     assert check_runtime(ROOT) == []
+
+
+def test_planted_engine_layer_violations_are_found(tmp_path: Path) -> None:
+    root = _copy_tree(tmp_path)
+    # a layer importing a higher one, which also closes a cycle (pipeline imports layers)
+    (root / "engine" / "layers" / "planted.py").write_text("from engine.pipeline import split\n")
+    # an import inside a function without its reason, and one with it
+    (root / "engine" / "models" / "planted.py").write_text(
+        "def f():\n    import json\n    return json\n\n\ndef g():\n    import csv  # lazy: a reason\n    return csv\n"
+    )
+    (root / "engine" / "newpkg").mkdir()
+    (root / "engine" / "newpkg" / "__init__.py").write_text("")
+    problems = check_engine_layers(root)
+    assert any(
+        "engine/layers/planted.py:1: engine/layers must not import engine.pipeline" in p for p in problems
+    )
+    assert any(p.startswith("engine packages import each other:") and "layers" in p and "pipeline" in p
+               for p in problems)  # fmt: skip
+    assert any(
+        "engine/models/planted.py:2: an import inside a function needs its reason" in p for p in problems
+    )
+    assert not any("planted.py:7" in p and "needs its reason" in p for p in problems)
+    assert any("engine/newpkg is in no layer" in p for p in problems)
+    assert any(f"imports inside functions in engine/, at most {MAX_LAZY_IMPORTS}" in p for p in problems)
 
 
 def test_planted_violations_are_found(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from engine import kernels
 from engine.experts.cpu_experts import CpuExperts
 from engine.kernels import int8_activations
 from engine.layers.moe import ExpertMath, Experts, ExpertWeights, HostExperts, per_expert
@@ -73,8 +74,7 @@ class CachedExperts:
         f = g.shape[1]
         b = math.biases
         if t <= FUSED_MAX_ROWS and fused_moe_available(g.qtype, u.qtype, dn.qtype, d, f):
-            from engine.kernels.gemv import moe_gemv
-
+            moe_gemv = kernels.gemv.moe_gemv
             flat = ids.reshape(-1)
             gt, ut, dt, sid = expert_tables(
                 cache, layer, ids
@@ -125,8 +125,8 @@ _GROUPED_FAILED: set[tuple[QT, QT, int, int]] = set()
 
 def _is_build_error(e: Exception) -> bool:
     try:
-        from triton.compiler.errors import CompilationError
-        from triton.runtime.errors import OutOfResources
+        from triton.compiler.errors import CompilationError  # lazy: Triton is optional (CPU-only installs)
+        from triton.runtime.errors import OutOfResources  # lazy: as above
     except ImportError:
         return False
     return isinstance(e, CompilationError | OutOfResources)
@@ -167,8 +167,8 @@ def _grouped(
 ) -> torch.Tensor:
     """All the chunk's routed experts as two grouped launches (gate/up with the activation, down), then the
     weighted combine."""
-    from engine.kernels.moe_gemm import Blocks, block_table, expert_order, moe_gemm
-
+    mg = kernels.moe_gemm
+    Blocks, block_table, expert_order, moe_gemm = mg.Blocks, mg.block_table, mg.expert_order, mg.moe_gemm
     g, dn = le.gate.host, le.down.host
     t, d = x.shape
     f = g.shape[1]
@@ -184,17 +184,17 @@ def _grouped(
 
 def grouped_available(gate: QT, up: QT, down: QT, d: int, f: int) -> bool:
     """Whether prompt chunks of such experts have the grouped tile kernels."""
-    try:
-        from engine.kernels.moe_gemm import supports
-    except ImportError:
-        return False
-    return gate == up and supports(gate, d) and supports(down, f)
+    return _both(kernels.loaded("moe_gemm"), gate, up, down, d, f)
 
 
 def fused_moe_available(gate: QT, up: QT, down: QT, d: int, f: int) -> bool:
     """Whether decode steps of such experts avoid host synchronisation (and can be captured in a CUDA graph)."""
-    try:
-        from engine.kernels.gemv import supports
-    except ImportError:
+    return _both(kernels.loaded("gemv"), gate, up, down, d, f)
+
+
+def _both(module: object, gate: QT, up: QT, down: QT, d: int, f: int) -> bool:
+    """The kernels of `module` (None: no Triton) take gate/up rows of d and down rows of f elements."""
+    if module is None:
         return False
+    supports = module.supports  # type: ignore[attr-defined]
     return gate == up and supports(gate, d) and supports(down, f)

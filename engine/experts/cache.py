@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import kernels
 from engine.layers.moe import ExpertWeights
 from engine.layers.qtensor import QTensor
 
@@ -251,10 +252,8 @@ class ExpertCache:
         if self.miss_path != "copy" or le.host_tables is None or ids.shape[0] != 1:
             return None
         if self.stager is None or self.stager.slots != ids.numel():
-            from engine.kernels.stage_copy import Stager
-
             stride = max(p.expert_bytes for lx in self.layers.values() for p in lx.projections)
-            self.stager = Stager(self.device, ids.numel(), stride)
+            self.stager = kernels.stage_copy.Stager(self.device, ids.numel(), stride)
         assert le.tables is not None and le.nbytes is not None
         return self.stager.stage(ids, le.tables, le.host_tables, le.nbytes, claim)
 

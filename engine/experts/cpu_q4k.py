@@ -39,8 +39,8 @@ _LOCK = threading.Lock()
 def available() -> tuple[bool, str]:
     """(True, "") where the kernels can run here, else (False, why)."""
     try:
-        import llvmlite.binding as llvm
-        import numba  # noqa: F401
+        import llvmlite.binding as llvm  # lazy: this probe is how a missing Numba is found
+        import numba  # noqa: F401  # lazy: as above
     except ImportError as e:
         return False, f"Numba is not installed ({e})"
     try:
@@ -54,7 +54,7 @@ def available() -> tuple[bool, str]:
 
 
 def _kernels():
-    from engine.experts import cpu_q4k_jit
+    from engine.experts import cpu_q4k_jit  # lazy: importing it compiles the kernels (seconds), at first use
 
     return cpu_q4k_jit.mix
 

@@ -98,7 +98,7 @@ def build_expert_cache(model: PlacedModel, policy: ExpertPolicy) -> ExpertCache:
     if auto or policy.cpu_share > 0:
         if policy.miss_path != "copy":
             raise ValueError("--cpu-experts works with --expert-misses copy (the default)")
-        from engine.experts.cpu_misses import CpuMisses
+        from engine.experts.cpu_misses import CpuMisses  # lazy: its mailboxes are Triton kernels (optional)
 
         cm = CpuMisses(
             cache, 1.0 if auto else policy.cpu_share, model.cfg.n_expert_used, model.cfg.activation,

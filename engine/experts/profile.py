@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engine.gguf.digest import header_digest
 from engine.private_file import write_private_text
+from installer.paths import data_dir
 
 if TYPE_CHECKING:
     from engine.gguf.model_config import ModelConfig
@@ -54,8 +56,6 @@ class ModelIdentity:
 
     @classmethod
     def of(cls, gf: GGUFFile, cfg: ModelConfig) -> ModelIdentity:
-        from engine.gguf.digest import header_digest
-
         return cls(cfg.arch, cfg.n_layer, cfg.n_expert, header_digest(gf))
 
     def to_json(self) -> dict[str, Any]:
@@ -103,7 +103,6 @@ def profiles_dir() -> Path:
     env = os.environ.get(PROFILE_DIR_ENV)
     if env:
         return Path(env)
-    from installer.paths import data_dir
 
     return data_dir() / "profiles"
 

@@ -1,7 +1,30 @@
-"""The engine's GPU kernels (Triton) and what they share with the CPU kernels; importing the package itself loads
-no Triton."""
+"""The engine's GPU kernels (Triton) and what they share with the CPU kernels. Importing the package loads no Triton:
+its kernel modules load on first use, `kernels.gemv.moe_gemv(...)` (PEP 562), the one place where the engine
+imports them lazily, because CPU-only installs have no Triton (an ImportError there says so to the caller)."""
+
+import importlib
+from types import ModuleType
 
 from installer import engine_options
+
+_KERNEL_MODULES = frozenset(
+    ("attention", "cpu_handoff", "delta_net", "dequant", "fused", "gemv", "moe_blocks", "moe_gemm", "stage_copy",
+     "tuning", "vec_dot")
+)  # fmt: skip
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in _KERNEL_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def loaded(name: str) -> ModuleType | None:
+    """The kernel module `name`, or None where Triton is not installed (the CPU paths run instead)."""
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ImportError:
+        return None
 
 
 def int8_activations() -> bool:

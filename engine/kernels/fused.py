@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.tuning import tuned
+
 
 @triton.jit
 def store_q8(y, q_row, D, BLOCK: tl.constexpr):
@@ -392,9 +394,7 @@ def norm_route(
     block = triton.next_power_of_2(d)
     if launch is None:
         # the tuning file's pick (bench/gemv_graph_micro.py measures them): rows, warps, select
-        from engine.kernels.gemv import _tuned
-
-        got = _tuned().get("F32", {}).get("norm_route") or [4, 4, 1]
+        got = tuned().get("F32", {}).get("norm_route") or [4, 4, 1]
         launch, select = (got[0], got[1]), select and bool(got[2])
     rows, warps = launch
     # the router rows a program holds: [ROWS, BLOCK] floats in registers

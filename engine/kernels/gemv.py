@@ -6,20 +6,18 @@ one launch covers every selected expert of a layer with no host synchronisation,
 in a CUDA graph. The dequantization happens in registers; nothing is written back to memory but the outputs.
 """
 
-import functools
-import json
 import os
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QT
 
+from engine.gguf.quants import code_values
 from engine.kernels import int8_activations
-from engine.kernels.fused import last_to_finish, store_q8
+from engine.kernels.fused import last_to_finish, quantize_rows_q8, store_q8
+from engine.kernels.tuning import tuned as _tuned
 from engine.kernels.vec_dot import _row_dot
-from installer.engine_options import runtime_switches
 
 # qtype -> (constexpr id, elements per block, bytes per block)
 KERNEL_TYPES: dict[QT, tuple[int, int, int]] = {
@@ -37,8 +35,6 @@ KERNEL_TYPES: dict[QT, tuple[int, int, int]] = {
 def lut(qtype: QT, device: torch.device) -> torch.Tensor:
     """float32 [16] code values of a lookup-table block type on `device` (a placeholder for the others; cached
     per device by code_values, so a captured step copies nothing)."""
-    from engine.gguf.quants import code_values
-
     return code_values(QT.IQ4_NL if qtype == QT.IQ4_XS else QT.MXFP4, device)
 
 
@@ -55,8 +51,6 @@ def quantize_q8(x: torch.Tensor) -> torch.Tensor:
     (scale, scale * sum of the 32 values) per block: the activations of the 8-bit bodies (APPROXIMATE), laid out so
     that a row starts K elements after the last, as the kernels index activations. One launch on a GPU."""
     if x.is_cuda or _INTERPRETED:
-        from engine.kernels.fused import quantize_rows_q8
-
         return quantize_rows_q8(x)
     return quantize_q8_torch(x)
 
@@ -228,18 +222,6 @@ def _moe_gemv_combine_kernel(
 
 
 _BLOCK_N = 16
-# Launch shapes per block type and class (see _config), measured by bench/gemv_graph_micro.py on the GPU and kept in
-# gemv_tuned.json beside this file: [rows a program, super-blocks a step, warps, kernel variant].
-# STRATA_GEMV_TUNED names another file.
-_TUNED_FILE = Path(runtime_switches().gemv_tuned or Path(__file__).with_name("gemv_tuned.json"))
-
-
-@functools.cache
-def _tuned() -> dict[str, dict[str, list[int]]]:
-    try:
-        return json.loads(_TUNED_FILE.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _config(qtype: QT, n: int, k: int, kind: str = "dense") -> tuple[int, int, int, int]:

@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as QT
 
 from engine.kernels.gemv import _GLU
 from engine.kernels.moe_blocks import BLOCK_M, Blocks
+from engine.kernels.tuning import tuned
 from engine.kernels.vec_dot import k_scales
 
 # Block types with a tile dequantizer here (K a multiple of 256): id as in engine.kernels.gemv.
@@ -291,9 +292,7 @@ def tile_launch(qtype: QT) -> tuple[int, int, int]:
 
 def _tuned_entry(qtype: QT) -> list[int]:
     """The tuning file's "moe_gemm" entry of a block type (engine/kernels/gemv_tuned.json), [] without one."""
-    from engine.kernels.gemv import _tuned
-
-    return _tuned().get(qtype.name, {}).get("moe_gemm") or []
+    return tuned().get(qtype.name, {}).get("moe_gemm") or []
 
 
 def decodes(qtype: QT, k: int) -> bool:

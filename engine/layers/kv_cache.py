@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.gguf.model_config import ModelConfig
+
 KV_TYPES = ("auto", "f32", "f16", "bf16", "int8")
 _FLOAT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -104,3 +106,14 @@ class KVCache:
     def truncate(self, length: int) -> None:
         """Forget positions >= length (a rejected draft, or a prompt-cache entry reused up to a prefix)."""
         self.length = min(self.length, length)
+
+
+def kv_bytes_per_value(kv_type: str) -> float:
+    return {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0}[kv_type]
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_type: str) -> int:
+    """K and V of one token in one layer at this KV type."""
+    values = cfg.n_head_kv * (cfg.head_dim_k + cfg.head_dim_v)
+    scales = 2 * cfg.n_head_kv * 2 if kv_type == "int8" else 0  # one f16 scale per head for K and for V
+    return int(values * kv_bytes_per_value(kv_type)) + scales

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.layers.qtensor import QTensor
 
 log = logging.getLogger("strata.engine")
@@ -105,12 +106,9 @@ def route_and_count(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`route`, and one count per selection into `counts` [E]: one fused kernel on CUDA."""
     if x.is_cuda:
-        try:
-            from engine.kernels.fused import route as fused_route
-        except ImportError:
-            fused_route = None
-        if fused_route is not None:
-            return fused_route(router.linear(x.float()), k, norm, counts)
+        fused = kernels.loaded("fused")
+        if fused is not None:
+            return fused.route(router.linear(x.float()), k, norm, counts)
     w, ids = route(x, router, k, norm)
     count_experts(counts, ids)
     return w, ids

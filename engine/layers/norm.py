@@ -2,13 +2,11 @@
 
 import torch
 
+from engine import kernels
+
 
 def _fused():  # the Triton kernel where it can run (CUDA with Triton), else None
-    try:
-        from engine.kernels import fused
-    except ImportError:
-        return None
-    return fused
+    return kernels.loaded("fused")
 
 
 def rms_norm(

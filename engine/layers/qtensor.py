@@ -3,6 +3,7 @@
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from engine import kernels
 from engine.gguf.quants import dequantize
 
 _FLOAT_VIEWS = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
@@ -10,21 +11,16 @@ _FLOAT_VIEWS = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfl
 _GEMV_MAX_ROWS = 8
 
 
-def _gemv_for(qtype: QT, n_in: int):  # -> the kernel, or None where it does not apply
-    try:
-        from engine.kernels import gemv as kernels
-    except ImportError:  # no Triton (CPU-only installs)
-        return None
-    return kernels.gemv if kernels.supports(qtype, n_in) else None
+def _gemv_for(qtype: QT, n_in: int):  # -> the kernel, or None where it does not apply (or no Triton)
+    gemv = kernels.loaded("gemv")
+    return gemv.gemv if gemv is not None and gemv.supports(qtype, n_in) else None
 
 
 def _deq_kernel_for(qtype: QT, n_in: int):  # -> the GPU decoder, or None where it does not apply
-    try:
-        from engine.kernels.dequant import dequantize_rows
-        from engine.kernels.moe_gemm import decodes
-    except ImportError:
+    dequant, moe_gemm = kernels.loaded("dequant"), kernels.loaded("moe_gemm")
+    if dequant is None or moe_gemm is None:
         return None
-    return dequantize_rows if decodes(qtype, n_in) else None
+    return dequant.dequantize_rows if moe_gemm.decodes(qtype, n_in) else None
 
 
 class FloatCache:
@@ -113,9 +109,7 @@ class QTensor:
         that normalises x may then write that form in the same launch and pass it as `q8`."""
         if self._gemv(x) is None:
             return False
-        from engine.kernels.gemv import wants_q8
-
-        return wants_q8(self.qtype, *self.shape)
+        return kernels.gemv.wants_q8(self.qtype, *self.shape)
 
     def linear(
         self,

@@ -5,7 +5,9 @@ import math
 
 import torch
 
+from engine import kernels
 from engine.gguf.model_config import RopeConfig
+from engine.layers.norm import rms_norm
 
 
 def _yarn_corr_dim(n_dims: int, n_ctx_orig: int, n_rot: float, base: float) -> float:
@@ -75,16 +77,13 @@ class Rope:
         """x [T, H, D] at positions pos [T]: optional per-head RMS norm, then the rotation. One fused kernel on
         CUDA; the same math in torch elsewhere."""
         if x.is_cuda:
-            try:
-                from engine.kernels.fused import norm_rope
-            except ImportError:
-                norm_rope = None
-            if norm_rope is not None:
+            fused = kernels.loaded("fused")
+            if fused is not None:
                 inv = self.inv_effective(x.device)
-                return norm_rope(x, norm_weight, eps, pos, inv, self.cfg.dim, self.cfg.neox, self.mscale)
+                return fused.norm_rope(
+                    x, norm_weight, eps, pos, inv, self.cfg.dim, self.cfg.neox, self.mscale
+                )
         if norm_weight is not None:
-            from engine.layers.norm import rms_norm
-
             x = rms_norm(x, norm_weight, eps)
         cos, sin = self.cos_sin(pos)
         return self.apply(x, cos, sin)

@@ -5,7 +5,8 @@
                          --stage-next 192.168.1.21:7070                                   # a relay to the next PC
 
 Keys: `STRATA_STAGE_TOKEN` (the same secret on every PC) for a worker started by hand, or `--stage-key FILE` and
-`--stage-allow KEY` (the node agent's fresh key and the main's public key). Standard library only at import time.
+`--stage-allow KEY` (the node agent's fresh key and the main's public key). engine/cli.py imports this module only
+when the command runs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,29 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+import torch
+
+from engine.gguf.reader import GGUFFile
+from engine.layers import cpu_weights
+from engine.layers.kv_cache import resolve_kv_type
+from engine.link.client import StageError
+from engine.link.keys import LinkKeyError, client_keys, fingerprint, server_keys
+from engine.link.remote import ModelCompute, stage_info
+from engine.link.server import StageServer
+from engine.link.transport import EndpointError, parse_endpoint
+from engine.models.registry import file_config
+from engine.pipeline.loader import build, resolve_dtype
+from engine.pipeline.split import (
+    SplitOptions,
+    StagePlan,
+    _policies,
+    geometry_from_gguf,
+    plan_stages,
+    visible_cards,
+)
+from engine.tokenizer import Tokenizer
+from installer.placement import PlacementError
+
 if TYPE_CHECKING:
     from installer.engine_options import EngineOptions
 
@@ -23,11 +47,6 @@ log = logging.getLogger("strata.link")
 
 
 def cmd_worker(args: EngineOptions) -> int:
-    from engine.link.client import StageError
-    from engine.link.keys import LinkKeyError
-    from engine.link.transport import EndpointError
-    from installer.placement import PlacementError
-
     try:
         server = _build(args)
     except (PlacementError, StageError, LinkKeyError, EndpointError, OSError, ValueError) as e:
@@ -44,28 +63,6 @@ def cmd_worker(args: EngineOptions) -> int:
 
 
 def _build(args: EngineOptions) -> object:
-    import torch
-
-    from engine.gguf.reader import GGUFFile
-    from engine.layers import cpu_weights
-    from engine.layers.kv_cache import resolve_kv_type
-    from engine.link.keys import client_keys, fingerprint, server_keys
-    from engine.link.remote import ModelCompute, stage_info
-    from engine.link.server import StageServer
-    from engine.link.transport import parse_endpoint
-    from engine.models.registry import file_config
-    from engine.pipeline.loader import build, resolve_dtype
-    from engine.pipeline.split import (
-        SplitOptions,
-        StagePlan,
-        _policies,
-        geometry_from_gguf,
-        plan_stages,
-        visible_cards,
-    )
-    from engine.tokenizer import Tokenizer
-    from installer.placement import PlacementError
-
     if not args.model:
         raise PlacementError("--model is required: the same .gguf file as the main process")
     gf = GGUFFile.open(args.model)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from engine import kernels
 from engine.experts.backends import choose
 from engine.experts.cache import ExpertCache
 from engine.gguf import names
@@ -256,9 +257,7 @@ class FamilyLM:
         assert self.output is not None and self.output_norm is not None
         hf = h[-1:].float() if last_only else h.float()
         if self.output.reads_q8(hf):  # the norm writes the head's 8-bit input too (one launch fewer)
-            from engine.kernels.fused import rms_norm_q8
-
-            x, _, xq = rms_norm_q8(hf, self.output_norm, self.cfg.rms_eps, self.dtype)
+            x, _, xq = kernels.fused.rms_norm_q8(hf, self.output_norm, self.cfg.rms_eps, self.dtype)
             return self.output.linear(x, q8=xq).float()
         return self.output.linear(self.norm(hf, self.output_norm, self.dtype)).float()
 

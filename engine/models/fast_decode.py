@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from engine import kernels
 from engine.experts.backends import expert_tables, fused_moe_available
 from engine.layers.kv_cache import KVCache, KVCacheError
 from engine.layers.moe import ACTIVATIONS, route_and_count
+from engine.layers.qtensor import QTensor
 from installer.engine_options import runtime_switches
 
 if TYPE_CHECKING:
@@ -27,9 +29,7 @@ def available(model: "DecoderLM") -> bool:
     """Whether `model`'s layers can run the fused decode path (CUDA, Triton, a family without post norms)."""
     if model.device.type != "cuda":
         return False
-    try:
-        from engine.kernels import attention, fused, gemv  # noqa: F401
-    except ImportError:
+    if any(kernels.loaded(name) is None for name in ("attention", "fused", "gemv")):
         return False
     c = model.cfg
     if c.post_norms or c.n_head % c.n_head_kv != 0 or c.rope.dim > c.head_dim_k:
@@ -64,8 +64,6 @@ def route_counts(model: "DecoderLM") -> dict[int, torch.Tensor] | None:
 
 def fuse_qkv(q, k, v):  # -> (qkv QTensor, q view, k view, v view), or None where the block types differ
     """One weight for the three projections (one GEMV launch); q, k and v become views of its rows."""
-    from engine.layers.qtensor import QTensor
-
     if not (q.qtype == k.qtype == v.qtype) or q.raw.shape[-1] != k.raw.shape[-1] or q.raw.dim() != 2:
         return None
     raw = torch.cat((q.raw, k.raw, v.raw), dim=0)  # [qd + kd + vd, row_bytes]
@@ -83,10 +81,20 @@ def layer(
     model: "DecoderLM", i: int, h: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int
 ) -> torch.Tensor:
     """hidden [T, D] float32 at positions `pos` [T] -> hidden [T, D] float32 (T <= FAST_MAX_ROWS)."""
-    from engine.kernels.attention import decode_attention, rope_store
-    from engine.kernels.fused import norm_route, rms_norm, rms_norm_pair, rms_norm_q8
-    from engine.kernels.gemv import moe_down_combine, moe_gemv, quantize_q8, wants_q8
-
+    attention, fused, gemv = kernels.attention, kernels.fused, kernels.gemv
+    decode_attention, rope_store = attention.decode_attention, attention.rope_store
+    norm_route, rms_norm, rms_norm_pair, rms_norm_q8 = (
+        fused.norm_route,
+        fused.rms_norm,
+        fused.rms_norm_pair,
+        fused.rms_norm_q8,
+    )
+    moe_down_combine, moe_gemv, quantize_q8, wants_q8 = (
+        gemv.moe_down_combine,
+        gemv.moe_gemv,
+        gemv.quantize_q8,
+        gemv.wants_q8,
+    )
     if span > cache.max_ctx:
         raise KVCacheError(
             f"the sequence needs {span} positions but the KV cache holds {cache.max_ctx} (--max-context)"

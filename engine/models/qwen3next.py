@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from gguf import Keys
 
+from engine import kernels
 from engine.gguf import names
 from engine.gguf.model_config import (
     Meta,
@@ -219,8 +220,7 @@ class Qwen3NextLM(FamilyLM):
             raise TypeError("qwen3next needs the RecurrentCache its new_cache makes")
         st = cache.state(i)
         if t == 1 and x.is_cuda and fused_delta_net(dk, dv):
-            from engine.kernels.delta_net import conv_step, delta_step
-
+            conv_step, delta_step = kernels.delta_net.conv_step, kernels.delta_net.delta_step
             # one token in two launches instead of ~45 (the states updated in place, as below)
             yc = conv_step(qkv[0], st.conv, dw.conv)  # float32 [C]
             o1 = delta_step(yc, z.reshape(-1), b[0], a[0], dw.a, dw.dt_bias, dw.norm, st.ssm, nk, c.rms_eps)

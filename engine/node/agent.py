@@ -10,6 +10,7 @@ Two sockets on the address the user picks:
   with the one this agent prints before the pairing code is sent.
 """
 
+import ipaddress
 import logging
 import os
 import platform
@@ -26,6 +27,7 @@ import zmq.auth.thread
 
 from engine.node import gpu as gpu_mod
 from engine.node import wire
+from engine.node.discovery import Advert
 from engine.node.keys import (
     KeyPair,
     codes_equal,
@@ -66,8 +68,6 @@ class AgentOptions:
 
 
 def is_loopback(host: str) -> bool:
-    import ipaddress
-
     if host == "localhost":
         return True
     try:
@@ -245,8 +245,6 @@ class Agent:
         )
 
     def _advertise(self) -> None:
-        from engine.node.discovery import Advert
-
         try:
             report = gpu_mod.gpu_report(self.opts.nvml)
             summary = gpu_mod.gpu_summary(report)

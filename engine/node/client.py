@@ -7,6 +7,7 @@ nothing listening, a handshake with a different key (not the paired agent), this
 """
 
 import itertools
+import platform
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
@@ -18,6 +19,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from engine.node import wire
+from engine.node.errors import NodeCliError
 from engine.node.keys import (
     KeyPair,
     check_key,
@@ -31,7 +33,7 @@ from engine.node.keys import (
 from installer import paths
 
 
-class NodeError(RuntimeError):
+class NodeError(NodeCliError, RuntimeError):
     """An agent request that failed; `code` is the agent's refusal code or unreachable / handshake / timeout."""
 
     def __init__(self, message: str, code: str = "failed") -> None:
@@ -466,8 +468,6 @@ def pair(
         )
     client = NodeClient(host, ident.port, ident.public_key, keys, timeout, ident.name)
     try:
-        import platform
-
         res = client.call("pair", {"code": code, "main_name": main_name or platform.node()})
     finally:
         client.close()

@@ -14,13 +14,14 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import psutil
+from zeroconf import InterfaceChoice, IPVersion, ServiceBrowser, ServiceInfo, ServiceListener, Zeroconf
+
 from engine.node.wire import SERVICE_TYPE
 from installer.version import __version__
 
 
 def _interfaces_for(host: str) -> Any:
-    from zeroconf import InterfaceChoice
-
     if host in ("0.0.0.0", "::", ""):
         return InterfaceChoice.All
     return [host]
@@ -29,7 +30,6 @@ def _interfaces_for(host: str) -> Any:
 def _addresses_for(host: str) -> list[str]:
     if host not in ("0.0.0.0", "::", ""):
         return [host]
-    import psutil
 
     out = []
     for addrs in psutil.net_if_addrs().values():
@@ -71,8 +71,6 @@ class Advert:
             self.error = str(exc)
 
     def register(self) -> None:
-        from zeroconf import IPVersion, ServiceInfo, Zeroconf
-
         addrs = _addresses_for(self.host)
         v6 = any(":" in a for a in addrs)
         label = f"{_label(self.name)}-{self.fingerprint[:4]}"
@@ -133,8 +131,6 @@ def _txt(props: dict[bytes, bytes | None], key: str) -> str:
 
 def discover(timeout: float = 2.0, interfaces: Any = None) -> list[Found]:
     """Agents that answer an mDNS browse within `timeout` seconds (interfaces: zeroconf's; default all)."""
-    from zeroconf import InterfaceChoice, IPVersion, ServiceBrowser, ServiceListener, Zeroconf
-
     names: set[str] = set()
     lock = threading.Lock()
 

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from types import ModuleType
 from typing import Any
 
+import psutil
+
 from installer.gpus import ProbeResult, probe
 
 # Clock-event (throttle) reason bits: our name -> NVML's constant suffix (nvmlClocksEventReason*, older
@@ -283,8 +285,6 @@ def _smi(index: int, flag: str) -> None:
 
 def pc_report() -> dict[str, Any]:
     """This PC as the agent describes it: hostname, OS, RAM, CPU (psutil)."""
-    import psutil
-
     vm = psutil.virtual_memory()
     freq = None
     try:

@@ -16,6 +16,7 @@ import zmq
 import zmq.utils.z85
 
 from engine.link.keys import fingerprint as link_fingerprint
+from engine.node.errors import NodeCliError
 from engine.private_file import write_private_text
 
 # Pairing codes avoid characters that read alike (0/O, 1/I/L).
@@ -23,7 +24,7 @@ CODE_ALPHABET = "23456789ABCDEFGHJKMNPQRSTUVWXYZ"
 CODE_LENGTH = 8
 
 
-class KeyFileError(ValueError):
+class KeyFileError(NodeCliError, ValueError):
     """A key file or key text that cannot be used; the message names the file and what to do."""
 
 

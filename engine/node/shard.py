@@ -21,6 +21,7 @@ from gguf import GGUFValueType, Keys
 
 from engine.gguf.names import block_index
 from engine.gguf.reader import GGUFError, GGUFFile, TensorInfo
+from engine.node.chain import shard_name
 
 LAYOUT_VERSION = 1
 _U32 = struct.Struct("<I")
@@ -182,8 +183,6 @@ class ShardLayout:
         return [t.name for t in self.tensors]
 
     def default_name(self) -> str:
-        from engine.node.chain import shard_name
-
         return shard_name(self.source, self.begin, self.end)
 
     def read(self, offset: int = 0, chunk: int = 4 << 20) -> Iterator[bytes]:

@@ -21,6 +21,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from engine.gguf.reader import GGUFFile
+from engine.layers.kv_cache import resolve_kv_type
+from engine.link.startup import load_split_model
 from engine.node.chain import ChainError, Link, engine_flags, start_chain, stop_chain, wait_listening
 from engine.node.client import (
     NodeClient,
@@ -30,10 +33,19 @@ from engine.node.client import (
     main_dir,
     main_keys,
 )
+from engine.node.errors import NodeCliError
 from engine.node.keys import KeyPair
+from engine.node.shard import ShardLayout
+from engine.node.shipper import ship
+from engine.node.tune_defaults import DEFAULT_ANSWER, DEFAULT_MIX
+from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.split import prefill_span
+from engine.pipeline.split_args import options_from_args
+from engine.tokenizer import Tokenizer
+from installer.config import ConfigError, StrataConfig, Worker, config_path, read_config, write_config
+from installer.config import config_path as default_config_path
+from installer.engine_options import from_config, merge, typed
 
-DEFAULT_MIX = ((8192, 0.3), (32768, 0.5), (102400, 0.2))  # the seed's 30% 8K / 50% 32K / 20% 100K
-DEFAULT_ANSWER = 320
 MIN_LAYERS_PER_STAGE = 3
 
 # The tuner's own text: plain prose, tokenized with the model's tokenizer and repeated to the length wanted.
@@ -49,7 +61,7 @@ _TEXT = (
 )
 
 
-class TuneError(RuntimeError):
+class TuneError(NodeCliError, RuntimeError):
     """The tuner cannot go on; the message says what failed and what to do."""
 
 
@@ -168,11 +180,6 @@ class MainStage:
     engine's flags and option parser (what `strata-engine` does with the same config)."""
 
     def __init__(self, config: Any, key_flags: list[str], device: str, dtype: str) -> None:
-        from engine.layers.kv_cache import resolve_kv_type
-        from engine.link.startup import load_split_model
-        from engine.pipeline.split_args import options_from_args
-        from installer.engine_options import from_config, merge, typed
-
         # What `strata-engine generate --config C` would run: the config, then the flags given here.
         given = {**typed(["generate", "--prompt", "-", *key_flags]), "device": device, "dtype": dtype}
         from_file, _ = from_config(config, "generate")
@@ -185,9 +192,6 @@ class MainStage:
 
     def measure(self, prompt: list[int], answer: int, chunk: int) -> tuple[float, float, float]:
         """(prefill tok/s, decode tok/s, seconds) of one request with a fresh KV cache."""
-        from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
-        from engine.pipeline.split import prefill_span
-
         m = self.lm.model
         span = prefill_span(m, chunk, self.max_context, self.kv_type, *self._span_room)
         runner = Runner(m, self.lm.tokenizer, self.max_context, self.kv_type, chunk, prefill_span=span)
@@ -240,8 +244,6 @@ class Tuner:
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.device, self.dtype = device, dtype
         self.base = base  # the model's config before tuning: its cards, KV type and args are kept
-        from engine.gguf.reader import GGUFFile
-        from engine.tokenizer import Tokenizer
 
         with GGUFFile.open(self.model) as gf:
             arch = gf.architecture
@@ -287,8 +289,6 @@ class Tuner:
     def _ship(self, nodes: list[Link]) -> None:
         """Each PC gets one shard covering its range in every candidate, unless it already holds the whole model
         file (same name and size; the handshake then checks header and weights)."""
-        from engine.node.shard import ShardLayout
-        from engine.node.shipper import ship
 
         whole = self.model.stat().st_size
         for i, node in enumerate(nodes):
@@ -311,8 +311,6 @@ class Tuner:
             node.model = res.name
 
     def config_for(self, nodes: list[Link], split: tuple[int, ...], chunk: int) -> Any:
-        from installer.config import StrataConfig, Worker
-
         base = self.base
         workers = []
         for i, node in enumerate(nodes):
@@ -333,8 +331,6 @@ class Tuner:
         )
 
     def _measure_split(self, nodes: list[Link], split: tuple[int, ...]) -> list[Measurement]:
-        from installer.config import ConfigError
-
         rows: list[Measurement] = []
         cfg = self.config_for(nodes, split, self.chunks[0])
         try:
@@ -367,10 +363,6 @@ class Tuner:
         return rows
 
     def run(self, config_path: Path | None = None, report_path: Path | None = None) -> TuneResult:
-
-        from installer.config import config_path as default_config_path
-        from installer.config import write_config
-
         nodes = self._connect()
         try:
             self._ship(nodes)
@@ -522,46 +514,6 @@ def _drop_flag(args: list[str], flag: str) -> list[str]:
 # CLI
 
 
-def add_tune_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="the GGUF model file on this (main) PC")
-    p.add_argument(
-        "--node",
-        action="append",
-        default=[],
-        help="a paired worker PC, in stage order (default: all included)",
-    )
-    p.add_argument(
-        "--split",
-        action="append",
-        default=[],
-        help="a split to try, e.g. 24 or 24,40 (repeatable; default: 5 around the even split)",
-    )
-    p.add_argument(
-        "--chunk", action="append", type=int, default=[], help="a prompt chunk size to try (repeatable)"
-    )
-    p.add_argument(
-        "--mix",
-        default=",".join(f"{n}:{w}" for n, w in DEFAULT_MIX),
-        help="workload: TOKENS:WEIGHT,... (default 8192:0.3,32768:0.5,102400:0.2, scaled to the context)",
-    )
-    p.add_argument("--answer-tokens", type=int, default=DEFAULT_ANSWER)
-    p.add_argument(
-        "--max-context", type=int, help="the main engine's context (default: the model's, at most 131072)"
-    )
-    p.add_argument("--lock-clocks", action="store_true", help="lock each worker GPU's clocks while measuring")
-    p.add_argument(
-        "--config", help="config file to write (default: strata-<model>.json in the config folder)"
-    )
-    p.add_argument("--report", help="report file (Markdown; a .json beside it)")
-    p.add_argument("--device", default="auto", help="the main stage's device here: auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", help="compute type: auto, f32, bf16, f16")
-    p.add_argument(
-        "worker_flags",
-        nargs=argparse.REMAINDER,
-        help="-- then whitelisted worker flags for every worker, e.g. -- --kv int8",
-    )
-
-
 def _parse_mix(text: str) -> list[tuple[int, float]]:
     out = []
     for part in text.split(","):
@@ -576,9 +528,6 @@ def _parse_mix(text: str) -> list[tuple[int, float]]:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from engine.gguf.reader import GGUFFile
-    from installer.config import ConfigError, config_path, read_config
-
     reg = NodeRegistry()
     nodes = [reg.find(n) for n in args.node] if args.node else [n for n in reg.load() if n.included]
     flags = list(args.worker_flags)

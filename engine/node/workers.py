@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from engine.node.gpu import ClockResult, Nvml, NvmlUnavailable
 from engine.node.keys import KeyPair, check_key, write_certificate
 from engine.node.store import ModelStore, StoreError
@@ -107,8 +109,6 @@ def engine_command() -> list[str]:
 
 
 def local_addresses() -> set[str]:
-    import psutil
-
     found = {"127.0.0.1", "::1", "0.0.0.0", "::"}
     for addrs in psutil.net_if_addrs().values():
         for a in addrs:

@@ -17,6 +17,7 @@ from engine.models.decoder import DecoderLM
 from engine.models.registry import file_config, model_class
 from engine.pipeline.cuda_graphs import DecodeGraphs, PromptGraphs
 from engine.tokenizer import ChatFormatter, Tokenizer
+from installer.engine_options import runtime_switches
 
 log = logging.getLogger("strata.engine")
 
@@ -90,8 +91,6 @@ def build(
 
 def prompt_graphs_wanted() -> bool:
     """STRATA_PROMPT_GRAPHS=0 runs prompt chunks eagerly (installer.engine_options reads the switch)."""
-    from installer.engine_options import runtime_switches
-
     return runtime_switches().prompt_graphs
 
 

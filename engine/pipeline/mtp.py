@@ -23,8 +23,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.layers.kv_cache import KVCache
+from engine.pipeline.drafts import NO_DRAFT, Draft
 from engine.pipeline.sampling import Sampler
-from engine.pipeline.spec import NO_DRAFT, Draft
 
 
 @runtime_checkable

@@ -12,7 +12,10 @@ device."""
 
 import logging
 
+import torch
+
 from engine.gguf.model_config import ModelConfig
+from engine.layers.kv_cache import kv_bytes_per_token
 
 log = logging.getLogger("strata.engine")
 
@@ -73,8 +76,6 @@ def span_tokens(c: ModelConfig, chunk: int, room_bytes: int, max_ctx: int) -> in
 def _device_room(model: object, max_ctx: int, kv_type: str, budget_mib: int | None) -> tuple[int, int] | None:
     """(bytes free, of `budget_mib` where given; bytes the KV cache still to come takes) for a one-card CUDA model;
     None for anything else."""
-    import torch
-
     dev = getattr(model, "device", None)
     cfg = getattr(model, "cfg", None)
     if not isinstance(dev, torch.device) or dev.type != "cuda" or not isinstance(cfg, ModelConfig):
@@ -85,8 +86,6 @@ def _device_room(model: object, max_ctx: int, kv_type: str, budget_mib: int | No
         free = torch.cuda.mem_get_info(dev)[0]
     ec = getattr(model, "expert_cache", None)
     free -= getattr(ec, "pending_bytes", 0)  # the experts' staging area, allocated at the first prompt
-    from engine.pipeline.split import kv_bytes_per_token
-
     layers = len(getattr(model, "layer_range", range(cfg.n_layer)))
     return free, layers * max_ctx * kv_bytes_per_token(cfg, kv_type)
 

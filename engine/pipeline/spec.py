@@ -27,16 +27,15 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.layers.kv_cache import KVCache
-from engine.pipeline.cuda_graphs import capturing
+from engine.pipeline.cuda_graphs import SPAN_BUCKET, GraphTable, capturing
+from engine.pipeline.drafts import NO_DRAFT, Draft, DraftSource
+from engine.pipeline.mtp import DraftLayerSource, draft_layer_of
 from engine.pipeline.sampling import Sampler
-
-if TYPE_CHECKING:
-    from engine.pipeline.mtp import DraftLayerSource
+from engine.pipeline.stages import LocalStage
 
 log = logging.getLogger("strata.engine")
 
@@ -111,28 +110,6 @@ class SpecStats:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Draft sources
-
-
-@dataclass(frozen=True)
-class Draft:
-    tokens: list[int]
-    # [len(tokens), V] the distribution each token was drawn from; None: deterministic drafts (point masses)
-    probs: torch.Tensor | None = None
-    match: int = 0  # length of the earlier context the drafts continue (suffix drafts), 0 otherwise
-
-
-NO_DRAFT = Draft([])
-
-
-class DraftSource(Protocol):
-    """Proposes tokens to follow a sequence. The committed sequence is what the KV cache holds (prompt and kept
-    tokens); `pending` tokens follow it but are not committed (the token decided last, or a guessed window)."""
-
-    def reset(self, tokens: Sequence[int]) -> None: ...
-
-    def commit(self, tokens: Sequence[int]) -> None: ...
-
-    def propose(self, pending: Sequence[int], n: int) -> Draft: ...
 
 
 class SuffixDraft:
@@ -234,8 +211,6 @@ def draft_sources(
 ) -> DraftPicker | None:
     """The sources a request drafts from under `cfg`, or None when it decodes one token per forward. The draft
     layer keeps its KV in `cache` (the runner's), so it drafts only where one is given."""
-    from engine.pipeline.mtp import DraftLayerSource, draft_layer_of
-
     if not cfg.drafting:
         return None
     suffix = SuffixDraft(cfg.min_match, cfg.max_match) if cfg.suffix else None
@@ -339,7 +314,6 @@ def pipeline_support(model: object, cache: KVCache | None = None) -> str | None:
         return "it needs a layer split of two or more stages (--layer-split)"
     if not hasattr(model, "handoffs"):
         return "the split model does not expose its hand-offs"
-    from engine.pipeline.stages import LocalStage
 
     if not all(isinstance(s, LocalStage) for s in stages):
         return "a stage runs in another process (--remote-stage); its windows stay serial"
@@ -412,7 +386,6 @@ class WindowGraphs:
     def __init__(self, model: object, rows: int) -> None:
         self.model = model
         self.rows = rows
-        from engine.pipeline.cuda_graphs import GraphTable
 
         self.graphs: GraphTable[_WindowGraph] = GraphTable()
         self.pool: tuple[int, int] | None = None
@@ -431,8 +404,6 @@ class WindowGraphs:
 
     def forward(self, tokens: list[int], cache: KVCache, start: int) -> torch.Tensor:
         """tokens at start.. -> logits [len(tokens), V]; the cache then holds start + len(tokens) positions."""
-        from engine.pipeline.cuda_graphs import SPAN_BUCKET
-
         t, r = len(tokens), self.rows
         m = self.model
         if t == 1 or t > r or start + r > cache.max_ctx:  # one token: the model's own graph

@@ -21,11 +21,14 @@ from engine.experts.policy import WORKSPACE_BYTES, ExpertPolicy
 from engine.gguf import names
 from engine.gguf.model_config import ModelConfig
 from engine.gguf.reader import GGUFFile, block_index
+from engine.layers.kv_cache import kv_bytes_per_token
 from engine.models.decoder import DecoderLM
 from engine.pipeline.handoff import HandoffMode
 from engine.pipeline.loader import build
+from engine.pipeline.prefill import device_chunk, device_span
 from engine.pipeline.stages import LocalStage, SplitModel
 from installer.engine_options import D as OPTION_DEFAULTS
+from installer.gpus import probe
 from installer.placement import (
     MIB,
     Budget,
@@ -301,17 +304,6 @@ def plan_stages(
 # Facts from the file and from the driver
 
 
-def kv_bytes_per_value(kv_type: str) -> float:
-    return {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0}[kv_type]
-
-
-def kv_bytes_per_token(cfg: ModelConfig, kv_type: str) -> int:
-    """K and V of one token in one layer at this KV type."""
-    values = cfg.n_head_kv * (cfg.head_dim_k + cfg.head_dim_v)
-    scales = 2 * cfg.n_head_kv * 2 if kv_type == "int8" else 0  # one f16 scale per head for K and for V
-    return int(values * kv_bytes_per_value(kv_type)) + scales
-
-
 def geometry_from_gguf(gf: GGUFFile, cfg: ModelConfig, kv_type: str) -> Geometry:
     """Bytes per layer of the file's own blocks (what a stage keeps on its card), from the header only."""
     n = cfg.n_layer
@@ -368,8 +360,6 @@ def visible_cards() -> list[VisibleCard]:
     by_uuid = {u: i for i in range(count) if (u := _torch_uuid(i))}
     out: list[VisibleCard] = []
     try:
-        from installer.gpus import probe
-
         result = probe(others=())
         gpus = result.gpus if result.ok else ()
     except Exception:
@@ -482,8 +472,6 @@ def prefill_chunk(
     if isinstance(model, SplitModel) and model.pipeline and len(model.stages) > 1:
         return model.pipe_chunk * 2 * len(model.stages)
     if max_ctx is not None and not isinstance(model, SplitModel):
-        from engine.pipeline.prefill import device_chunk
-
         return device_chunk(model, max_ctx, kv_type, budget_mib, reserve_mib)
     return default
 
@@ -500,6 +488,5 @@ def prefill_span(
     experts for its prompt chunks (engine/pipeline/prefill.py, span_tokens); `chunk` elsewhere."""
     if isinstance(model, SplitModel):
         return chunk
-    from engine.pipeline.prefill import device_span
 
     return device_span(model, chunk, max_ctx, kv_type, budget_mib, reserve_mib)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.pipeline.split import SplitOptions, parse_gpus, parse_layer_split, parse_split_device
+from installer.placement import PlacementError
+
 if TYPE_CHECKING:
     from engine.pipeline.split import SplitOptions
     from installer.engine_options import EngineOptions
@@ -12,9 +15,6 @@ if TYPE_CHECKING:
 
 def options_from_args(args: EngineOptions) -> SplitOptions:
     """The split options (ValueError with the flag's name when one is malformed)."""
-    from engine.pipeline.split import SplitOptions, parse_gpus, parse_layer_split, parse_split_device
-    from installer.placement import PlacementError
-
     if args.vram_reserve_mib < 0:
         raise PlacementError(f"--vram-reserve-mib must be 0 or more, not {args.vram_reserve_mib}")
     later = args.vram_reserve_later_mib

@@ -8,6 +8,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import uvicorn
+
+from engine.link.keys import LinkKeyError, client_keys
+from engine.pipeline.spec import SpecConfig, SpecError
+from engine.pipeline.split_args import options_from_args
+from engine.serve.app import create_app
+from engine.serve.options import ServeOptions
+from engine.serve.serving import EngineService
+
 if TYPE_CHECKING:
     from engine.pipeline.split import SplitOptions
     from installer.engine_options import EngineOptions
@@ -41,15 +50,11 @@ def _prefill(arg: str) -> int | None:
 
 def _split_options(args: "EngineOptions") -> "SplitOptions":
     """The split flags, checked as far as they can be without the model (the rest when it loads, on /health)."""
-    from engine.pipeline.split_args import options_from_args
-
     try:
         split = options_from_args(args)
     except ValueError as e:  # PlacementError is one
         raise ServeError(str(e)) from None
     if split.remote:
-        from engine.link.keys import LinkKeyError, client_keys
-
         try:  # no key for the link: say so now rather than on /health
             client_keys(split.stage_key, split.remote_key)
         except LinkKeyError as e:
@@ -110,7 +115,6 @@ def _serve(args: "EngineOptions") -> int:
         )
     if args.max_body_mib <= 0:
         raise ServeError(f"--max-body-mib must be more than 0, not {args.max_body_mib}")
-    from engine.pipeline.spec import SpecConfig, SpecError
 
     try:
         SpecConfig.from_flags(args.spec, bool(args.suffix_draft), args.mtp, args.pipeline_windows)
@@ -120,12 +124,6 @@ def _serve(args: "EngineOptions") -> int:
     if model is not None and not model.is_file():
         raise ServeError(f'model file {model} does not exist: check --model (or the config\'s "model")')
     split = _split_options(args)
-
-    import uvicorn
-
-    from engine.serve.app import create_app
-    from engine.serve.options import ServeOptions
-    from engine.serve.serving import EngineService
 
     opts = ServeOptions(
         model=model,

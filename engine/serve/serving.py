@@ -14,8 +14,25 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
 from pydantic import ValidationError
 
+from engine.experts.profile import ProfileRecorder, model_counts, profile_location
+from engine.layers.kv_cache import resolve_kv_type
+from engine.link.client import StageError
+from engine.link.startup import load_split_model
+from engine.pipeline.generate import (
+    DoneEvent,
+    GenerationError,
+    PromptChunkEvent,
+    Runner,
+    StepEvent,
+    TextEvent,
+    TokenEvent,
+)
+from engine.pipeline.prompt_cache import PromptCache
+from engine.pipeline.spec import SpecConfig
+from engine.pipeline.split import SplitOptions, prefill_chunk, prefill_span
 from engine.serve.answers import Answers
 from engine.serve.errors import APIError
 from engine.serve.jobs import Job, Result
@@ -31,12 +48,10 @@ from engine.serve.translate import RequestTranslation
 from engine.telemetry.events import EventHub
 from engine.telemetry.prometheus import CONTENT_TYPE
 from engine.telemetry.stats import RunningStat, StageStats, Telemetry
+from installer.default_model import FILE_NAME, default_model_path
 
 if TYPE_CHECKING:
-    from engine.experts.profile import ProfileRecorder
-    from engine.pipeline.generate import Runner
     from engine.pipeline.loader import LoadedModel
-    from engine.pipeline.split import SplitOptions
 
 log = logging.getLogger("strata.serve")
 
@@ -47,7 +62,6 @@ def _profile_recorder(lm: "LoadedModel", split: "SplitOptions", every_s: float) 
     """What serving adds to the model file's usage profile (MoE models, unless --no-profile)."""
     if not split.use_profile or not lm.config.is_moe:
         return None
-    from engine.experts.profile import ProfileRecorder, model_counts, profile_location
 
     path, ident = profile_location(lm.gguf, lm.config, split.profile)
     return ProfileRecorder(path, ident, lm.config.n_expert_used, lambda: model_counts(lm.model), every_s)
@@ -85,8 +99,6 @@ class EngineService(RequestTranslation, Answers, Status):
 
     @staticmethod
     def _default_name() -> str:
-        from installer.default_model import FILE_NAME
-
         return model_id(FILE_NAME)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
@@ -100,15 +112,6 @@ class EngineService(RequestTranslation, Answers, Status):
         t0 = time.perf_counter()
         loaded: LoadedModel | None = None
         try:
-            import torch
-
-            from engine.layers.kv_cache import resolve_kv_type
-            from engine.link.startup import load_split_model
-            from engine.pipeline.generate import Runner
-            from engine.pipeline.prompt_cache import PromptCache
-            from engine.pipeline.spec import SpecConfig
-            from engine.pipeline.split import SplitOptions, prefill_chunk, prefill_span
-
             o = self.opts
             if o.threads:
                 torch.set_num_threads(o.threads)
@@ -116,8 +119,6 @@ class EngineService(RequestTranslation, Answers, Status):
                 os.environ.setdefault("NUMBA_NUM_THREADS", str(o.threads))
             path = o.model
             if path is None:
-                from installer.default_model import default_model_path
-
                 path = default_model_path()
             if not path.exists():
                 raise FileNotFoundError(
@@ -125,8 +126,6 @@ class EngineService(RequestTranslation, Answers, Status):
                 )
             split = o.split or SplitOptions(device=o.device)
             if split.remote:
-                from engine.link.client import StageError
-
                 self._stage_errors = (StageError,)
             # The plan is checked before any weight is read; a remote stage is connected and checked before this
             # returns (a worker that is not up makes the load fail, with its address, on /health).
@@ -292,15 +291,6 @@ class EngineService(RequestTranslation, Answers, Status):
                     self.active = None
 
     def _run(self, job: Job) -> None:
-        from engine.pipeline.generate import (
-            DoneEvent,
-            GenerationError,
-            PromptChunkEvent,
-            StepEvent,
-            TextEvent,
-            TokenEvent,
-        )
-
         assert self.runner is not None
         if job.cancelled.is_set():  # the client left between the queue and here
             self.telemetry.request_done(job.endpoint, "cancelled")

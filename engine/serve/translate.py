@@ -4,9 +4,12 @@ sampling fields into the sampler's, each refusal an OpenAI-style 400 that names 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from engine.pipeline.generate import GenerationRequest
+from engine.pipeline.sampling import SamplingError, SamplingParams
 from engine.serve.errors import APIError
 from engine.serve.options import ServeOptions
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, template_message
+from engine.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
     from engine.pipeline.generate import GenerationRequest
@@ -30,8 +33,6 @@ class RequestTranslation:
             raise APIError(400, f"the text cannot be encoded as UTF-8: {e}", code="invalid_text") from None
 
     def _sampling(self, r: ChatCompletionRequest | CompletionRequest) -> Any:
-        from engine.pipeline.sampling import SamplingError, SamplingParams
-
         d = SamplingParams()
         temperature = d.temperature if r.temperature is None else r.temperature
         top_p = d.top_p if r.top_p is None else r.top_p
@@ -55,8 +56,6 @@ class RequestTranslation:
     def _generation(
         self, ids: list[int], r: ChatCompletionRequest | CompletionRequest, template_stops: Sequence[str] = ()
     ) -> "GenerationRequest":
-        from engine.pipeline.generate import GenerationRequest
-
         ctx = self.opts.max_context
         if not ids:
             raise APIError(400, "the prompt is empty: give some text", code="empty_prompt", param="prompt")
@@ -81,8 +80,6 @@ class RequestTranslation:
     def prepare_chat(self, r: ChatCompletionRequest) -> "GenerationRequest":
         """Messages through the model's chat template, then tokens (runs in a thread: templates and long
         prompts take time)."""
-        from engine.tokenizer import ChatTemplateError
-
         assert self.lm is not None
         extra = dict(r.chat_template_kwargs or {})
         bad = sorted(_RESERVED_TEMPLATE_VARS & extra.keys())
