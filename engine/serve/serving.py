@@ -36,6 +36,7 @@ from engine.pipeline.split import SplitOptions, prefill_chunk, prefill_span
 from engine.serve.answers import Answers
 from engine.serve.errors import APIError
 from engine.serve.jobs import Job, Result
+from engine.serve.metrics import Metrics
 from engine.serve.options import ServeOptions, model_id
 from engine.serve.protocol import (
     EVENT,
@@ -67,9 +68,9 @@ def _profile_recorder(lm: "LoadedModel", split: "SplitOptions", every_s: float) 
     return ProfileRecorder(path, ident, lm.config.n_expert_used, lambda: model_counts(lm.model), every_s)
 
 
-class EngineService(RequestTranslation, Answers, Status):
+class EngineService(RequestTranslation, Answers, Status, Metrics):
     """The served model: loaded in the background, one FIFO queue and one worker thread (here); requests into
-    generation requests (translate.py), answers (answers.py), what it says about itself (status.py)."""
+    generation requests (translate.py), answers (answers.py), what it says about itself (status.py, metrics.py)."""
 
     def __init__(self, opts: ServeOptions) -> None:
         self.opts = opts
