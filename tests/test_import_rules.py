@@ -70,3 +70,19 @@ def test_the_command_fails_on_a_planted_runtime_violation(tmp_path: Path) -> Non
     )
     assert run.returncode == 1
     assert "loads torch" in run.stdout
+
+
+def test_the_command_lines_and_the_kernels_load_lazily() -> None:
+    """`strata-engine --help` and `strata-node --help` load no torch; engine.kernels loads Triton only on use, and
+    says None (not an error) for a kernel module where Triton is absent."""
+    probe = (
+        "import sys, engine.cli, engine.node.cli, engine.kernels as k\n"
+        "assert 'torch' not in sys.modules and 'triton' not in sys.modules, sorted(m for m in sys.modules if m in "
+        "('torch', 'triton'))\n"
+        "import importlib.util\n"
+        "if importlib.util.find_spec('triton') is None:\n"
+        "    assert k.loaded('gemv') is None\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr

@@ -1,5 +1,6 @@
-"""`strata-engine serve`: the OpenAI-compatible server. Only the standard library is imported here, so that
-`strata-engine --help` stays fast; FastAPI, uvicorn and torch load when the server starts."""
+"""`strata-engine serve`: the OpenAI-compatible server. engine/cli.py imports this module only when `serve` runs
+(`strata-engine --help` loads neither FastAPI, uvicorn nor torch); the model itself loads in the background once
+the server answers."""
 
 import ipaddress
 import logging
