@@ -133,6 +133,16 @@ def load_expert_biases(w: Weights, i: int, e: int, d: int, f: int) -> ExpertBias
     return ExpertBiases(gate, up, w.f(n(i, "ffn_down_exps", "bias"), (e, d)))
 
 
+class _Unattached(dict):  # type: ignore[type-arg]
+    """The MoE backends of a model whose routed experts wait in host RAM for an expert cache (CUDA)."""
+
+    def __missing__(self, key: int) -> Experts:
+        raise RuntimeError(
+            "this model's routed experts are in host RAM and no expert cache is attached: build models with "
+            "engine.pipeline.loader.build (or call engine.pipeline.loader.prepare on one)"
+        )
+
+
 class FamilyLM:
     """Layers `layers` of a model of one family on `device`, computing in `dtype`; the residual stream stays
     float32. Subclasses load their layers (`_load_layer`) and run them (`layer_at`)."""
@@ -178,7 +188,7 @@ class FamilyLM:
             else None
         )
         self.expert_cache: ExpertCache | None = None
-        self.moe: dict[int, Experts] = {}
+        self.moe: dict[int, Experts] = _Unattached()
         if not self.needs_expert_cache:
             self.attach_experts(None)
 
