@@ -14,7 +14,6 @@ import torch
 from engine.experts.profile import startup_profile
 from engine.gguf.model_config import ModelConfig
 from engine.gguf.reader import GGUFFile
-from engine.layers import cpu_weights
 from engine.layers.kv_cache import resolve_kv_type
 from engine.link.client import StageClient, StageError
 from engine.link.keys import client_keys
@@ -22,7 +21,7 @@ from engine.link.remote import HeadStage, RemoteStage, data_digest, header_diges
 from engine.link.transport import parse_endpoint
 from engine.models.decoder import DecoderLM
 from engine.models.registry import file_config
-from engine.pipeline.loader import LoadedModel, build, resolve_dtype
+from engine.pipeline.loader import LoadedModel, build, loaded, resolve_dtype
 from engine.pipeline.split import (
     SplitOptions,
     StagePlan,
@@ -33,7 +32,7 @@ from engine.pipeline.split import (
     visible_cards,
 )
 from engine.pipeline.stages import LocalStage, SplitModel
-from engine.tokenizer import ChatFormatter, Tokenizer
+from engine.tokenizer import Tokenizer
 from installer.placement import PlacementError
 
 log = logging.getLogger("strata.engine")
@@ -85,20 +84,7 @@ def load_split_model(
     # the main card current (each stage makes its own current while it runs)
     if first.type == "cuda" and first.index is not None:
         torch.cuda.set_device(first)
-    cpu_weights.attach(model, opts.cpu_weights_mib)
-    chat = ChatFormatter.from_metadata(gf.metadata)
-    if chat.is_fallback:
-        log.warning("%s has no chat template: using the ChatML fallback template", Path(path).name)
-    log.info(
-        "loaded %s: %s, %d layers, %s on %s (%s)",
-        Path(path).name,
-        cfg.arch,
-        cfg.n_layer,
-        f"{cfg.n_expert} experts (top-{cfg.n_expert_used})" if cfg.is_moe else "dense",
-        ", ".join(sp.labels),
-        str(dt).removeprefix("torch."),
-    )
-    return LoadedModel(Path(path), gf, cfg, model, tok, chat)  # type: ignore[arg-type]
+    return loaded(path, gf, cfg, tok, model, opts.cpu_weights_mib, ", ".join(sp.labels), dt)
 
 
 def check_remote_options(opts: SplitOptions, n_layer: int) -> None:

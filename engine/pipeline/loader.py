@@ -124,6 +124,21 @@ def load_model(
     tok = Tokenizer.from_metadata(gf.metadata)
     cfg = file_config(gf, tok.vocab_size)
     model = build(gf, cfg, dev, dt, experts=experts, cuda_graphs=cuda_graphs)
+    return loaded(path, gf, cfg, tok, model, cpu_weights_mib, str(dev), dt)
+
+
+def loaded(
+    path: str | Path,
+    gf: GGUFFile,
+    cfg: ModelConfig,
+    tok: Tokenizer,
+    model: object,
+    cpu_weights_mib: int | None,
+    where: str,
+    dtype: torch.dtype,
+) -> LoadedModel:
+    """A built model (or split) as the engine serves it: the CPU layers' float copies budgeted, the chat template
+    read (the ChatML fallback said), the load logged."""
     cpu_weights.attach(model, cpu_weights_mib)
     chat = ChatFormatter.from_metadata(gf.metadata)
     if chat.is_fallback:
@@ -134,7 +149,7 @@ def load_model(
         cfg.arch,
         cfg.n_layer,
         f"{cfg.n_expert} experts (top-{cfg.n_expert_used})" if cfg.is_moe else "dense",
-        dev,
-        str(dt).removeprefix("torch."),
+        where,
+        str(dtype).removeprefix("torch."),
     )
-    return LoadedModel(Path(path), gf, cfg, model, tok, chat)
+    return LoadedModel(Path(path), gf, cfg, model, tok, chat)  # type: ignore[arg-type]
