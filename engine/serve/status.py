@@ -1,6 +1,7 @@
 """What the server says about itself: /health, /v1/models and /stats (typed: engine/serve/protocol.py), from the
 telemetry, the expert caches, the prompt cache and the links to remote stages (/metrics: metrics.py)."""
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -165,15 +166,9 @@ class Status:
         pc = self.runner.prompt_cache if self.runner is not None else None
         if pc is not None:
             s = pc.stats()
-            out["prompt_cache"] = {
-                "entries": s.entries,
-                "bytes": s.bytes,
-                "max_bytes": s.max_bytes,
-                "saves": s.saves,
-                "restores": s.restores,
-                "evictions": s.evictions,
-                "restored_tokens": s.restored_tokens,
-            }
+            out["prompt_cache"] = dataclasses.asdict(
+                s
+            )  # the wire model (protocol.PromptCacheStats) checks it
         else:
             out["prompt_cache"] = None
         if c.is_moe:
