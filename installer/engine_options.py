@@ -545,12 +545,10 @@ def _normalise(values: Mapping[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
 
 
-def typed(argv: Sequence[str], command: str | None = None, required: bool = True) -> dict[str, Any]:
-    """The options a command line (with its command first, or `command` given) names, and nothing else. Exits
-    with argparse's usage message on a malformed one."""
-    parser = build_parser(required=required)
-    ns = parser.parse_args([command, *argv] if command else list(argv))
-    return _normalise(vars(ns))
+def typed(argv: Sequence[str]) -> dict[str, Any]:
+    """The options a command line (its command first) names, and nothing else. Exits with argparse's usage
+    message on a malformed one."""
+    return _normalise(vars(build_parser().parse_args(list(argv))))
 
 
 class _ConfigArgsError(Exception):
@@ -631,20 +629,17 @@ def merge(
     known = _field_names()
     layers = [("config", config or {}), ("environment", env or {}), ("command line", given)]
     values: dict[str, Any] = dict(COMMAND_DEFAULTS.get(command or "", {}))
-    sources: dict[str, str] = {}
-    seen: dict[str, tuple[str, Any]] = {}
+    sources: dict[str, str] = {}  # key -> the layer its value in `values` came from
     notes: list[str] = []
     for where, layer in layers:
         for key, value in layer.items():
             if key == "command" or key not in known:
                 continue
-            if key in seen and seen[key][1] != value:
-                was_where, was = seen[key]
-                was_where = config_name if was_where == "config" else f"the {was_where}"
+            if key in sources and values[key] != value:
+                was = config_name if sources[key] == "config" else f"the {sources[key]}"
                 notes.append(
-                    f"{flag_name(key)} {_show(value)} from the {where} wins over {_show(was)} from {was_where}"
+                    f"{flag_name(key)} {_show(value)} from the {where} wins over {_show(values[key])} from {was}"
                 )
-            seen[key] = (where, value)
             values[key] = value
             sources[key] = where
     return EngineOptions(command=command, sources=sources, **values), notes

@@ -195,15 +195,21 @@ class ModelGeometry:
     def has_experts(self, layer: int) -> bool:
         return self.experts > 0 and layer >= self.first_dense_layers
 
+    def linear(self, layer: int) -> bool:
+        """A linear-attention layer: a fixed state, no KV cache (Qwen3-Next: all but every n-th)."""
+        return self.full_attention_interval > 1 and (layer + 1) % self.full_attention_interval != 0
+
+    def sliding(self, layer: int) -> bool:
+        """A sliding-window layer: it keeps at most `sliding_window` tokens."""
+        return bool(self.sliding_window and self.sliding_window_pattern) and (
+            (layer + 1) % self.sliding_window_pattern != 0
+        )
+
     def kv_tokens(self, layer: int, context: int) -> int:
         """Tokens this layer keeps in its KV cache at the given context."""
-        if self.full_attention_interval > 1 and (layer + 1) % self.full_attention_interval != 0:
+        if self.linear(layer):
             return 0
-        if (
-            self.sliding_window
-            and self.sliding_window_pattern
-            and (layer + 1) % self.sliding_window_pattern != 0
-        ):
+        if self.sliding(layer):
             return min(context, self.sliding_window)
         return context
 
@@ -221,12 +227,9 @@ class ModelGeometry:
         scale = KV_BYTES_SCALE[kv]
         per_token, window, state = [], [], []
         for i in range(n):
-            linear = self.full_attention_interval > 1 and (i + 1) % self.full_attention_interval != 0
-            sliding = bool(self.sliding_window and self.sliding_window_pattern) and (
-                (i + 1) % self.sliding_window_pattern != 0
-            )
+            linear = self.linear(i)
             per_token.append(0 if linear else int(self.kv_bytes_per_token_layer * scale))
-            window.append(self.sliding_window if sliding and not linear else 0)
+            window.append(self.sliding_window if self.sliding(i) and not linear else 0)
             state.append(self.recurrent_state_bytes if linear else 0)
         return placement.Geometry(
             n_layer=n,
@@ -346,9 +349,8 @@ def _gib(n: int) -> str:
 
 
 def _stage_fit(
-    g: ModelGeometry, st: placement.StageFit, gpu: GpuInfo, context: int, kv: str, budget: placement.Budget
+    pg: placement.Geometry, st: placement.StageFit, gpu: GpuInfo, context: int, budget: placement.Budget
 ) -> CardFit:
-    pg = g.to_placement(kv)
     kv_bytes = sum(pg.kv_bytes(i, context) for i in range(st.begin, st.end))
     return CardFit(
         gpu=gpu,
@@ -379,15 +381,15 @@ def _plan(
     layer_split: Literal["auto"] | Sequence[int],
     reserve_bytes: int,
     overhead_bytes: int,
-) -> tuple[placement.Placement, placement.Budget]:
+) -> tuple[placement.Placement, placement.Geometry, placement.Budget]:
     """The engine's placement (installer.placement.plan) of these cards, in the order given (already the stage
-    order: `stage_order`), with the shortfalls of a model that does not fit kept for the preview to show."""
+    order: `stage_order`), with the shortfalls of a model that does not fit kept for the preview to show; the
+    geometry and budget it priced."""
     budget = placement.Budget(context, reserve_first=reserve_bytes, overhead=overhead_bytes)
+    pg = g.to_placement(kv)
     cards = [as_card(gpu) for gpu in gpus]
-    p = placement.plan(
-        cards, g.to_placement(kv), budget, layer_split, gpu_order="as_given", allow_shortfall=True
-    )
-    return p, budget
+    p = placement.plan(cards, pg, budget, layer_split, gpu_order="as_given", allow_shortfall=True)
+    return p, pg, budget
 
 
 def auto_split(
@@ -422,7 +424,7 @@ def estimate_fit(
         raise ValueError(f"kv type {kv!r} is not one of {sorted(KV_BYTES_SCALE)}")
     if context < 1:
         raise ValueError(f"context must be at least 1 token, got {context}")
-    p, budget = _plan(g, gpus, context, kv, layer_split, reserve_bytes, overhead_bytes)
+    p, pg, budget = _plan(g, gpus, context, kv, layer_split, reserve_bytes, overhead_bytes)
     by_index = {gpu.index: gpu for gpu in gpus}
-    cards = tuple(_stage_fit(g, st, by_index[st.card.index], context, kv, budget) for st in p.stages)
+    cards = tuple(_stage_fit(pg, st, by_index[st.card.index], context, budget) for st in p.stages)
     return FitEstimate(cards=cards, context=context, kv=kv, layer_split=p.starts)

@@ -40,9 +40,9 @@ def choose(ew: ExpertWeights, math: ExpertMath, cache: "ExpertCache | None", lay
         return CachedExperts(cache, layer, math)
     if ew.gate.raw.device.type == "cpu" and math.plain:
         assert math.act is not None
-        kernels = CpuExperts.in_place_kernels(ew.gate, ew.up, ew.down, math.act)
-        if kernels is not None:
-            return CpuInPlaceExperts(ew, math, kernels)
+        in_place = CpuExperts.in_place_kernels(ew.gate, ew.up, ew.down, math.act)
+        if in_place is not None:
+            return CpuInPlaceExperts(ew, math, in_place)
     return HostExperts(ew, math)
 
 

@@ -47,22 +47,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def prepare(
-    model: DecoderLM,
-    experts: ExpertPolicy | None = None,
-    cuda_graphs: bool = True,
-    prompt_graphs: bool = True,
-) -> DecoderLM:
+def prepare(model: DecoderLM, experts: ExpertPolicy | None = None, cuda_graphs: bool = True) -> DecoderLM:
     """Apply to a plain model what runs it on its card: the expert cache its routed experts need (CUDA, under
     `experts`), then the decode step's CUDA graphs and, where the family allows them, the prompt chunks' graphs
-    (`prompt_graphs` False: chunks run eagerly, for comparisons). On the CPU nothing is applied."""
+    (STRATA_PROMPT_GRAPHS=0: chunks run eagerly, for comparisons). On the CPU nothing is applied."""
     if model.needs_expert_cache:
         model.attach_experts(build_expert_cache(model, experts or ExpertPolicy()))
     if cuda_graphs and model.device.type == "cuda":
         model.graphs = DecodeGraphs(model)
         model.graphs.counts = model.expert_counts  # put back after the warm-up runs of a capture
         if (
-            prompt_graphs
+            runtime_switches().prompt_graphs
             and model.supports_prompt_graphs
             and model.has_embed
             and model.has_head
@@ -86,12 +81,7 @@ def build(
     """The family's model of `layers` on `device` (engine.models.registry; the shared decoder otherwise), prepared."""
     cls = model_class(gf.architecture) or DecoderLM
     model = cls(cfg, gf, device=device, dtype=dtype, layers=layers, embed=embed, head=head)
-    return prepare(model, experts, cuda_graphs, prompt_graphs_wanted())
-
-
-def prompt_graphs_wanted() -> bool:
-    """STRATA_PROMPT_GRAPHS=0 runs prompt chunks eagerly (installer.engine_options reads the switch)."""
-    return runtime_switches().prompt_graphs
+    return prepare(model, experts, cuda_graphs)
 
 
 @dataclass
