@@ -14,7 +14,8 @@ backend, chosen once when the model is loaded (engine.experts.backends.choose):
 Every backend is tested against `reference`: a float64 einsum over all the dequantized experts."""
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -91,11 +92,61 @@ class Experts(Protocol):
         ...
 
 
+class RouteTrace:
+    """The experts each softmax top-k routing call chose, in call order: recorded from one run, then replayed in
+    place of the router's choice in another, the weights staying the router's own for the replayed experts.
+    For tests and benches: two runs that differ only in arithmetic (bf16 against float32) compare their arithmetic,
+    not a near-tied expert choice that rounding decided the other way."""
+
+    def __init__(self, ids: list[torch.Tensor] | None = None) -> None:
+        self.replaying = ids is not None
+        self.ids: list[torch.Tensor] = [] if ids is None else list(ids)
+        self.used = 0
+
+    def choose(self, probs: torch.Tensor, k: int) -> torch.Tensor:
+        """probs [T, E] -> expert ids [T, k]: the recorded ones when replaying (each call takes the next)."""
+        if not self.replaying:
+            ids = torch.topk(probs, k, dim=-1).indices
+            self.ids.append(ids.cpu())
+            return ids
+        if self.used >= len(self.ids):
+            raise RuntimeError(
+                f"the routing trace holds {len(self.ids)} calls; this run routed more: replay the same inputs"
+            )
+        ids = self.ids[self.used]
+        if tuple(ids.shape) != (probs.shape[0], k):
+            raise ValueError(
+                f"routing call {self.used} of the trace chose {tuple(ids.shape)} experts, this run asks for "
+                f"{(probs.shape[0], k)}: replay the same inputs on the same model"
+            )
+        self.used += 1
+        return ids.to(probs.device)
+
+
+_trace: RouteTrace | None = None
+
+
+@contextmanager
+def route_trace(trace: RouteTrace) -> Iterator[RouteTrace]:
+    """Record into, or replay, `trace` for the softmax top-k routing calls made inside the block (eager ones: a
+    captured CUDA graph keeps the choices it was captured with)."""
+    global _trace
+    before, _trace = _trace, trace
+    try:
+        yield trace
+    finally:
+        _trace = before
+
+
 def route(x: torch.Tensor, router: QTensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> weights [T, k] (float32), expert ids [T, k]. Softmax over all experts, then top-k.
     The router runs in float32 whatever the compute type: a bf16 router flips near-tied expert choices."""
     probs = torch.softmax(router.linear(x.float()), dim=-1)  # [T, E]
-    w, ids = torch.topk(probs, k, dim=-1)  # [T, k]
+    if _trace is None:
+        w, ids = torch.topk(probs, k, dim=-1)  # [T, k]
+    else:
+        ids = _trace.choose(probs, k)
+        w = probs.gather(-1, ids)
     if norm:
         w = w / w.sum(dim=-1, keepdim=True)
     return w, ids
@@ -104,8 +155,9 @@ def route(x: torch.Tensor, router: QTensor, k: int, norm: bool) -> tuple[torch.T
 def route_and_count(
     x: torch.Tensor, router: QTensor, k: int, norm: bool, counts: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route`, and one count per selection into `counts` [E]: one fused kernel on CUDA."""
-    if x.is_cuda:
+    """`route`, and one count per selection into `counts` [E]: one fused kernel on CUDA (not while a routing
+    trace records or replays)."""
+    if x.is_cuda and _trace is None:
         fused = kernels.loaded("fused")
         if fused is not None:
             return fused.route(router.linear(x.float()), k, norm, counts)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.layers.kv_cache import resolve_kv_type
+from engine.layers.moe import RouteTrace, route_trace
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
@@ -68,14 +69,20 @@ GPU_QTYPES = ["F32", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "IQ2_XS"]
 @pytest.mark.parametrize("qtype", GPU_QTYPES)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_cuda_matches_transformers(tmp_path_factory: pytest.TempPathFactory, arch: str, qtype: str) -> None:
-    """On CUDA: float32 compute holds the CPU bounds and greedy tokens; bf16 compute keeps cosine >= 0.999."""
+    """On CUDA: float32 compute holds the CPU bounds and greedy tokens; bf16 compute keeps cosine >= 0.999.
+    The bf16 run takes the float32 run's expert choices (which match transformers', by the float32 bounds): the
+    tiny models' routers have near ties (qwen2moe-IQ4_XS, layer 0, token 12: experts at 0.1832 and 0.1793) that
+    bf16 rounding decides either way, and one flipped choice moves the cosine to 0.996 whatever the arithmetic."""
     path = _tiny(tmp_path_factory, arch, qtype)
     ref_model = hf_model(path)
     ref = hf_logits(ref_model, PROMPT)
+    trace = RouteTrace()
     for dtype, min_cos in (("f32", 0.9999), ("bf16", 0.999)):
         lm = load_model(path, device="cuda", dtype=dtype)
         cache = lm.model.new_cache(64, "f32" if dtype == "f32" else "bf16")
-        ours = lm.model.forward(torch.tensor(PROMPT), cache, 0).cpu()
+        with route_trace(trace if dtype == "f32" else RouteTrace(trace.ids)) as used:
+            ours = lm.model.forward(torch.tensor(PROMPT), cache, 0).cpu()
+        assert used.replaying is False or used.used == len(trace.ids)
         cos = torch.nn.functional.cosine_similarity(ours.flatten(), ref.flatten(), dim=0).item()
         assert cos >= min_cos, f"{dtype}: cosine {cos}"
         if dtype == "f32":

@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from engine.experts.backends import CachedExperts, CpuInPlaceExperts, choose
-from engine.layers.moe import ExpertBiases, ExpertMath, ExpertWeights, HostExperts, reference
+from engine.layers.moe import (
+    ExpertBiases,
+    ExpertMath,
+    ExpertWeights,
+    HostExperts,
+    RouteTrace,
+    reference,
+    route,
+    route_trace,
+)
 from engine.pipeline.loader import load_model
 from engine.testing.tiny_models import write_tiny_model
 
@@ -102,3 +111,54 @@ def test_cached_experts_match_the_reference(tmp_path: Path, qtype: str, slots: i
         got = experts.mix(x.cuda(), w.cuda(), ids.cuda())
         want = reference(x, w, ids, ew)  # the experts' blocks stay in host RAM on CUDA
         _close(got, want, 0.9999, 1e-2)
+
+
+def test_a_routing_trace_records_and_replays_the_choices(tmp_path: Path) -> None:
+    """Recording changes nothing; replaying the record gives the same logits; replaying other choices gives those
+    experts with the router's own weights for them; a trace that does not fit the run is refused by name."""
+    path = write_tiny_model(tmp_path / "q2.gguf", "qwen2moe", "Q8_0")
+    m = load_model(path, device="cpu", dtype="f32").model
+    ids = torch.tensor([1, 17, 42, 99, 150, 7, 300, 12])
+    plain = m.forward(ids, m.new_cache(64, "f32"), 0)
+    with route_trace(RouteTrace()) as rec:
+        recorded = m.forward(ids, m.new_cache(64, "f32"), 0)
+    moe_layers = [i for i, lw in m.layers.items() if lw.experts is not None]
+    assert len(rec.ids) == len(moe_layers) and all(t.shape == (8, 2) for t in rec.ids)
+    assert torch.equal(recorded, plain)
+    with route_trace(RouteTrace(rec.ids)) as rep:
+        assert torch.equal(m.forward(ids, m.new_cache(64, "f32"), 0), plain)
+    assert rep.used == len(rec.ids)
+    other = [(t + 1) % 8 for t in rec.ids]
+    with route_trace(RouteTrace(other)):
+        moved = m.forward(ids, m.new_cache(64, "f32"), 0)
+    assert (moved - plain).abs().max().item() > 1e-3
+
+    i = moe_layers[0]
+    router = m.layers[i].experts.router
+    x = torch.randn(8, router.shape[-1])
+    probs = torch.softmax(router.linear(x), dim=-1)
+    for norm in (False, True):
+        with route_trace(RouteTrace([other[0]])):
+            w, got = route(x, router, 2, norm)
+        want = probs.gather(-1, other[0])
+        assert torch.equal(got, other[0])
+        assert torch.allclose(w, want / want.sum(-1, keepdim=True) if norm else want)
+    with route_trace(RouteTrace([])), pytest.raises(RuntimeError, match="holds 0 calls"):
+        route(x, router, 2, False)
+    with route_trace(RouteTrace([other[0][:3]])), pytest.raises(ValueError, match="replay the same inputs"):
+        route(x, router, 2, False)
+
+
+def test_bf16_follows_float32_when_it_takes_the_same_expert_choices(tmp_path: Path) -> None:
+    """The GPU suite's qwen2moe-IQ4_XS case on the CPU: bf16 compute against float32 compute, bf16 taking
+    float32's expert choices (on the CPU its rounding happens to keep them; on CUDA it flips one)."""
+    path = write_tiny_model(tmp_path / "q2.gguf", "qwen2moe", "IQ4_XS", seed=3)
+    ids = torch.tensor([1, 17, 42, 99, 150, 7, 300, 12, 5, 64, 128, 256, 33, 71, 200, 11, 90, 45, 13, 180])
+    m32 = load_model(path, device="cpu", dtype="f32").model
+    with route_trace(RouteTrace()) as rec:
+        want = m32.forward(ids, m32.new_cache(64, "f32"), 0)
+    m16 = load_model(path, device="cpu", dtype="bf16").model
+    with route_trace(RouteTrace(rec.ids)):
+        got = m16.forward(ids, m16.new_cache(64, "bf16"), 0)
+    cos = torch.nn.functional.cosine_similarity(got.flatten().double(), want.flatten().double(), dim=0).item()
+    assert cos >= 0.999, f"cosine {cos:.6f}"
