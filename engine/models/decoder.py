@@ -4,6 +4,7 @@ Each family's file only turns its metadata into a `ModelConfig`; the differences
 post norms, sliding windows, shared experts, RoPE layout) are flags of that config. A model can be loaded for a
 range of layers only (a pipeline stage), with or without the embedding and the output head."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from engine.layers.norm import rms_norm
 from engine.layers.qtensor import QTensor
 from engine.layers.rope import Rope
 from engine.models import fast_decode
-from engine.models.family_base import FamilyLM, Weights
+from engine.models.family_base import BatchPart, FamilyLM, Weights
 
 
 @dataclass
@@ -172,6 +173,38 @@ class DecoderLM(FamilyLM):
             return fast_decode.layer(self, i, h, cache, pos, span)
         h, q, k, v = self.attn_in(i, h, pos)
         return self.attn_out_ffn(i, h, self.attn_core(i, q, k, v, cache, pos, span, masks))
+
+    def forward_batch(self, parts: Sequence[BatchPart]) -> torch.Tensor:
+        """Several sequences in one step: the rows of every part go through the norms, projections, FFNs and
+        experts together (each weight and each chosen expert read once for all of them), and through attention
+        part by part, each against its own cache. One part alone takes `forward` (its decode graphs)."""
+        if len(parts) == 1 or not (self.has_embed and self.has_head):
+            return super().forward_batch(parts)
+        dev = self.device
+        rows, at = [], 0
+        for p in parts:
+            rows.append((at, at + p.tokens.shape[0]))
+            at += p.tokens.shape[0]
+        pos = torch.cat(
+            [torch.arange(p.start, p.start + (b - a)) for p, (a, b) in zip(parts, rows, strict=True)]
+        )
+        pos = pos.to(dev)
+        spans = [p.start + (b - a) for p, (a, b) in zip(parts, rows, strict=True)]
+        masks = [self.step_masks(pos[a:b], span) for (a, b), span in zip(rows, spans, strict=True)]
+        h = self.embed(torch.cat([p.tokens for p in parts]).to(dev))
+        for i in self.layer_range:
+            h, q, k, v = self.attn_in(i, h, pos)
+            a = torch.cat(
+                [
+                    self.attn_core(i, q[a:b], k[a:b], v[a:b], p.cache, pos[a:b], span, m)
+                    for p, (a, b), span, m in zip(parts, rows, spans, masks, strict=True)
+                ]
+            )
+            h = self.attn_out_ffn(i, h, a)
+        for p, span in zip(parts, spans, strict=True):
+            p.cache.length = span
+        last = torch.tensor([b - 1 for _, b in rows], device=dev)
+        return self.head(h.index_select(0, last))
 
     # A layer in three pieces: the prompt path's CUDA graphs (engine/pipeline/cuda_graphs.py, PromptGraphs) capture
     # the first and the last, which touch neither the KV cache nor the span; the attention between runs eagerly.

@@ -15,6 +15,7 @@ runs it fast is applied from outside by engine.pipeline.loader.prepare: the expe
 CUDA graphs (`graphs`, `prompt_graphs`).
 """
 
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +142,16 @@ class _Unattached(dict):  # type: ignore[type-arg]
             "this model's routed experts are in host RAM and no expert cache is attached: build models with "
             "engine.pipeline.loader.build (or call engine.pipeline.loader.prepare on one)"
         )
+
+
+@dataclass(frozen=True)
+class BatchPart:
+    """One sequence's rows in a step of several sequences: its tokens [T], its own KV cache, the position of its
+    first row. A decode row is a part of one token; a prompt chunk, a part of many."""
+
+    tokens: torch.Tensor
+    cache: KVCache
+    start: int
 
 
 class FamilyLM:
@@ -307,6 +318,12 @@ class FamilyLM:
         """Whether prompt chunks stream routed experts from host RAM into VRAM (an expert cache that misses)."""
         ec = self.expert_cache
         return ec is not None and ec.streams_prompts
+
+    def forward_batch(self, parts: Sequence[BatchPart]) -> torch.Tensor:
+        """Several sequences in one step -> each part's last-row logits [P, V]; each part's cache then holds its
+        start+T positions. Here a forward per part (every family: recurrent state, latent attention); the shared
+        decoder reads the weights once for all the parts (DecoderLM.forward_batch)."""
+        return torch.cat([self.forward(p.tokens, p.cache, p.start, last_only=True) for p in parts])
 
     def forward_span(self, tokens: torch.Tensor, cache: KVCache, start: int, chunk: int) -> torch.Tensor:
         """A prompt span read layer by layer: tokens [T] -> the last row's logits [1, V]. Each layer reads the

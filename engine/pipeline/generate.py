@@ -103,7 +103,7 @@ class GenerationRequest:
     cache_prompt: bool = True  # False: read the whole prompt again (no KV reuse)
 
 
-class _StopMatcher:
+class StopMatcher:
     """Holds back text that might be the start of a stop string; reports a completed one."""
 
     def __init__(self, stops: Sequence[str]) -> None:
@@ -131,6 +131,38 @@ class _StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+def check_prompt(prompt: Sequence[int], max_ctx: int) -> None:
+    """Raise GenerationError for a prompt that cannot be read: empty, or as long as the context."""
+    if not prompt:
+        raise GenerationError("the prompt is empty: give at least one token")
+    if len(prompt) >= max_ctx:
+        raise GenerationError(
+            f"the prompt has {len(prompt)} tokens but the context holds {max_ctx}: "
+            "shorten it or start with a larger --max-context"
+        )
+
+
+def reuse_prefix(
+    cache: KVCache, cached: list[int], prompt: list[int], allow: bool, pc: PromptCache | None
+) -> list[int]:
+    """Make `cache` (holding `cached`) hold the longest prefix of `prompt[:-1]` that it or a sequence kept in `pc`
+    has; -> the tokens it then holds. The last prompt token is always read again, for its logits."""
+    target = prompt[:-1]
+    live = common_prefix(cached, target) if allow else 0
+    if pc is not None:
+        entry, n = pc.lookup(target) if allow else (None, 0)
+        if entry is not None and n > live:
+            # Keep the live sequence before replacing it.
+            snap = pc.snapshot(cached, cache)
+            pc.restore(entry, n, cache)
+            pc.insert(snap)
+            return list(entry.tokens[:n])
+        if live < len(cached):
+            pc.save(cached, cache)
+    cache.truncate(live)
+    return cached[:live]
 
 
 class Runner:
@@ -199,25 +231,8 @@ class Runner:
         self.cached_tokens = []
 
     def _reuse(self, prompt: list[int], allow: bool) -> int:
-        """Make the live cache hold the longest prefix of `prompt[:-1]` that the live sequence or a kept one
-        has; -> its length. The last prompt token is always read again, for its logits."""
-        target = prompt[:-1]
-        live = common_prefix(self.cached_tokens, target) if allow else 0
-        pc = self.prompt_cache
-        if pc is not None:
-            entry, n = pc.lookup(target) if allow else (None, 0)
-            if entry is not None and n > live:
-                # Keep the live sequence before replacing it.
-                snap = pc.snapshot(self.cached_tokens, self.cache)
-                pc.restore(entry, n, self.cache)
-                pc.insert(snap)
-                self.cached_tokens = list(entry.tokens[:n])
-                return n
-            if live < len(self.cached_tokens):
-                pc.save(self.cached_tokens, self.cache)
-        self.cache.truncate(live)
-        self.cached_tokens = self.cached_tokens[:live]
-        return live
+        self.cached_tokens = reuse_prefix(self.cache, self.cached_tokens, prompt, allow, self.prompt_cache)
+        return len(self.cached_tokens)
 
     def _sync(self) -> None:
         dev = self.model.device  # type: ignore[attr-defined]
@@ -227,13 +242,7 @@ class Runner:
     @torch.inference_mode()
     def generate(self, req: GenerationRequest) -> Iterator[Event]:
         prompt = list(req.prompt)
-        if not prompt:
-            raise GenerationError("the prompt is empty: give at least one token")
-        if len(prompt) >= self.max_ctx:
-            raise GenerationError(
-                f"the prompt has {len(prompt)} tokens but the context holds {self.max_ctx}: "
-                "shorten it or start with a larger --max-context"
-            )
+        check_prompt(prompt, self.max_ctx)
         max_new = min(req.max_tokens, self.max_ctx - len(prompt))
         timings = Timings(prompt_tokens=len(prompt))
         common = self._reuse(prompt, req.cache_prompt)
@@ -267,7 +276,7 @@ class Runner:
         history = list(prompt)
         out: list[int] = []
         decoder = self.tok.stream_decoder()
-        stops = _StopMatcher(req.stop)
+        stops = StopMatcher(req.stop)
         eog = set() if req.ignore_eos else set(self.tok.eog_ids)
         finish = "length"
         stopped_by_string = False

@@ -1,0 +1,209 @@
+"""Several sequences in shared steps (engine/pipeline/batch.py) against each served alone by the Runner: the same
+greedy tokens and texts for every architecture, requests joining and leaving mid-run, prompt chunks beside decode
+rows, cancels, prefix reuse per slot, and refusals that consume nothing."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.models.family_base import BatchPart
+from engine.pipeline.batch import BatchRunner
+from engine.pipeline.generate import (
+    DoneEvent,
+    Event,
+    GenerationError,
+    GenerationRequest,
+    PromptChunkEvent,
+    Runner,
+    TextEvent,
+    TokenEvent,
+)
+from engine.pipeline.loader import load_model
+from engine.pipeline.sampling import GREEDY
+from engine.testing.tiny_families import FAMILIES, write_tiny_family
+from engine.testing.tiny_models import ARCHITECTURES, write_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _float_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    # exact products in both runs: the CPU's 8-bit expert kernels take up to 4 rows, so a batch and a request
+    # alone would otherwise round differently
+    monkeypatch.setenv("STRATA_ACTIVATIONS", "float")
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(1, 500, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+
+
+def _alone(lm: object, req: GenerationRequest, max_ctx: int = 256) -> list[Event]:
+    runner = Runner(lm.model, lm.tokenizer, max_ctx, "f32")  # type: ignore[attr-defined]
+    return list(runner.generate(req))
+
+
+def _summary(events: list[Event]) -> tuple[list[int], str, str]:
+    done = [e for e in events if isinstance(e, DoneEvent)]
+    assert len(done) == 1 and events[-1] is done[0]
+    text = "".join(e.text for e in events if isinstance(e, TokenEvent | TextEvent))
+    return done[0].tokens, done[0].finish_reason, text
+
+
+def _run(
+    br: BatchRunner, reqs: list[GenerationRequest], join_at: dict[int, int] | None = None
+) -> list[list[Event]]:
+    """Admit requests (request i at step join_at[i], default 0) as slots free up, FIFO; step until all are done."""
+    join_at = join_at or {}
+    got: list[list[Event]] = [[] for _ in reqs]
+    waiting = list(range(len(reqs)))
+    step = 0
+    while waiting or br.busy:
+        while waiting and br.free and join_at.get(waiting[0], 0) <= step:
+            i = waiting.pop(0)
+            br.admit(reqs[i], got[i].append)
+        br.step()
+        step += 1
+        assert step < 5000
+    return got
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_eight_requests_at_once_give_each_ones_tokens_alone(tmp_path: Path, arch: str) -> None:
+    lm = load_model(
+        write_tiny_model(tmp_path / f"{arch}.gguf", arch, "Q8_0", seed=4), device="cpu", dtype="f32"
+    )
+    reqs = [
+        GenerationRequest(p, max_tokens=4 + 3 * i, sampling=GREEDY, ignore_eos=True)
+        for i, p in enumerate(_prompts(10, seed=1))
+    ]
+    br = BatchRunner(lm.model, lm.tokenizer, 256, "f32", slots=8, step_tokens=24)
+    got = _run(br, reqs, join_at={8: 3, 9: 7})  # two join while others decode (and wait for a free slot)
+    for req, events in zip(reqs, got, strict=True):
+        assert _summary(events) == _summary(_alone(lm, req))
+    assert br.free == 8
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_families_batch_by_sequence(tmp_path: Path, family: str) -> None:
+    lm = load_model(
+        write_tiny_family(tmp_path / f"{family}.gguf", family, qtype="Q8_0", seed=3), "cpu", "f32"
+    )
+    reqs = [GenerationRequest(p, max_tokens=6, sampling=GREEDY, ignore_eos=True) for p in _prompts(3, seed=2)]
+    got = _run(BatchRunner(lm.model, lm.tokenizer, 256, "f32", slots=3), reqs)
+    for req, events in zip(reqs, got, strict=True):
+        assert _summary(events) == _summary(_alone(lm, req))
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> object:
+    path = write_tiny_model(tmp_path_factory.mktemp("b") / "q.gguf", "qwen3moe", "Q8_0", seed=4)
+    return load_model(path, device="cpu", dtype="f32")
+
+
+def test_a_long_prompt_is_read_in_chunks_beside_the_decode_rows(qwen: object) -> None:
+    br = BatchRunner(qwen.model, qwen.tokenizer, 256, "f32", slots=2, step_tokens=16)  # type: ignore[attr-defined]
+    short = GenerationRequest([5, 6, 7], max_tokens=30, sampling=GREEDY, ignore_eos=True)
+    a: list[Event] = []
+    br.admit(short, a.append)
+    br.step()  # the short prompt is read; it decodes from now on
+    long_ = GenerationRequest(list(range(1, 101)), max_tokens=3, sampling=GREEDY, ignore_eos=True)
+    b: list[Event] = []
+    br.admit(long_, b.append)
+    steps = []
+    while not any(isinstance(e, TokenEvent) for e in b):  # until the long prompt is read
+        st = br.step()
+        assert st is not None
+        steps.append(st)
+    # the 100-token prompt took 7 steps of at most 15 prompt tokens, each beside the short request's decode row
+    assert [s.prompt_tokens for s in steps] == [15] * 6 + [10]
+    assert all(s.decode_rows == 1 and s.rows <= 16 for s in steps)
+    chunks = [e for e in b if isinstance(e, PromptChunkEvent)]
+    assert [(c.start, c.tokens) for c in chunks] == [(15 * i, 15) for i in range(6)] + [(90, 10)]
+    while br.busy:
+        br.step()
+    assert _summary(a) == _summary(_alone(qwen, short))
+    assert _summary(b) == _summary(_alone(qwen, long_))
+
+
+def test_a_cancelled_request_frees_its_slot_at_the_next_step(qwen: object) -> None:
+    br = BatchRunner(qwen.model, qwen.tokenizer, 256, "f32", slots=1)  # type: ignore[attr-defined]
+    gone = False
+    events: list[Event] = []
+    br.admit(GenerationRequest([1, 2, 3], max_tokens=50, sampling=GREEDY), events.append, lambda: gone)
+    br.step()
+    br.step()
+    assert br.free == 0
+    gone = True
+    assert br.step() is None and br.free == 1  # nothing left to run
+    assert not any(isinstance(e, DoneEvent) for e in events)
+    other: list[Event] = []
+    br.admit(GenerationRequest([9, 8], max_tokens=2, sampling=GREEDY, ignore_eos=True), other.append)
+    while br.busy:
+        br.step()
+    assert (
+        _summary(other)[0] == _summary(_alone(qwen, GenerationRequest([9, 8], 2, GREEDY, ignore_eos=True)))[0]
+    )
+
+
+def test_a_follow_up_turn_lands_in_the_slot_that_holds_its_prefix(qwen: object) -> None:
+    br = BatchRunner(qwen.model, qwen.tokenizer, 256, "f32", slots=3)  # type: ignore[attr-defined]
+    first = GenerationRequest(list(range(10, 40)), max_tokens=5, sampling=GREEDY, ignore_eos=True)
+    other = GenerationRequest(list(range(50, 60)), max_tokens=5, sampling=GREEDY, ignore_eos=True)
+    got = _run(br, [first, other])
+    turn2 = GenerationRequest([*first.prompt, *_summary(got[0])[0], 7, 8, 9], max_tokens=4, sampling=GREEDY,
+                              ignore_eos=True)  # fmt: skip
+    held = next(s for s in br.slots if s.tokens[:30] == first.prompt)
+    events: list[Event] = []
+    slot = br.admit(turn2, events.append)
+    assert slot is held
+    while br.busy:
+        br.step()
+    done = [e for e in events if isinstance(e, DoneEvent)][0]
+    assert done.timings.prompt_cached == 34  # the first turn's prompt and the 4 tokens it read back
+    assert _summary(events) == _summary(_alone(qwen, turn2))
+
+
+def test_requests_that_cannot_be_read_are_refused_before_they_take_a_slot(qwen: object) -> None:
+    br = BatchRunner(qwen.model, qwen.tokenizer, 32, "f32", slots=1)  # type: ignore[attr-defined]
+    with pytest.raises(GenerationError, match="empty"):
+        br.admit(GenerationRequest([]), print)
+    with pytest.raises(GenerationError, match="--max-context"):
+        br.admit(GenerationRequest(list(range(40))), print)
+    assert br.free == 1
+    br.admit(GenerationRequest([1]), print)
+    with pytest.raises(RuntimeError, match="no free slot"):
+        br.admit(GenerationRequest([2]), print)
+
+
+def test_a_failed_step_tells_each_of_its_requests_and_frees_their_slots(qwen: object) -> None:
+    class Broken:
+        device = torch.device("cpu")
+
+        def new_cache(self, n: int, kv: str) -> object:
+            return qwen.model.new_cache(n, kv)  # type: ignore[attr-defined]
+
+        def forward_batch(self, parts: list[BatchPart]) -> torch.Tensor:
+            raise RuntimeError("out of memory")
+
+    br = BatchRunner(Broken(), qwen.tokenizer, 64, "f32", slots=2)  # type: ignore[attr-defined]
+    failed: list[BaseException] = []
+    for p in ([1, 2], [3, 4, 5]):
+        br.admit(GenerationRequest(p), print, fail=failed.append)
+    assert br.step() is None
+    assert [str(e) for e in failed] == ["out of memory"] * 2 and br.free == 2
+
+
+def test_every_slot_reports_its_state(qwen: object) -> None:
+    br = BatchRunner(qwen.model, qwen.tokenizer, 256, "f32", slots=2, step_tokens=8)  # type: ignore[attr-defined]
+    br.admit(
+        GenerationRequest(list(range(1, 21)), max_tokens=5, sampling=GREEDY, ignore_eos=True), lambda e: None
+    )
+    br.step()
+    assert [s["state"] for s in br.slot_report()] == ["prompt", "idle"]
+    while br.slot_report()[0]["state"] == "prompt":
+        br.step()
+    rep = br.slot_report()[0]
+    assert rep["state"] == "decode" and rep["tokens"] == 20
