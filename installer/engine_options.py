@@ -87,6 +87,7 @@ class EngineOptions:
     api_key: str | None = None
     alias: tuple[str, ...] = ()
     max_queue: int = 64
+    parallel: int | None = None  # None: auto (installer.placement.auto_parallel)
     prompt_cache_mib: int = 2048
     max_body_mib: float = 16.0
     cors: tuple[str, ...] = ()
@@ -293,6 +294,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alias", action="append", help="another model name to answer to (repeatable)")
     p.add_argument(
         "--max-queue", type=int, help=f"requests that may wait for the model (default {D.max_queue})"
+    )
+    p.add_argument(
+        "--parallel",
+        type=int,
+        help="slots: requests decoded together in shared steps, each with its own KV cache of --max-context "
+        "positions (default auto: up to 8, their KV within an eighth of the VRAM left; 4 on the CPU)",
     )
     p.add_argument(
         "--prompt-cache-mib",

@@ -108,6 +108,24 @@ class Geometry:
         return tokens * self.kv_bytes_per_token[layer] + (self.state_bytes[layer] if self.state_bytes else 0)
 
 
+MAX_PARALLEL = 64  # --parallel: slots one server runs at most
+AUTO_PARALLEL = 8  # --parallel left out: at most this many slots on a card
+CPU_PARALLEL = 4  # and on the CPU, where host RAM holds the KV
+
+
+def auto_parallel(slot_kv_bytes: int, free_bytes: int | None) -> tuple[int, str]:
+    """--parallel left out: the slots (requests decoded together) whose KV caches take at most an eighth of the
+    card's free VRAM, 1 to AUTO_PARALLEL (the rest goes to the weights and the expert cache); CPU_PARALLEL where no
+    card runs the model (`free_bytes` None). -> (slots, the reason, for the log)."""
+    if free_bytes is None:
+        return CPU_PARALLEL, f"{CPU_PARALLEL} on the CPU"
+    n = max(1, min(AUTO_PARALLEL, free_bytes // 8 // max(1, slot_kv_bytes)))
+    return int(n), (
+        f"{n} slot(s) of {slot_kv_bytes / GIB:.2f} GiB of KV each, within an eighth of the {free_bytes / GIB:.1f} GiB "
+        "free on the card"
+    )
+
+
 @dataclass(frozen=True)
 class Budget:
     """How much of each card the placement may plan with."""
@@ -116,6 +134,7 @@ class Budget:
     reserve_first: int = DEFAULT_RESERVE_BYTES  # --vram-reserve-mib: headroom on the first card
     reserve_later: int | None = None  # --vram-reserve-later-mib (default: reserve_first)
     overhead: int = DEFAULT_OVERHEAD_BYTES  # CUDA context, activations and prompt buffers per card
+    sequences: int = 1  # --parallel: KV caches of `context` positions each
 
     def reserve(self, stage: int) -> int:
         if stage == 0 or self.reserve_later is None:
@@ -235,7 +254,12 @@ class _Pricer:
         n = g.n_layer
         self.dense = np.concatenate([[0], np.cumsum(g.dense_bytes, dtype=np.int64)])
         self.kv = np.concatenate(
-            [[0], np.cumsum([g.kv_bytes(i, budget.context) for i in range(n)], dtype=np.int64)]
+            [
+                [0],
+                np.cumsum(
+                    [g.kv_bytes(i, budget.context) * budget.sequences for i in range(n)], dtype=np.int64
+                ),
+            ]
         )
         has = [1 if g.expert_bytes[i] else 0 for i in range(n)]
         self.expert_layers = np.concatenate([[0], np.cumsum(has, dtype=np.int64)])

@@ -33,7 +33,7 @@ from engine.pipeline.split import (
 )
 from engine.pipeline.stages import LocalStage, SplitModel
 from engine.tokenizer import Tokenizer
-from installer.placement import PlacementError
+from installer.placement import Card, Geometry, PlacementError, auto_parallel
 
 log = logging.getLogger("strata.engine")
 
@@ -45,12 +45,14 @@ def load_split_model(
     kv: str = "auto",
     dtype: str = "auto",
     profile: np.ndarray | None = None,
+    parallel: int | None = 1,
 ) -> LoadedModel:
     """`engine.pipeline.loader.load_model` with the split options: the plan is checked before any weight is read (a bad
     split fails at once, saying how to fix it) and logged, then each stage loads only its own layers on its device.
     One stage gives the plain `DecoderLM`; several a `SplitModel` (both drive `Runner` alike).
     Without a `profile` given, that of the model file is read (`opts.profile`, else the data dir's; see
-    engine.experts.profile) unless `opts.use_profile` is off."""
+    engine.experts.profile) unless `opts.use_profile` is off. `parallel`: the sequences whose KV the memory plan
+    keeps room for (serve's --parallel; None: installer.placement.auto_parallel); the result's `sequences`."""
     gf = GGUFFile.open(path)
     tok = Tokenizer.from_metadata(gf.metadata)
     cfg = file_config(gf, tok.vocab_size)
@@ -67,7 +69,8 @@ def load_split_model(
     geometry = geometry_from_gguf(gf, cfg, kv_type) if cards else None
     # With a remote stage this PC runs one stage: the plan places it (the rest is the worker's).
     plan_opts = replace(opts, layer_split=None) if opts.remote else opts
-    sp = plan_stages(plan_opts, cfg.n_layer, cards, geometry, max_context, profile)
+    sequences = _sequences(parallel, opts, cards if on_cuda else [], geometry, max_context)
+    sp = plan_stages(plan_opts, cfg.n_layer, cards, geometry, max_context, profile, sequences)
     for line in sp.lines:
         log.info("%s", line)
     if all(d is None for d in sp.devices):
@@ -79,12 +82,40 @@ def load_split_model(
             gf, cfg, sp, dt, ordinals, opts, max_context, kv_type, profile
         )
     else:
-        model = build_model(gf, cfg, sp, dt, ordinals, opts, max_context, kv_type, profile)
+        model = build_model(gf, cfg, sp, dt, ordinals, opts, max_context, kv_type, profile, sequences)
     first = model.stages[0].device if isinstance(model, SplitModel) else model.device
     # the main card current (each stage makes its own current while it runs)
     if first.type == "cuda" and first.index is not None:
         torch.cuda.set_device(first)
-    return loaded(path, gf, cfg, tok, model, opts.cpu_weights_mib, ", ".join(sp.labels), dt)
+    lm = loaded(path, gf, cfg, tok, model, opts.cpu_weights_mib, ", ".join(sp.labels), dt)
+    return replace(lm, sequences=sequences)
+
+
+def _sequences(
+    parallel: int | None, opts: SplitOptions, cards: list[Card], geometry: Geometry | None, context: int
+) -> int:
+    """Serve's --parallel: the slots asked for, or auto's; 1 where stages run apart (one request at a time there)."""
+    split = (
+        opts.remote
+        or opts.layer_split is not None
+        or opts.split_device
+        or (opts.gpus is not None and (opts.gpus == "all" or len(opts.gpus) > 1))
+    )
+    if split:
+        if parallel not in (None, 1):
+            log.info(
+                "--parallel %d: a layer split or a remote stage runs one request at a time for now", parallel
+            )
+        return 1
+    if parallel is not None:
+        return parallel
+    card = next((c for c in cards if opts.gpu is None or c.index == opts.gpu), None)
+    slot_kv = (
+        sum(geometry.kv_bytes(i, context) for i in range(geometry.n_layer)) if geometry is not None else 0
+    )
+    n, why = auto_parallel(slot_kv, card.free_bytes if card is not None else None)
+    log.info("--parallel %d (auto: %s)", n, why)
+    return n
 
 
 def check_remote_options(opts: SplitOptions, n_layer: int) -> None:

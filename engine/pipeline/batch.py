@@ -98,6 +98,7 @@ class BatchRunner:
         slots: int,
         step_tokens: int = 512,
         prompt_cache: PromptCache | None = None,
+        prefill_span: int | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"--parallel {slots}: give at least 1")
@@ -109,6 +110,16 @@ class BatchRunner:
         # Rows one step reads at most: every decoding slot's row, then prompt tokens up to this budget.
         self.step_tokens = max(slots, step_tokens)
         self.prompt_cache = prompt_cache
+        # A slot reading its prompt alone reads spans of several chunks layer by layer where the model streams its
+        # experts for prompt chunks (Runner's prefill_span): each layer's experts cross PCIe once a span.
+        self.span = (
+            prefill_span
+            if prefill_span is not None
+            and prefill_span > self.step_tokens
+            and getattr(model, "layer_major", False)
+            and getattr(model, "streams_experts", False)
+            else None
+        )
         self.slots = [Slot(i, model.new_cache(max_ctx, kv_type)) for i in range(slots)]  # type: ignore[attr-defined]
         self.steps = 0
         self._order: list[
@@ -193,9 +204,22 @@ class BatchRunner:
             budget -= n
         if not parts:
             return None
+        alone = len(plan) == 1 and plan[0][1] > 0 and self.span is not None
+        if alone:  # one prompt and nothing else to run: a span of it, layer by layer
+            slot, r = plan[0][0], plan[0][0].request
+            assert r is not None and self.span is not None
+            n = min(len(r.prompt) - r.read, self.span)
+            parts, plan = (
+                [BatchPart(torch.tensor(r.prompt[r.read : r.read + n]), slot.cache, r.read)],
+                [(slot, n)],
+            )
         t0 = time.perf_counter()
         try:
-            logits = self.model.forward_batch(parts)  # type: ignore[attr-defined]
+            if alone and parts[0].tokens.shape[0] > self.step_tokens:
+                p = parts[0]
+                logits = self.model.forward_span(p.tokens, p.cache, p.start, self.step_tokens)  # type: ignore[attr-defined]
+            else:
+                logits = self.model.forward_batch(parts)  # type: ignore[attr-defined]
             self._sync()
         except Exception as e:  # every request of the step fails; the slots are cleared, the runner goes on
             log.exception("a step of %d sequences failed", len(parts))

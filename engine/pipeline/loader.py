@@ -92,6 +92,7 @@ class LoadedModel:
     model: DecoderLM
     tokenizer: Tokenizer
     chat: ChatFormatter
+    sequences: int = 1  # KV caches the memory was planned for (serve's --parallel)
 
     @property
     def name(self) -> str:

@@ -188,6 +188,7 @@ def plan_stages(
     geometry: Geometry | None = None,
     context: int = 4096,
     profile: np.ndarray | None = None,
+    sequences: int = 1,
 ) -> StagePlan:
     """Which layers run on which device. `cards`: the CUDA cards this PC shows (empty without CUDA).
     `geometry` is needed to price a split on cards (`auto`, and the memory check of a manual split)."""
@@ -205,6 +206,7 @@ def plan_stages(
         context,
         opts.reserve_mib * MIB,
         None if opts.reserve_later_mib is None else opts.reserve_later_mib * MIB,
+        sequences=sequences,
     )
 
     # --gpus: every stage's card.
@@ -392,13 +394,18 @@ def visible_cards() -> list[VisibleCard]:
 
 
 def _policies(
-    sp: StagePlan, geometry: Geometry, context: int, opts: SplitOptions, profile: np.ndarray | None
+    sp: StagePlan,
+    geometry: Geometry,
+    context: int,
+    opts: SplitOptions,
+    profile: np.ndarray | None,
+    sequences: int = 1,
 ) -> list[ExpertPolicy]:
     """Each stage's expert-cache policy: its card's reserve (the first card's or the later cards' setting), its own
     KV still to come, and - for stages sharing a card - room kept for the later stages' weights, KV and work."""
     n = len(sp.ranges)
     prof = torch.as_tensor(profile) if profile is not None else None
-    kv = [sum(geometry.kv_bytes(i, context) for i in r) for r in sp.ranges]
+    kv = [sum(geometry.kv_bytes(i, context) for i in r) * sequences for r in sp.ranges]
     fixed = [sum(geometry.dense_bytes[i] for i in r) + kv[j] for j, r in enumerate(sp.ranges)]
     later = opts.reserve_mib if opts.reserve_later_mib is None else opts.reserve_later_mib
     out = []
@@ -431,6 +438,7 @@ def build_model(
     context: int = 4096,
     kv_type: str = "bf16",
     profile: np.ndarray | None = None,
+    sequences: int = 1,
 ) -> DecoderLM | SplitModel:
     """One `DecoderLM` per stage on its device (each maps and loads only its own layers); one stage is returned
     as the plain model."""
@@ -440,7 +448,7 @@ def build_model(
     def torch_device(d: int | None) -> torch.device:
         return torch.device("cpu") if d is None else torch.device("cuda", ordinals.get(d, d))
 
-    policies = _policies(sp, geometry_from_gguf(gf, cfg, kv_type), context, opts, profile)
+    policies = _policies(sp, geometry_from_gguf(gf, cfg, kv_type), context, opts, profile, sequences)
     if not sp.split:
         return build(gf, cfg, torch_device(sp.devices[0]), dtype, experts=policies[0])
     n = len(sp.ranges)

@@ -17,6 +17,7 @@ from engine.pipeline.split_args import options_from_args
 from engine.serve.app import create_app
 from engine.serve.options import ServeOptions
 from engine.serve.serving import EngineService
+from installer.placement import MAX_PARALLEL
 
 if TYPE_CHECKING:
     from engine.pipeline.split import SplitOptions
@@ -106,6 +107,10 @@ def _serve(args: "EngineOptions") -> int:
         raise ServeError(f"--max-context must be at least 16 positions, not {args.max_context}")
     if args.max_queue < 1:
         raise ServeError(f"--max-queue must be at least 1, not {args.max_queue}")
+    if args.parallel is not None and not 1 <= args.parallel <= MAX_PARALLEL:
+        raise ServeError(
+            f"--parallel must be 1..{MAX_PARALLEL} slots (or left out: auto), not {args.parallel}"
+        )
     if args.prompt_cache_mib < 0:
         raise ServeError(f"--prompt-cache-mib must be 0 (off) or more, not {args.prompt_cache_mib}")
     if args.threads < 0:
@@ -135,6 +140,7 @@ def _serve(args: "EngineOptions") -> int:
         prefill=_prefill(str(args.prefill)),
         prompt_cache_mib=args.prompt_cache_mib,
         max_queue=args.max_queue,
+        parallel=args.parallel,
         aliases=tuple(args.alias),
         api_key=api_key,
         max_body_bytes=int(args.max_body_mib * (1 << 20)),

@@ -33,6 +33,7 @@ class Job:
     created: float = field(default_factory=time.perf_counter)
     started: float | None = None
     generated: int = 0
+    finished: bool = False  # its answer or error was pushed (the worker's view)
     _items: list[tuple[Any, ...]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)

@@ -4,12 +4,14 @@ times, the expert caches; the queue, the requests, the tokens, the prompt cache)
 from typing import TYPE_CHECKING
 
 from engine.telemetry.prometheus import Family, render, summary
-from engine.telemetry.stats import Telemetry
+from engine.telemetry.stats import RunningStat, Telemetry
 from installer.version import __version__
 
 if TYPE_CHECKING:
+    from engine.pipeline.batch import BatchRunner
     from engine.pipeline.generate import Runner
     from engine.pipeline.loader import LoadedModel
+    from engine.pipeline.prompt_cache import PromptCache
     from engine.serve.jobs import Job
 
 
@@ -19,6 +21,10 @@ class Metrics:
     status: str
     lm: "LoadedModel | None"
     runner: "Runner | None"
+    batch: "BatchRunner | None"
+    running: "list[Job]"
+    rows: RunningStat
+    prompt_cache: "PromptCache | None"
     model_name: str
     telemetry: Telemetry
     active: "Job | None"
@@ -26,6 +32,11 @@ class Metrics:
     @property
     def waiting(self) -> int:
         raise NotImplementedError
+
+    @property
+    def generating(self) -> int:
+        """Requests being generated: those in the slots, or the one request."""
+        return len(self.running) if self.batch is not None else (1 if self.active is not None else 0)
 
     def links(self) -> list[tuple[str, str]]:
         raise NotImplementedError
@@ -78,10 +89,16 @@ class Metrics:
             Family("strata_queue_waiting", "gauge", "Requests waiting for the model.").add(self.waiting)
         )
         fams.append(
-            Family("strata_requests_active", "gauge", "Requests being generated (0 or 1).").add(
-                1 if self.active is not None else 0
-            )
+            Family("strata_requests_active", "gauge", "Requests being generated.").add(self.generating)
         )
+        if self.batch is not None:
+            fams.append(Family("strata_slots", "gauge", "Slots requests are decoded in together.").add(
+                len(self.batch.slots)))  # fmt: skip
+            fams.append(Family("strata_slots_busy", "gauge", "Slots holding a request.").add(self.batch.busy))
+            r = self.rows
+            fams.append(
+                summary("strata_step_rows", "Token rows of one shared step.", [({}, r.count, r.total)])
+            )
         stages = snap["stages"]
         fams.append(
             summary(
@@ -144,7 +161,7 @@ class Metrics:
             for layer, row in enumerate(counts):
                 sel.add(sum(row), {"layer": layer})
             fams.append(sel)
-        pc = self.runner.prompt_cache if self.runner is not None else None
+        pc = self.prompt_cache
         if pc is not None:
             s = pc.stats()
             fams.append(

@@ -30,6 +30,9 @@ class ServeOptions:
     prefill: int | None = None  # prompt chunk in tokens; None: --prefill auto (split.prefill_chunk)
     prompt_cache_mib: int = D.prompt_cache_mib
     max_queue: int = D.max_queue
+    parallel: int | None = (
+        D.parallel
+    )  # slots decoded together; None: auto (installer.placement.auto_parallel)
     aliases: tuple[str, ...] = ()
     api_key: str | None = None
     max_body_bytes: int = int(D.max_body_mib * (1 << 20))

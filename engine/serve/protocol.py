@@ -543,6 +543,22 @@ class ExpertsStats(_Status):
     counts: list[list[int]] | None = None  # with ?experts=full
 
 
+class SlotStats(_Status):
+    index: int
+    state: Literal["idle", "prompt", "decode"]
+    tokens: int  # what its KV cache holds
+    tokens_per_second: float  # the request it holds, since its first token
+
+
+class SlotsStats(_Status):
+    """--parallel: the slots requests are decoded in together (engine/pipeline/batch.py)."""
+
+    total: int
+    busy: int
+    rows_per_step: Series  # token rows per shared step
+    slots: list[SlotStats]
+
+
 class Stats(_Status):
     status: ServerStatus
     error: str | None
@@ -564,6 +580,7 @@ class Stats(_Status):
     n_layer: int | None = None
     prompt_cache: PromptCacheStats | None = None
     experts: ExpertsStats | None = None
+    slots: SlotsStats | None = None
 
 
 class _StageEvent(_Status):
@@ -579,11 +596,13 @@ class _StageEvent(_Status):
     wait_ms: float | None = None
     transfer_ms: float | None = None
     tokens: int | None = None  # rows of a decode step (verify windows: more than one)
+    rows: int | None = None  # --parallel: the step's token rows (every slot's decode row and prompt tokens)
+    slots: int | None = None  # --parallel: slots holding a request during the step
 
 
 class StepEvent(_StageEvent):
     type: Literal["step"]
-    index: int | None = None  # the step's index in its request
+    index: int | None = None  # the step's index in its request; with --parallel, in the server's shared steps
 
 
 class PromptChunkEvent(_StageEvent):

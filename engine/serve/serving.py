@@ -1,5 +1,6 @@
-"""The server's logic: the model loaded in the background, one FIFO queue, one worker thread that runs one
-generation at a time on the model, and the OpenAI responses (whole or streamed) built from its events.
+"""The server's logic: the model loaded in the background, one FIFO queue, one worker thread that runs the model
+(several requests at once in shared steps with --parallel N, engine/pipeline/batch.py; else one at a time), and
+the OpenAI responses (whole or streamed) built from its events.
 
 The event loop never waits on the model: requests are tokenized in a thread, the worker pushes what it produces to
 each request's asyncio queue, and a request whose client went away is taken out of the queue or stopped between
@@ -21,8 +22,10 @@ from engine.experts.profile import ProfileRecorder, model_counts, profile_locati
 from engine.layers.kv_cache import resolve_kv_type
 from engine.link.client import StageError
 from engine.link.startup import load_split_model
+from engine.pipeline.batch import BatchRunner
 from engine.pipeline.generate import (
     DoneEvent,
+    Event,
     GenerationError,
     PromptChunkEvent,
     Runner,
@@ -78,6 +81,11 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
         self.error: str | None = None
         self.lm: LoadedModel | None = None
         self.runner: Runner | None = None
+        self.batch: BatchRunner | None = None  # --parallel N > 1: the slots
+        self.running: list[Job] = []  # the requests in the slots, oldest first
+        self._outputs: dict[str, _JobOutput] = {}  # by job id: what the slots' requests produced so far
+        self.rows = RunningStat()  # token rows per shared step
+        self.prompt_cache: PromptCache | None = None
         self.kv_type: str | None = None
         self.model_name = model_id(opts.model.name) if opts.model else self._default_name()
         self.model_created = now()
@@ -130,7 +138,7 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                 self._stage_errors = (StageError,)
             # The plan is checked before any weight is read; a remote stage is connected and checked before this
             # returns (a worker that is not up makes the load fail, with its address, on /health).
-            lm = loaded = load_split_model(path, split, o.max_context, o.kv, o.dtype)
+            lm = loaded = load_split_model(path, split, o.max_context, o.kv, o.dtype, parallel=o.parallel)
             kv = resolve_kv_type(o.kv, lm.model.dtype)
             if o.max_context > lm.config.n_ctx_train:
                 log.warning(
@@ -151,10 +159,24 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                 chunk = o.prefill
             spec = SpecConfig.from_flags(o.spec, o.suffix_draft, o.mtp, o.pipeline_windows)
             span = prefill_span(lm.model, chunk, o.max_context, kv, split.vram_budget_mib, split.reserve_mib)
-            runner = Runner(
-                lm.model, lm.tokenizer, o.max_context, kv, chunk, cache, spec=spec, prefill_span=span
+            slots = lm.sequences
+            if slots > 1 and spec.n > 0:
+                log.info("--parallel %d: verify windows (--spec) run one request at a time: 1 slot", slots)
+                slots = 1
+            if slots > 1 and not hasattr(lm.model, "forward_batch"):
+                log.info("--parallel %d: a layer split runs one request at a time for now: 1 slot", slots)
+                slots = 1
+            batch = (
+                BatchRunner(lm.model, lm.tokenizer, o.max_context, kv, slots, chunk, cache, prefill_span=span)
+                if slots > 1
+                else None
             )
-            slots = stage_layout(lm.model, lm.config.n_layer)
+            runner = (
+                Runner(lm.model, lm.tokenizer, o.max_context, kv, chunk, cache, spec=spec, prefill_span=span)
+                if batch is None
+                else None
+            )
+            layout = stage_layout(lm.model, lm.config.n_layer)
             recorder = _profile_recorder(lm, split, o.profile_every_s)
         except Exception as e:  # the server stays up and says why on /health
             self.error = " ".join(str(e).split()) or type(e).__name__
@@ -164,24 +186,33 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
             if close is not None:  # a remote link that was opened
                 close()
             return
-        self.stage_slots = slots
+        self.stage_slots = layout
         if hasattr(lm.model, "stage_report"):
-            self.stage_times = StageTimes(slots)
-        self.telemetry.stages = [StageStats(RunningStat(), RunningStat()) for _ in slots]
-        self.lm, self.runner, self.kv_type = lm, runner, kv
+            self.stage_times = StageTimes(layout)
+        self.telemetry.stages = [StageStats(RunningStat(), RunningStat()) for _ in layout]
+        self.lm, self.runner, self.batch, self.kv_type = lm, runner, batch, kv
+        self.prompt_cache = cache
         self.profile = recorder
         self.model_name = model_id(lm.path.name)
         self.model_created = int(lm.path.stat().st_mtime)
         self._worker = threading.Thread(target=self._work, name="strata-generate", daemon=True)
         self._worker.start()
         self.status = "ready"
-        log.info("model %s ready in %.1f s", self.model_name, time.perf_counter() - t0)
+        log.info(
+            "model %s ready in %.1f s (%d slot%s)",
+            self.model_name,
+            time.perf_counter() - t0,
+            1 if batch is None else len(batch.slots),
+            "" if batch is None else "s: requests are decoded together",
+        )
 
     def stop(self) -> None:
         """Shutting down: end every request (their clients get a 503 error) and let the worker finish."""
         with self._cv:
             self._stopping = True
-            jobs = [*self._waiting, *([self.active] if self.active is not None else [])]
+            jobs = [*self._waiting, *self.running]
+            if self.active is not None and self.active not in jobs:
+                jobs.append(self.active)
             self._waiting.clear()
             self._cv.notify_all()
         for job in jobs:
@@ -268,7 +299,10 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
 
     def _work(self) -> None:
         try:
-            self._serve_queue()
+            if self.batch is not None:
+                self._serve_slots(self.batch)
+            else:
+                self._serve_queue()
         finally:  # the links to remote stages are used by this thread only: closed here too
             close = getattr(self.lm.model, "close", None) if self.lm is not None else None
             if close is not None:
@@ -296,43 +330,20 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
         if job.cancelled.is_set():  # the client left between the queue and here
             self.telemetry.request_done(job.endpoint, "cancelled")
             return
-        job.started = time.perf_counter()
-        queued_ms = (job.started - job.created) * 1e3
-        tel = self.telemetry
-        parts: list[str] = []
-        done: DoneEvent | None = None
+        out = _JobOutput(self, job)
         gen = self.runner.generate(job.req)
         try:
             for ev in gen:
                 if job.cancelled.is_set():
                     break
-                if isinstance(ev, TokenEvent):
-                    job.generated += 1
-                    if ev.text:
-                        if job.stream:
-                            job.push("text", ev.text)
-                        else:
-                            parts.append(ev.text)
-                elif isinstance(ev, StepEvent):
-                    self._record("step", ev.ms, ev.index, {"tokens": ev.tokens})
-                elif isinstance(ev, PromptChunkEvent):
-                    self._record("prompt_chunk", ev.ms, ev.start, {}, ev.tokens)
-                elif isinstance(ev, TextEvent):
-                    if ev.text:
-                        if job.stream:
-                            job.push("text", ev.text)
-                        else:
-                            parts.append(ev.text)
-                elif isinstance(ev, DoneEvent):
-                    done = ev
+                out.event(ev)
         except GenerationError as e:
-            tel.request_done(job.endpoint, "error")
-            job.push("error", APIError(400, str(e), code="invalid_request"))
+            out.refused(e)
             return
         except self._stage_errors as e:  # a worker stopped, froze or was cut off: the next request reconnects
             log.error("request %s failed: %s", job.id, e)
             self.runner.reset()
-            tel.request_done(job.endpoint, "error")
+            self.telemetry.request_done(job.endpoint, "error")
             job.push(
                 "error",
                 APIError(
@@ -346,22 +357,75 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
         except Exception as e:
             log.exception("generation of request %s failed", job.id)
             self.runner.reset()
-            tel.request_done(job.endpoint, "error")
-            job.push(
-                "error",
-                APIError(500, f"the generation failed: {type(e).__name__}: {e}", code="generation_failed"),
-            )
+            out.failed(e)
             return
         finally:
             gen.close()
             self._snapshot_experts()
             if self.profile is not None:
                 self.profile.tick()
-        if done is None:  # stopped by cancel()
-            tel.request_done(job.endpoint, "cancelled")
+        if out.done is None:  # stopped by cancel()
+            self.telemetry.request_done(job.endpoint, "cancelled")
+        else:
+            out.answer()
+
+    def _serve_slots(self, batch: BatchRunner) -> None:
+        """--parallel N: each step admits waiting requests to free slots (first come, first served) and runs one
+        forward over every busy slot; a request whose client left leaves its slot at the next step."""
+        while True:
+            with self._cv:
+                while not self._waiting and not batch.busy and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                admit = []
+                while self._waiting and len(admit) < batch.free:
+                    admit.append(self._waiting.popleft())
+            for job in admit:
+                self._admit(batch, job)
+            try:
+                st = batch.step()
+            except Exception:  # never let a step end the worker
+                log.exception("a step failed")
+                st = None
+            ended = [j for j in self.running if j.cancelled.is_set() or j.finished]
+            with self._cv:
+                self.running = [j for j in self.running if j not in ended]
+                self.active = self.running[0] if self.running else None
+            if st is not None:
+                self.rows.add(st.rows)
+                extra = {"tokens": st.decode_rows, "rows": st.rows, "slots": st.busy}
+                if st.decode_rows:
+                    self._record("step", st.ms, st.index, extra)
+                else:
+                    self._record(
+                        "prompt_chunk", st.ms, st.index, {"rows": st.rows, "slots": st.busy}, st.rows
+                    )
+            if ended:
+                self._snapshot_experts()
+                if self.profile is not None:
+                    self.profile.tick()
+            for job in ended:
+                out = self._outputs.pop(job.id)
+                if out.done is not None and not job.cancelled.is_set():
+                    out.answer()
+                elif not job.finished:  # its client left while it ran: its slot is free again
+                    self.telemetry.request_done(job.endpoint, "cancelled")
+
+    def _admit(self, batch: BatchRunner, job: Job) -> None:
+        if job.cancelled.is_set():
+            self.telemetry.request_done(job.endpoint, "cancelled")
             return
-        tel.request_done(job.endpoint, "ok", timings_dict(done.timings, queued_ms))
-        job.push("done", Result("".join(parts), done, queued_ms))
+        out = _JobOutput(self, job)
+        try:
+            batch.admit(job.req, out.event, job.cancelled.is_set, out.failed)
+        except GenerationError as e:
+            out.refused(e)
+            return
+        self._outputs[job.id] = out
+        with self._cv:
+            self.running.append(job)
+            self.active = self.running[0]
 
     def _record(self, kind: str, ms: float, at: int, extra: dict[str, Any], tokens: int = 0) -> None:
         """One decode step (`at`: its index) or prompt chunk (`at`: its first position) into the telemetry: the
@@ -400,3 +464,58 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                 log.warning("an /events event does not match engine/serve/protocol.py and is left out: %s", e)
             return
         self.hub.publish(typed.model_dump(mode="json", exclude_none=True))
+
+
+class _JobOutput:
+    """What one request's generation events become: its text (streamed or kept for the whole answer), the step
+    and prompt-chunk telemetry of a request served alone, and at the end its answer or error."""
+
+    def __init__(self, service: EngineService, job: Job) -> None:
+        self.service, self.job = service, job
+        job.started = time.perf_counter()
+        self.queued_ms = (job.started - job.created) * 1e3
+        self.parts: list[str] = []
+        self.done: DoneEvent | None = None
+
+    def _text(self, text: str) -> None:
+        if text:
+            if self.job.stream:
+                self.job.push("text", text)
+            else:
+                self.parts.append(text)
+
+    def event(self, ev: Event) -> None:
+        job, svc = self.job, self.service
+        if isinstance(ev, TokenEvent):
+            job.generated += 1
+            self._text(ev.text)
+        elif isinstance(ev, TextEvent):
+            self._text(ev.text)
+        elif isinstance(ev, StepEvent):
+            svc._record("step", ev.ms, ev.index, {"tokens": ev.tokens})
+        elif isinstance(ev, PromptChunkEvent):
+            if svc.batch is None:  # shared steps are recorded once, by the worker
+                svc._record("prompt_chunk", ev.ms, ev.start, {}, ev.tokens)
+        elif isinstance(ev, DoneEvent):
+            self.done, job.finished = ev, True
+
+    def answer(self) -> None:
+        """After the done event (and after the usage profile took the request's counts): the whole answer, or the
+        end of the stream."""
+        assert self.done is not None
+        svc, job = self.service, self.job
+        svc.telemetry.request_done(job.endpoint, "ok", timings_dict(self.done.timings, self.queued_ms))
+        job.push("done", Result("".join(self.parts), self.done, self.queued_ms))
+
+    def refused(self, e: GenerationError) -> None:
+        self.job.finished = True
+        self.service.telemetry.request_done(self.job.endpoint, "error")
+        self.job.push("error", APIError(400, str(e), code="invalid_request"))
+
+    def failed(self, e: BaseException) -> None:
+        self.job.finished = True
+        self.service.telemetry.request_done(self.job.endpoint, "error")
+        self.job.push(
+            "error",
+            APIError(500, f"the generation failed: {type(e).__name__}: {e}", code="generation_failed"),
+        )

@@ -8,12 +8,14 @@ from typing import TYPE_CHECKING, Any
 from engine.serve.options import ServeOptions
 from engine.serve.protocol import Health, Stats
 from engine.telemetry.events import EventHub
-from engine.telemetry.stats import Telemetry
+from engine.telemetry.stats import RunningStat, Telemetry
 from installer.version import __version__
 
 if TYPE_CHECKING:
+    from engine.pipeline.batch import BatchRunner
     from engine.pipeline.generate import Runner
     from engine.pipeline.loader import LoadedModel
+    from engine.pipeline.prompt_cache import PromptCache
     from engine.serve.jobs import Job
     from engine.serve.stages import StageSlot, StageTimes
 
@@ -25,6 +27,10 @@ class Status:
     error: str | None
     lm: "LoadedModel | None"
     runner: "Runner | None"
+    batch: "BatchRunner | None"
+    running: "list[Job]"
+    rows: RunningStat
+    prompt_cache: "PromptCache | None"
     opts: ServeOptions
     model_name: str
     model_created: int
@@ -38,6 +44,11 @@ class Status:
     @property
     def waiting(self) -> int:
         raise NotImplementedError
+
+    @property
+    def generating(self) -> int:
+        """Requests being generated: those in the slots, or the one request."""
+        return len(self.running) if self.batch is not None else (1 if self.active is not None else 0)
 
     def _snapshot_experts(self) -> None:
         counts = self.lm.model.expert_counts if self.lm is not None else None
@@ -76,7 +87,7 @@ class Status:
             "status": status,
             "model": self.model_name,
             "error": error,
-            "queue": {"waiting": self.waiting, "active": 1 if self.active is not None else 0},
+            "queue": {"waiting": self.waiting, "active": self.generating},
         }
         links = self.links()
         if links:
@@ -121,7 +132,7 @@ class Status:
             "uptime_s": snap["uptime_s"],
             "queue": {
                 "waiting": self.waiting,
-                "active": 1 if active is not None else 0,
+                "active": self.generating,
                 "max": self.opts.max_queue,
                 "active_request": (
                     {
@@ -163,7 +174,7 @@ class Status:
                 # step_ms and prompt_chunk_ms are the stage's own compute; its waiting and transfer come apart.
                 st.update(self.stage_times.link_stats(slot.index))
         out["stages"] = snap["stages"]
-        pc = self.runner.prompt_cache if self.runner is not None else None
+        pc = self.prompt_cache
         if pc is not None:
             s = pc.stats()
             out["prompt_cache"] = dataclasses.asdict(
@@ -171,6 +182,17 @@ class Status:
             )  # the wire model (protocol.PromptCacheStats) checks it
         else:
             out["prompt_cache"] = None
+        b = self.batch
+        out["slots"] = (
+            {
+                "total": len(b.slots),
+                "busy": b.busy,
+                "rows_per_step": self.rows.to_dict(),
+                "slots": b.slot_report(),
+            }
+            if b is not None
+            else None
+        )
         if c.is_moe:
             routed = c.n_layer * c.n_expert
             per_layer = [sum(r) for r in counts] if counts else [0] * c.n_layer

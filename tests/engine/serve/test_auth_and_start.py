@@ -138,7 +138,9 @@ def test_shutdown_ends_streams_and_queue(tiny_model: Path) -> None:
     import threading
     import time
 
-    srv = start_server(tiny_model, "--threads", "1", key=None)
+    srv = start_server(
+        tiny_model, "--threads", "1", "--parallel", "1", key=None
+    )  # one slot: the second waits
     got: dict[str, str] = {}
 
     def events() -> None:

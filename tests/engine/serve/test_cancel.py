@@ -91,15 +91,20 @@ def test_disconnect_while_waiting_for_whole_answer(server: ServerProc) -> None:
 def test_disconnect_while_queued(server: ServerProc) -> None:
     """A queued request whose client left is dropped at once, and the one running is not disturbed."""
     before = _cancelled(server)
-    result: dict[str, Any] = {}
+    result: dict[int, Any] = {}
+    slots = (server.get("/stats").json()["slots"] or {"total": 1})["total"]
 
-    def holder() -> None:
-        body = {"prompt": "The first request", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
-        result["r"] = server.post("/v1/completions", body)
+    def holder(i: int) -> None:
+        body = {"prompt": f"The first request {i}", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+        result[i] = server.post("/v1/completions", body)
 
-    t = threading.Thread(target=holder)
-    t.start()
-    _wait_active(server)
+    holders = [threading.Thread(target=holder, args=(i,)) for i in range(slots)]  # every slot busy
+    for t in holders:
+        t.start()
+    deadline = time.monotonic() + 30
+    while _queue(server)["active"] < slots:
+        assert time.monotonic() < deadline, "the slots never filled"
+        time.sleep(0.005)
     s = _raw_post(server, "/v1/completions", b'{"prompt": "The second request", "max_tokens": 5}')
     deadline = time.monotonic() + 10
     while _queue(server)["waiting"] != 1:
@@ -110,9 +115,10 @@ def test_disconnect_while_queued(server: ServerProc) -> None:
     while _queue(server)["waiting"] != 0:
         assert time.perf_counter() - t0 < 1.0, "the queued request stayed after its client left"
         time.sleep(0.005)
-    t.join(60)
-    r = result["r"]
-    assert r.status_code == 200
-    assert r.json()["usage"]["completion_tokens"] == 200
+    for t in holders:
+        t.join(60)
+    for r in result.values():
+        assert r.status_code == 200
+        assert r.json()["usage"]["completion_tokens"] == 200
     assert _cancelled(server) == before + 1
     _idle_after(server, time.perf_counter())
