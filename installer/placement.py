@@ -115,7 +115,7 @@ CPU_PARALLEL = 4  # and on the CPU, where host RAM holds the KV
 
 def auto_parallel(slot_kv_bytes: int, free_bytes: int | None) -> tuple[int, str]:
     """--parallel left out: the slots (requests decoded together) whose KV caches take at most an eighth of the
-    card's free VRAM, 1 to AUTO_PARALLEL (the rest goes to the weights and the expert cache); CPU_PARALLEL where no
+    card's free VRAM (or of --vram-budget-mib), 1 to AUTO_PARALLEL (the rest goes to the weights and the expert cache); CPU_PARALLEL where no
     card runs the model (`free_bytes` None). -> (slots, the reason, for the log)."""
     if free_bytes is None:
         return CPU_PARALLEL, f"{CPU_PARALLEL} on the CPU"

@@ -113,7 +113,10 @@ def _sequences(
     slot_kv = (
         sum(geometry.kv_bytes(i, context) for i in range(geometry.n_layer)) if geometry is not None else 0
     )
-    n, why = auto_parallel(slot_kv, card.free_bytes if card is not None else None)
+    free = card.free_bytes if card is not None else None
+    if free is not None and opts.vram_budget_mib is not None:  # the budget is the card as far as the plan goes
+        free = min(free, opts.vram_budget_mib << 20)
+    n, why = auto_parallel(slot_kv, free)
     log.info("--parallel %d (auto: %s)", n, why)
     return n
 

@@ -1,0 +1,152 @@
+"""Several clients at once through HTTP, as users send them: aggregate decode and latency per client count.
+
+Each of C clients sends R requests one after another (distinct prompts, `--tokens` each, greedy, end of text
+ignored), all C at once; the aggregate is every completion token over the wall time from the first request to the
+last answer. The same client measures our server (started here: `strata-engine serve` with `--serve-args`) or any
+OpenAI-style server already running (`--url`, e.g. llama-server), so that the two are compared with one client.
+
+    python bench/serve_clients.py [--model F] [--clients 1,2,4,8] [--tokens 64] [--requests 2]
+                                  [--serve-args "--parallel 4 --threads 2"] [--out bench/results/serve-clients.json]
+    python bench/serve_clients.py --url http://127.0.0.1:8090 --clients 1,8 --out llama-server.json
+Without --model or --url the embedded default model is served.
+"""
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from installer.default_model import default_model_path
+
+TOPICS = [
+    "rivers", "glaciers", "volcanoes", "deserts", "forests", "oceans", "mountains", "islands", "caves", "storms",
+    "harbors", "bridges", "castles", "gardens", "markets", "railways", "lighthouses", "libraries", "farms", "mills",
+]  # fmt: skip
+
+
+def start_server(model: Path, args: list[str]) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", str(model), "--port", "0", *args]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "listening on http://" in line:
+            url = line.split("listening on ", 1)[1].split()[0]
+            break
+    else:
+        raise SystemExit("the server did not start")
+    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
+    deadline = time.monotonic() + 600
+    while httpx.get(url + "/health", timeout=10).json()["status"] == "loading":
+        if time.monotonic() > deadline:
+            raise SystemExit("the model did not load within 10 minutes")
+        time.sleep(0.2)
+    return proc, url
+
+
+def ask(client: httpx.Client, prompt: str, tokens: int) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    r = client.post("/v1/completions", json=body)
+    r.raise_for_status()
+    j = r.json()
+    return {"latency_s": time.perf_counter() - t0, "tokens": j["usage"]["completion_tokens"]}
+
+
+def round_of(url: str, clients: int, requests: int, tokens: int, offset: int) -> dict[str, Any]:
+    results: list[dict[str, Any]] = []
+    errors: list[str] = []
+    start = threading.Barrier(clients + 1)
+
+    def client(k: int) -> None:
+        with httpx.Client(base_url=url, timeout=600) as c:
+            start.wait()
+            for i in range(requests):
+                topic = TOPICS[(offset + k * requests + i) % len(TOPICS)]
+                try:
+                    results.append(
+                        ask(c, f"Request {offset + k * requests + i}: a short essay about {topic}.", tokens)
+                    )
+                except Exception as e:  # counted and reported
+                    errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    total = sum(r["tokens"] for r in results)
+    lat = [r["latency_s"] for r in results]
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "errors": errors,
+        "completion_tokens": total,
+        "wall_s": round(wall, 3),
+        "aggregate_tok_s": round(total / wall, 2),
+        "latency_median_s": round(statistics.median(lat), 3) if lat else None,
+        "latency_max_s": round(max(lat), 3) if lat else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--url", help="measure this running server instead of starting ours")
+    ap.add_argument("--serve-args", default="", help="flags for strata-engine serve (one string)")
+    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    proc = None
+    url = a.url
+    if url is None:
+        model = a.model or default_model_path()
+        proc, url = start_server(model, shlex.split(a.serve_args))
+    try:
+        with httpx.Client(base_url=url, timeout=600) as c:
+            ask(c, "A warm-up request.", 8)
+            stats = c.get("/stats").json() if a.url is None else None
+        rounds = []
+        for n, clients in enumerate(int(x) for x in a.clients.split(",")):
+            r = round_of(url, clients, a.requests, a.tokens, offset=100 * n)
+            rounds.append(r)
+            print(json.dumps(r), flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    one = next((r["aggregate_tok_s"] for r in rounds if r["clients"] == 1), None)
+    out = {
+        "what": "bench/serve_clients.py: C clients at once through HTTP, each sending requests one after another",
+        "server": url if a.url else f"strata-engine serve {a.serve_args}".strip(),
+        "model": str(a.model or ("(the server's)" if a.url else default_model_path())),
+        "slots": (stats or {}).get("slots", {}) and stats["slots"]["total"],  # type: ignore[index]
+        "tokens": a.tokens,
+        "machine": {"cpu_count": __import__("os").cpu_count(), "platform": platform.platform()},
+        "rounds": rounds,
+        "over_one_client": {str(r["clients"]): round(r["aggregate_tok_s"] / one, 3) for r in rounds}
+        if one
+        else None,
+    }
+    if a.out:
+        a.out.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out["over_one_client"]))
+
+
+if __name__ == "__main__":
+    main()
