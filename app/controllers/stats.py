@@ -116,3 +116,25 @@ def queue_text(stats: dict[str, Any]) -> str:
     if isinstance(q, dict):
         return ", ".join(f"{k} {v}" for k, v in q.items() if isinstance(v, int | float) and k != "max") or "–"
     return f"{q} waiting" if q is not None else "–"
+
+
+def slots_text(stats: dict[str, Any]) -> str:
+    """--parallel: '2 of 4 busy, 3.5 rows a step (1 reading a prompt)'; '1 (one request at a time)' without slots."""
+    sl = stats.get("slots")
+    if not isinstance(sl, dict):
+        return "1 (one request at a time)" if stats.get("status") == "ready" else "–"
+    total, busy = sl.get("total"), sl.get("busy")
+    text = f"{busy} of {total} busy"
+    rows = sl.get("rows_per_step")
+    mean = rows.get("recent") if isinstance(rows, dict) else None
+    if isinstance(mean, int | float) and busy:
+        text += f", {mean:.1f} rows a step"
+    each = sl.get("slots")
+    reading = (
+        sum(1 for x in each if isinstance(x, dict) and x.get("state") == "prompt")
+        if isinstance(each, list)
+        else 0
+    )
+    if reading:
+        text += f" ({reading} reading a prompt)"
+    return text

@@ -16,7 +16,15 @@ from PySide6.QtWidgets import (
 )
 
 from app.controllers.engine import EngineController
-from app.controllers.stats import StageView, experts_held, last_timings, queue_text, runs_on, stage_views
+from app.controllers.stats import (
+    StageView,
+    experts_held,
+    last_timings,
+    queue_text,
+    runs_on,
+    slots_text,
+    stage_views,
+)
 from app.ui.split_picture import Segment, SplitPicture
 
 SPLIT_COLUMNS = ("Stage", "PC", "Device", "Layers", "Experts in VRAM", "Cache hits", "Step")
@@ -66,10 +74,15 @@ class EnginePage(QWidget):
         self.model_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.device_label = QLabel("–")
         self.queue_label = QLabel("–")
+        self.slots_label = QLabel("–")
+        self.slots_label.setToolTip(
+            "Requests decoded together in shared steps (strata-engine serve --parallel N); each slot has its own KV cache"
+        )
         self.totals_label = QLabel("–")
         form.addRow("Model:", self.model_label)
         form.addRow("Runs on:", self.device_label)
         form.addRow("Requests:", self.queue_label)
+        form.addRow("Slots:", self.slots_label)
         form.addRow("Last answer:", self.totals_label)
 
         split = QGroupBox("Split plan: which layers run where")
@@ -121,7 +134,7 @@ class EnginePage(QWidget):
 
     def _on_state(self, state: str) -> None:
         if state in ("starting", "stopped", "crashed"):  # a new process or none: the old numbers are gone
-            for label in (self.device_label, self.queue_label, self.totals_label):
+            for label in (self.device_label, self.queue_label, self.slots_label, self.totals_label):
                 label.setText("–")
         self.refresh()
 
@@ -146,6 +159,7 @@ class EnginePage(QWidget):
     def show_stats(self, stats: dict) -> None:
         self.device_label.setText(runs_on(stats))
         self.queue_label.setText(queue_text(stats))
+        self.slots_label.setText(slots_text(stats))
         last = last_timings(stats)
         if last and last.get("predicted_per_second") is not None:
             self.totals_label.setText(

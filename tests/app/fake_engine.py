@@ -98,6 +98,20 @@ STATS = {
     ],
     "prompt_cache": None,
     "experts": None,
+    "slots": {
+        "total": 4,
+        "busy": 0,
+        "rows_per_step": {
+            "count": 120,
+            "total": 310.0,
+            "mean": 2.6,
+            "last": 1.0,
+            "min": 1.0,
+            "max": 4.0,
+            "recent": 1.0,
+        },
+        "slots": [{"index": i, "state": "idle", "tokens": 0, "tokens_per_second": 0.0} for i in range(4)],
+    },
 }
 STATS["experts"] = {
     "n_expert": 128, "n_expert_used": 8, "routed": 6144, "in_vram": 4536, "selections_total": 2016,

@@ -1,6 +1,6 @@
 """Reading /stats: the contract's per-stage form and the shape the engine's server sends today."""
 
-from app.controllers.stats import experts_held, last_timings, queue_text, runs_on, stage_views
+from app.controllers.stats import experts_held, last_timings, queue_text, runs_on, slots_text, stage_views
 from tests.app.fake_engine import STATS
 
 # The engine's own /stats answer for a one-stage CPU run (engine/serve/serving.py), trimmed.
@@ -85,3 +85,30 @@ def test_a_cards_cpu_share_of_misses() -> None:
     for bad in (None, "0.5", True, 1.5, -0.1):
         stats["stages"][0]["expert_cache"]["cpu_share"] = bad
         assert stage_views(stats)[0].cpu_share is None
+
+
+def test_slots_text() -> None:
+    slots = {
+        "total": 4,
+        "busy": 2,
+        "rows_per_step": {
+            "count": 9,
+            "total": 30.0,
+            "mean": 3.3,
+            "last": 3.0,
+            "min": 1.0,
+            "max": 5.0,
+            "recent": 3.5,
+        },
+        "slots": [
+            {"index": 0, "state": "decode", "tokens": 40, "tokens_per_second": 9.5},
+            {"index": 1, "state": "prompt", "tokens": 512, "tokens_per_second": 0.0},
+            {"index": 2, "state": "idle", "tokens": 0, "tokens_per_second": 0.0},
+            {"index": 3, "state": "idle", "tokens": 0, "tokens_per_second": 0.0},
+        ],
+    }
+    assert (
+        slots_text({"status": "ready", "slots": slots}) == "2 of 4 busy, 3.5 rows a step (1 reading a prompt)"
+    )
+    assert slots_text({"status": "ready", "slots": None}) == "1 (one request at a time)"
+    assert slots_text({}) == "–"
