@@ -94,18 +94,11 @@ def load_split_model(
 def _sequences(
     parallel: int | None, opts: SplitOptions, cards: list[Card], geometry: Geometry | None, context: int
 ) -> int:
-    """Serve's --parallel: the slots asked for, or auto's; 1 where stages run apart (one request at a time there)."""
-    split = (
-        opts.remote
-        or opts.layer_split is not None
-        or opts.split_device
-        or (opts.gpus is not None and (opts.gpus == "all" or len(opts.gpus) > 1))
-    )
-    if split:
+    """Serve's --parallel: the slots asked for, or auto's; 1 with a remote stage (its process keeps one
+    sequence's KV)."""
+    if opts.remote:
         if parallel not in (None, 1):
-            log.info(
-                "--parallel %d: a layer split or a remote stage runs one request at a time for now", parallel
-            )
+            log.info("--parallel %d: a remote stage runs one request at a time for now", parallel)
         return 1
     if parallel is not None:
         return parallel
@@ -114,7 +107,9 @@ def _sequences(
         sum(geometry.kv_bytes(i, context) for i in range(geometry.n_layer)) if geometry is not None else 0
     )
     free = card.free_bytes if card is not None else None
-    if free is not None and opts.vram_budget_mib is not None:  # the budget is the card as far as the plan goes
+    if (
+        free is not None and opts.vram_budget_mib is not None
+    ):  # the budget is the card as far as the plan goes
         free = min(free, opts.vram_budget_mib << 20)
     n, why = auto_parallel(slot_kv, free)
     log.info("--parallel %d (auto: %s)", n, why)

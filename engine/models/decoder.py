@@ -4,7 +4,7 @@ Each family's file only turns its metadata into a `ModelConfig`; the differences
 post norms, sliding windows, shared experts, RoPE layout) are flags of that config. A model can be loaded for a
 range of layers only (a pipeline stage), with or without the embedding and the output head."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +46,37 @@ class LayerWeights:
     shexp_down: QTensor | None = None
     qkv: QTensor | None = None  # q, k and v in one weight (CUDA: one GEMV launch); q, k, v are views of it
     qkv_bias: torch.Tensor | None = None  # [qd + kd + vd] where the family has biases
+
+
+class BatchRows:
+    """Where each part's rows sit in a step of several sequences, on one device: the token ids, the positions,
+    each part's row range, span and attention masks, and the index of each part's last row."""
+
+    def __init__(
+        self,
+        parts: Sequence[BatchPart],
+        device: torch.device,
+        step_masks: Callable[[torch.Tensor, int], dict[int, torch.Tensor]],
+    ) -> None:
+        self.cuts: list[tuple[int, int]] = []
+        at = 0
+        for p in parts:
+            self.cuts.append((at, at + p.tokens.shape[0]))
+            at += p.tokens.shape[0]
+        self.tokens = torch.cat([p.tokens for p in parts]).to(device)
+        self.spans = [p.start + (b - a) for p, (a, b) in zip(parts, self.cuts, strict=True)]
+        self.pos = torch.cat(
+            [torch.arange(p.start, span) for p, span in zip(parts, self.spans, strict=True)]
+        ).to(device)
+        self.masks = [
+            step_masks(self.pos[a:b], span) for (a, b), span in zip(self.cuts, self.spans, strict=True)
+        ]
+        self.last = torch.tensor([b - 1 for _, b in self.cuts], device=device)
+
+    def done(self, parts: Sequence[BatchPart]) -> None:
+        """Each part's cache now holds its rows."""
+        for p, span in zip(parts, self.spans, strict=True):
+            p.cache.length = span
 
 
 class DecoderLM(FamilyLM):
@@ -180,31 +211,25 @@ class DecoderLM(FamilyLM):
         part by part, each against its own cache. One part alone takes `forward` (its decode graphs)."""
         if len(parts) == 1 or not (self.has_embed and self.has_head):
             return super().forward_batch(parts)
-        dev = self.device
-        rows, at = [], 0
-        for p in parts:
-            rows.append((at, at + p.tokens.shape[0]))
-            at += p.tokens.shape[0]
-        pos = torch.cat(
-            [torch.arange(p.start, p.start + (b - a)) for p, (a, b) in zip(parts, rows, strict=True)]
-        )
-        pos = pos.to(dev)
-        spans = [p.start + (b - a) for p, (a, b) in zip(parts, rows, strict=True)]
-        masks = [self.step_masks(pos[a:b], span) for (a, b), span in zip(rows, spans, strict=True)]
-        h = self.embed(torch.cat([p.tokens for p in parts]).to(dev))
-        for i in self.layer_range:
-            h, q, k, v = self.attn_in(i, h, pos)
+        rows = BatchRows(parts, self.device, self.step_masks)
+        h = self.layers_batch(self.embed(rows.tokens), parts, rows, self.layer_range)
+        rows.done(parts)
+        return self.head(h.index_select(0, rows.last))
+
+    def layers_batch(
+        self, h: torch.Tensor, parts: Sequence[BatchPart], rows: "BatchRows", layers: range
+    ) -> torch.Tensor:
+        """hidden [R, D] of every part's rows (in order) -> after `layers` (a stage's, or the model's)."""
+        for i in layers:
+            h, q, k, v = self.attn_in(i, h, rows.pos)
             a = torch.cat(
                 [
-                    self.attn_core(i, q[a:b], k[a:b], v[a:b], p.cache, pos[a:b], span, m)
-                    for p, (a, b), span, m in zip(parts, rows, spans, masks, strict=True)
+                    self.attn_core(i, q[a:b], k[a:b], v[a:b], p.cache, rows.pos[a:b], span, m)
+                    for p, (a, b), span, m in zip(parts, rows.cuts, rows.spans, rows.masks, strict=True)
                 ]
             )
             h = self.attn_out_ffn(i, h, a)
-        for p, span in zip(parts, spans, strict=True):
-            p.cache.length = span
-        last = torch.tensor([b - 1 for _, b in rows], device=dev)
-        return self.head(h.index_select(0, last))
+        return h
 
     # A layer in three pieces: the prompt path's CUDA graphs (engine/pipeline/cuda_graphs.py, PromptGraphs) capture
     # the first and the last, which touch neither the KV cache nor the span; the attention between runs eagerly.

@@ -27,7 +27,8 @@ import torch
 
 from engine.gguf.model_config import ModelConfig
 from engine.layers.kv_cache import KVCache
-from engine.models.decoder import DecoderLM
+from engine.models.decoder import BatchRows, DecoderLM
+from engine.models.family_base import BatchPart
 from engine.models.gated_delta import RecurrentCache
 from engine.pipeline.cuda_graphs import StepGraphs, cpu_misses
 from engine.pipeline.handoff import Handoff, HandoffMode
@@ -95,6 +96,16 @@ class LocalStage:
             for i in self.layers:
                 h = m.layer_at(i, h, cache, pos, span, masks)
             return m.head(h, last_only) if self.with_head else h  # [T or 1, V] or [T, D]
+
+    def run_batch(self, x: torch.Tensor, parts: Sequence[BatchPart]) -> torch.Tensor:
+        """Several sequences' rows (token ids [R] for the first stage, else hidden [R, D]) through the stage's
+        layers together -> hidden [R, D], or each part's last-row logits [P, V] from the stage with the head."""
+        with on_device(self.device):
+            m = self.model
+            rows = BatchRows(parts, self.device, m.step_masks)
+            h = m.embed(rows.tokens) if m.has_embed else x.to(self.device)
+            h = m.layers_batch(h, parts, rows, self.layers)
+            return m.head(h.index_select(0, rows.last)) if self.with_head else h
 
     def body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int) -> torch.Tensor:
         """The stage at device positions `pos` and a static span: the capturable form of `run`."""
@@ -247,6 +258,26 @@ class SplitModel:
         if self.timing_sink is not None:
             self.timing_sink(self._timing_line(t, start))
         return logits
+
+    def forward_batch(self, parts: Sequence[BatchPart]) -> torch.Tensor:
+        """Several sequences in one step -> each part's last-row logits [P, V]: the rows of all the parts go through
+        each stage together and cross each hand-off as one tensor. A chain with a stage in another process, or with
+        recurrent state, runs a forward per part."""
+        local = all(isinstance(st, LocalStage) for st in self.stages)
+        if len(parts) == 1 or not local or any(isinstance(p.cache, RecurrentCache) for p in parts):
+            return torch.cat([self.forward(p.tokens, p.cache, p.start, last_only=True) for p in parts])
+        x = torch.cat([p.tokens for p in parts])
+        self.clock = None  # host times only (stage_report): no device clock around shared steps yet
+        for s, st in enumerate(self.stages):
+            t0 = time.perf_counter()
+            x = st.run_batch(x, parts)  # type: ignore[union-attr]
+            if s < len(self.handoffs):
+                x = self.handoffs[s].send(x)
+            self.timing.ms[s] = (time.perf_counter() - t0) * 1e3
+        for p in parts:
+            p.cache.length = p.start + int(p.tokens.shape[0])
+        self.timing.tokens = int(x.shape[0])
+        return x
 
     # ---- stages in other processes (engine/link) ----
 

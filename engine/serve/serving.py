@@ -164,7 +164,7 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                 log.info("--parallel %d: verify windows (--spec) run one request at a time: 1 slot", slots)
                 slots = 1
             if slots > 1 and not hasattr(lm.model, "forward_batch"):
-                log.info("--parallel %d: a layer split runs one request at a time for now: 1 slot", slots)
+                log.info("--parallel %d: this model runs one request at a time: 1 slot", slots)
                 slots = 1
             batch = (
                 BatchRunner(lm.model, lm.tokenizer, o.max_context, kv, slots, chunk, cache, prefill_span=span)

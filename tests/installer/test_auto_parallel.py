@@ -29,10 +29,11 @@ def test_auto_parallel_keeps_the_slots_kv_within_an_eighth_of_the_card(
         assert n * slot_kv <= free // 8
 
 
-def test_a_split_runs_one_slot_and_a_budget_counts_as_the_card(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_remote_stage_runs_one_slot(caplog: pytest.LogCaptureFixture) -> None:
     card = Card(0, "card", 80 * GIB)
     with caplog.at_level(logging.INFO, "strata.engine"):
-        assert _sequences(4, SplitOptions(layer_split=(10,)), [card], None, 4096) == 1
+        assert _sequences(4, SplitOptions(layer_split=(10,), remote="10.0.0.2:7470"), [card], None, 4096) == 1
     assert "runs one request at a time" in caplog.text
+    assert _sequences(4, SplitOptions(layer_split=(10,)), [card], None, 4096) == 4
     assert _sequences(3, SplitOptions(), [card], None, 4096) == 3
     assert _sequences(None, SplitOptions(), [], None, 4096) == CPU_PARALLEL

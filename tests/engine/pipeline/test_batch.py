@@ -207,3 +207,24 @@ def test_every_slot_reports_its_state(qwen: object) -> None:
         br.step()
     rep = br.slot_report()[0]
     assert rep["state"] == "decode" and rep["tokens"] == 20
+
+
+def test_a_layer_split_batches_through_its_stages(tmp_path: Path) -> None:
+    """Three in-process stages: each step's rows cross every hand-off together, and each request gets the tokens
+    of the unsplit model alone."""
+    from engine.link.startup import load_split_model
+    from engine.pipeline.split import SplitOptions
+    from engine.pipeline.stages import SplitModel
+
+    path = write_tiny_model(tmp_path / "s.gguf", "qwen3moe", "Q8_0", seed=4, n_layer=6)
+    whole = load_model(path, device="cpu", dtype="f32")
+    lm = load_split_model(path, SplitOptions(device="cpu", layer_split=(2, 4)), 256, "f32", "f32", parallel=3)
+    assert isinstance(lm.model, SplitModel) and lm.sequences == 3
+    calls: list[int] = []
+    send = lm.model.handoffs[0].send
+    lm.model.handoffs[0].send = lambda x, marks=None: (calls.append(x.shape[0]), send(x, marks))[1]  # type: ignore[method-assign]
+    reqs = [GenerationRequest(p, max_tokens=5, sampling=GREEDY, ignore_eos=True) for p in _prompts(5, seed=3)]
+    got = _run(BatchRunner(lm.model, lm.tokenizer, 256, "f32", slots=3), reqs)
+    for req, events in zip(reqs, got, strict=True):
+        assert _summary(events) == _summary(_alone(whole, req))
+    assert max(calls) >= 3  # a step of three decode rows crossed as one tensor
