@@ -228,3 +228,27 @@ def test_a_layer_split_batches_through_its_stages(tmp_path: Path) -> None:
     for req, events in zip(reqs, got, strict=True):
         assert _summary(events) == _summary(_alone(whole, req))
     assert max(calls) >= 3  # a step of three decode rows crossed as one tensor
+
+
+def test_with_8_bit_activations_a_batch_keeps_each_rows_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default --activations int8: a row alone goes through the CPU's 8-bit expert kernels (up to 4 rows), a
+    batch of 6 through float products; each row's logits stay within cosine 0.999 of its own alone."""
+    monkeypatch.setenv("STRATA_ACTIVATIONS", "int8")
+    m = load_model(write_tiny_model(tmp_path / "q.gguf", "qwen3moe", "Q4_K", seed=5), "cpu", "f32").model
+    from engine.experts.backends import CpuInPlaceExperts
+
+    assert all(isinstance(b, CpuInPlaceExperts) for b in m.moe.values())  # the 8-bit kernels are in play
+    prompts = _prompts(6, seed=6)
+    caches = [m.new_cache(64, "f32") for _ in prompts]
+    for p, c in zip(prompts, caches, strict=True):
+        m.forward(torch.tensor(p), c, 0)
+    alone = [m.forward(torch.tensor([7]), c, len(p))[-1] for p, c in zip(prompts, caches, strict=True)]
+    for p, c in zip(prompts, caches, strict=True):
+        c.truncate(len(p))
+    both = m.forward_batch(
+        [BatchPart(torch.tensor([7]), c, len(p)) for p, c in zip(prompts, caches, strict=True)]
+    )
+    for a, b in zip(alone, both, strict=True):
+        assert torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item() >= 0.999
