@@ -25,8 +25,18 @@ class RequestTranslation:
     lm: "LoadedModel | None"
     opts: ServeOptions
 
-    def _encode(self, text: str, parse_special: bool) -> list[int]:
+    def _encode(self, text: str, parse_special: bool, param: str = "prompt") -> list[int]:
         assert self.lm is not None
+        ctx, least = self.opts.max_context, self.lm.tokenizer.min_tokens(text)
+        if least >= ctx:  # from the length alone: tokenizing megabytes would hold the server for seconds
+            raise APIError(
+                400,
+                f"the prompt has at least {least} tokens (its {len(text.encode('utf-8', 'surrogatepass'))} bytes) "
+                f"but the context holds {ctx} (--max-context): shorten the prompt or the conversation, or restart "
+                "the server with a larger --max-context",
+                code="context_length_exceeded",
+                param=param,
+            )
         try:
             return self.lm.tokenizer.encode(text, add_special=True, parse_special=parse_special)
         except UnicodeError as e:
@@ -102,7 +112,8 @@ class RequestTranslation:
         except ChatTemplateError as e:
             raise APIError(400, str(e), code="chat_template_error", param="messages") from None
         # a reply under the fallback template may write its end marker as text: it ends there
-        return self._generation(self._encode(text, parse_special=True), r, self.lm.chat.stop_strings)
+        ids = self._encode(text, parse_special=True, param="messages")
+        return self._generation(ids, r, self.lm.chat.stop_strings)
 
     def prepare_completion(self, r: CompletionRequest) -> tuple["GenerationRequest", str]:
         """-> (generation, echo text)"""

@@ -18,6 +18,7 @@ families, removes spaces before punctuation ("clean spaces"); we do neither, so 
 """
 
 import codecs
+import functools
 import logging
 import threading
 from collections.abc import Iterable
@@ -238,6 +239,18 @@ class Tokenizer:
     def token_id(self, text: str) -> int | None:
         """The id of the token spelled exactly `text` in the file, if any."""
         return self._vocab.token_to_id.get(text)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes any token's text has: no token covers more bytes of a text than that (a byte-level
+        token's characters stand for one byte each, a SentencePiece "▁" for one space, a special token for its own
+        spelling)."""
+        return max((len(t.encode("utf-8")) for t in self._vocab.tokens), default=1) or 1
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `text` encodes to, from its length alone (no tokenizing): a text too long
+        for the context is refused before the tokenizer spends seconds on it."""
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
 
     # --- encode ----------------------------------------------------------------------------------------------
 

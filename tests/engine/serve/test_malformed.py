@@ -291,3 +291,20 @@ def test_form_content_type_is_accepted(server: ServerProc) -> None:
 @pytest.mark.parametrize("path", ["/v1/models", "/models", "/health", "/v1/health"])
 def test_get_endpoints_answer(server: ServerProc, path: str) -> None:
     assert server.get(path).status_code == 200
+
+
+def test_a_prompt_far_beyond_the_context_is_refused_from_its_length(server: ServerProc) -> None:
+    """900 KB of text: refused before it is tokenized (the message gives the bound from its bytes), for a completion
+    and for a chat; the server answers /health as before."""
+    text = "lorem ipsum dolor sit amet " * 34_000
+    for path, body in (
+        ("/v1/completions", {"prompt": text, "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
+    ):
+        r = server.post(path, body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded"
+        assert "at least" in err["message"] and f"the context holds {MAX_CONTEXT}" in err["message"]
+        assert err["param"] == ("prompt" if path == "/v1/completions" else "messages")
+    assert server.get("/health").json()["status"] == "ready"
