@@ -346,6 +346,20 @@ class CompletionRequest(_Common):
         return self.max_tokens
 
 
+# ---- llama-server's own routes (engine/serve/llama_routes.py) ----------------------------------------------------
+
+
+class TokenizeRequest(_Strict):
+    content: str
+    add_special: bool = False  # BOS/EOS where the vocabulary adds them
+    parse_special: bool = True  # control tokens written in the text become their ids
+    with_pieces: bool = False  # each id with its text
+
+
+class DetokenizeRequest(_Strict):
+    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1 << 20)]
+
+
 # ---- responses ------------------------------------------------------------------------------------------------
 
 

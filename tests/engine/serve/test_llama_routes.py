@@ -1,0 +1,48 @@
+"""llama-server's /tokenize, /detokenize, /props and /slots on the shared server: the model's own tokenizer, the
+slots /stats reports, llama-server's field names, and clear refusals."""
+
+from pathlib import Path
+
+from engine.gguf.reader import GGUFFile
+from engine.tokenizer import Tokenizer
+from tests.engine.serve.conftest import MAX_CONTEXT
+from tests.engine.serve.harness import ServerProc
+
+TEXT = "Hello world: <|im_start|> naïve façade, 12345"
+
+
+def test_tokenize_and_detokenize_round_trip(server: ServerProc, tiny_model: Path) -> None:
+    tok = Tokenizer.from_metadata(GGUFFile.open(tiny_model).metadata)
+    r = server.post("/tokenize", {"content": TEXT})
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    assert ids == tok.encode(TEXT, add_special=False) and ids
+    plain = server.post("/tokenize", {"content": TEXT, "parse_special": False}).json()["tokens"]
+    assert plain == tok.encode(TEXT, add_special=False, parse_special=False) and len(plain) > len(ids)
+    pieces = server.post("/tokenize", {"content": TEXT, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids
+    assert all(isinstance(p["piece"], str | list) for p in pieces)
+    back = server.post("/detokenize", {"tokens": ids}).json()["content"]
+    assert back == tok.decode(ids) and "naïve façade" in back
+
+
+def test_refusals_name_the_field(server: ServerProc) -> None:
+    r = server.post("/detokenize", {"tokens": [1, 10**6]})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    r = server.post("/tokenize", {"content": "x", "max_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = server.post("/tokenize", {})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "content"
+
+
+def test_props_and_slots_say_what_stats_says(server: ServerProc) -> None:
+    stats = server.get("/stats").json()
+    total = stats["slots"]["total"] if stats["slots"] else 1
+    props = server.get("/props").json()
+    assert props["total_slots"] == total
+    assert props["default_generation_settings"]["n_ctx"] == MAX_CONTEXT
+    assert props["default_generation_settings"]["params"]["top_k"] == 40
+    assert isinstance(props["chat_template"], str) and props["model_path"].endswith(".gguf")
+    slots = server.get("/slots").json()
+    assert [s["id"] for s in slots] == list(range(total))
+    assert all(s["n_ctx"] == MAX_CONTEXT and s["is_processing"] is False for s in slots)
