@@ -131,7 +131,7 @@ def create_app(service: EngineService, cors_origins: Sequence[str] = ()) -> Fast
         return JSONResponse(service.models())
 
     async def model(model_id: str) -> JSONResponse:
-        service.check_model(model_id)
+        service.check_model_card(model_id)
         return JSONResponse(service.model_card())
 
     async def chat(request: Request) -> Response:

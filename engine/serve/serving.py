@@ -86,6 +86,7 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
         self._outputs: dict[str, _JobOutput] = {}  # by job id: what the slots' requests produced so far
         self.rows = RunningStat()  # token rows per shared step
         self.prompt_cache: PromptCache | None = None
+        self._other_names: set[str] = set()  # model names clients sent that are not the served model's
         self.kv_type: str | None = None
         self.model_name = model_id(opts.model.name) if opts.model else self._default_name()
         self.model_created = now()
@@ -245,7 +246,19 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
         return names
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names():
+        """A generation request's `model`: one model is loaded, so it answers whatever name the client sends (as
+        llama-server and LM Studio do); a name it does not have is logged once."""
+        if name is None or name in self.model_names() or name in self._other_names:
+            return
+        if len(self._other_names) < 32:
+            self._other_names.add(name)
+            log.info(
+                "requests name the model %r: %s answers them (the one model loaded)", name, self.model_name
+            )
+
+    def check_model_card(self, name: str) -> None:
+        """GET /v1/models/{id}: a lookup, so only the served model's names."""
+        if name not in self.model_names():
             raise APIError(
                 404,
                 f"the model {name!r} does not exist: this server serves {self.model_name!r} (see GET /v1/models)",

@@ -45,6 +45,9 @@ class Status:
     def waiting(self) -> int:
         raise NotImplementedError
 
+    def model_names(self) -> set[str]:
+        raise NotImplementedError
+
     @property
     def generating(self) -> int:
         """Requests being generated: those in the slots, or the one request."""
@@ -104,6 +107,9 @@ class Status:
             "created": self.model_created,
             "owned_by": "polystrata",
             "status": self.state()[0],
+            # the one model loaded answers requests whatever model name they send
+            "aliases": sorted(self.model_names() - {self.model_name}),
+            "answers_any_name": True,
         }
         if self.lm is not None:
             c = self.lm.config

@@ -121,7 +121,7 @@ CASES: list[tuple[str, str, str, bytes | None, int, str | None]] = [
         None,
     ),
     ("unknown top-level field", "POST", CHAT, chat(frobnicate=True), 400, "frobnicate"),
-    ("unknown model", "POST", CHAT, chat(model="gpt-9"), 404, "model"),
+    ("model as a list", "POST", CHAT, chat(model=["gpt-9"]), 400, "model"),
     ("model not a string", "POST", CHAT, chat(model=7), 400, "model"),
     ("negative max_tokens", "POST", CHAT, chat(max_tokens=-5), 400, "max_tokens"),
     ("zero max_tokens", "POST", CHAT, chat(max_tokens=0), 400, "max_tokens"),
@@ -308,3 +308,13 @@ def test_a_prompt_far_beyond_the_context_is_refused_from_its_length(server: Serv
         assert "at least" in err["message"] and f"the context holds {MAX_CONTEXT}" in err["message"]
         assert err["param"] == ("prompt" if path == "/v1/completions" else "messages")
     assert server.get("/health").json()["status"] == "ready"
+
+
+def test_any_model_name_is_answered_by_the_model_loaded(server: ServerProc) -> None:
+    """As llama-server and LM Studio: one model is loaded, so a client's own model name gets it; the model list
+    says so, and a card lookup by an unknown name is still a 404."""
+    served = server.get("/v1/models").json()["data"][0]
+    assert served["answers_any_name"] is True and "gpt-test" in served["aliases"]
+    r = server.post(CHAT, json.loads(chat(model="gpt-9")))
+    assert r.status_code == 200 and r.json()["model"] == served["id"]
+    assert server.get("/v1/models/gpt-9").status_code == 404
