@@ -1,15 +1,19 @@
-"""llama-server's own routes, for the clients and scripts written against it: /tokenize, /detokenize, /props and
-/slots (shapes as llama.cpp's tools/server README gives them; the fields this engine has no counterpart for are
+"""llama-server's own routes, for the clients and scripts written against it: /completion, /tokenize, /detokenize,
+/props and /slots (shapes as llama.cpp's tools/server README gives them; the fields this engine has no counterpart for are
 left out rather than faked)."""
 
+import asyncio
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from engine.serve.errors import APIError
-from engine.serve.protocol import DetokenizeRequest, TokenizeRequest
+from engine.serve.jobs import ClientGone, Job, Result, sse_event
+from engine.serve.protocol import DetokenizeRequest, LlamaCompletionRequest, TokenizeRequest, timings_dict
+from engine.serve.sse import EventStreamResponse
 from installer.engine_options import SAMPLING
 from installer.version import __version__
 
@@ -112,3 +116,58 @@ def add_llama_routes(
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/props", props, methods=["GET"])
     app.add_api_route("/slots", slots, methods=["GET"])
+
+
+def add_llama_completion(
+    app: FastAPI, service: "EngineService", parse: "Callable[[Request, type], Awaitable[Any]]"
+) -> None:
+    """POST /completion: llama-server's native completion, whole or streamed as its `data: {"content", "stop"}`
+    events (no [DONE]), with its counts and timings."""
+
+    def final(res: Result) -> dict[str, Any]:
+        t = res.done.timings
+        return {
+            "content": "",
+            "stop": True,
+            "model": service.model_name,
+            "tokens_predicted": t.generated_tokens,
+            "tokens_evaluated": t.prompt_tokens,
+            "tokens_cached": t.prompt_cached,
+            "stopped_limit": res.done.finish_reason == "length",
+            "truncated": False,
+            "timings": timings_dict(t, res.queued_ms),
+        }
+
+    async def stream(job: Job) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                batch = await job.take()
+                out = bytearray()
+                for item in batch:
+                    if item[0] == "text":
+                        out += sse_event({"content": item[1], "stop": False})
+                    elif item[0] == "error":
+                        out += sse_event(item[1].body())
+                    else:
+                        out += sse_event(final(item[1]))
+                yield bytes(out)
+                if batch[-1][0] in ("done", "error"):
+                    return
+        finally:
+            service.cancel(job)
+
+    async def completion(request: Request) -> Response:
+        r: LlamaCompletionRequest = await parse(request, LlamaCompletionRequest)
+        service.require_ready()
+        gen, _ = await run_in_threadpool(service.prepare_completion, r.as_openai())
+        job = Job("completions", gen, r.stream, asyncio.get_running_loop())
+        if r.stream:
+            service.submit(job)
+            return EventStreamResponse(stream(job))
+        try:
+            res = await service.run_to_end(job, request.receive)
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse({**final(res), "content": res.text})
+
+    app.add_api_route("/completion", completion, methods=["POST"])

@@ -360,6 +360,98 @@ class DetokenizeRequest(_Strict):
     tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1 << 20)]
 
 
+class LlamaCompletionRequest(BaseModel):
+    """llama-server's own POST /completion: the fields it honours are mapped onto the OpenAI completion's."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    n_predict: Annotated[int, Field(ge=-2)] = -1  # -1: until the context or an end; -2 likewise
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repeat_penalty: Annotated[float, Field(gt=0)] | None = None
+    repeat_last_n: Annotated[int, Field(ge=-1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    seed: int | None = None  # -1: random
+    stop: Annotated[list[str], Field(max_length=MAX_STOP)] = []
+    stream: bool = False
+    cache_prompt: bool = True
+    ignore_eos: bool = False
+    n_probs: Annotated[int, Field(ge=0)] = 0
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | list[Any] | None = None
+    # accepted and not acted on (samplers this engine does not have, slot and output options): a client written
+    # for llama-server sends them with their defaults; `ignored_fields` lists them (docs/api.md too)
+    typical_p: Any = None
+    tfs_z: Any = None
+    mirostat: Any = None
+    mirostat_tau: Any = None
+    mirostat_eta: Any = None
+    n_keep: Any = None
+    min_keep: Any = None
+    samplers: Any = None
+    dynatemp_range: Any = None
+    dynatemp_exponent: Any = None
+    xtc_probability: Any = None
+    xtc_threshold: Any = None
+    dry_multiplier: Any = None
+    dry_base: Any = None
+    dry_allowed_length: Any = None
+    dry_penalty_last_n: Any = None
+    dry_sequence_breakers: Any = None
+    id_slot: Any = None
+    t_max_predict_ms: Any = None
+    t_max_prompt_ms: Any = None
+    return_tokens: Any = None
+    timings_per_token: Any = None
+    post_sampling_probs: Any = None
+    n_indent: Any = None
+    penalize_nl: Any = None
+    response_fields: Any = None
+    n_cmpl: Any = None
+
+    @classmethod
+    def ignored_fields(cls) -> list[str]:
+        return [name for name, f in cls.model_fields.items() if f.annotation is Any]
+
+    @model_validator(mode="after")
+    def _not_yet(self) -> "LlamaCompletionRequest":
+        if self.n_predict == 0:
+            raise FieldError(
+                "n_predict", "n_predict 0 (read the prompt only) is not supported: send -1 or more"
+            )
+        for name in ("grammar", "json_schema"):
+            if getattr(self, name):
+                raise FieldError(name, f"{name} (constrained output) is not supported yet: leave it out")
+        if self.n_probs:
+            raise FieldError("n_probs", "n_probs (token probabilities) is not supported yet: send 0")
+        if self.logit_bias:
+            raise FieldError("logit_bias", "logit_bias is not supported yet: leave it out")
+        return self
+
+    def as_openai(self) -> "CompletionRequest":
+        """The OpenAI completion this request is (the fields acted on)."""
+        names = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                 "frequency_penalty")  # fmt: skip
+        fields: dict[str, Any] = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.seed is not None and self.seed >= 0:
+            fields["seed"] = self.seed
+        return CompletionRequest.model_validate(
+            {
+                "prompt": self.prompt,
+                "max_tokens": self.n_predict if self.n_predict > 0 else None,
+                "stop": self.stop or None,
+                "ignore_eos": self.ignore_eos,
+                "cache_prompt": self.cache_prompt,
+                **fields,
+            },
+            strict=False,
+        )
+
+
 # ---- responses ------------------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """llama-server's /tokenize, /detokenize, /props and /slots on the shared server: the model's own tokenizer, the
 slots /stats reports, llama-server's field names, and clear refusals."""
 
+import json
 from pathlib import Path
 
 from engine.gguf.reader import GGUFFile
@@ -46,3 +47,29 @@ def test_props_and_slots_say_what_stats_says(server: ServerProc) -> None:
     slots = server.get("/slots").json()
     assert [s["id"] for s in slots] == list(range(total))
     assert all(s["n_ctx"] == MAX_CONTEXT and s["is_processing"] is False for s in slots)
+
+
+def test_completion_whole_and_streamed_as_llama_server_answers(server: ServerProc) -> None:
+    body = {"prompt": "jade harbor", "n_predict": 8, "temperature": 0, "ignore_eos": True}
+    want = server.post("/v1/completions", {"prompt": "jade harbor", "max_tokens": 8, "temperature": 0,
+                                           "ignore_eos": True}).json()  # fmt: skip
+    r = server.post(
+        "/completion", {**body, "typical_p": 1.0, "mirostat": 0, "samplers": ["top_k"], "id_slot": -1}
+    )
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert j["content"] == want["choices"][0]["text"] and j["stop"] is True
+    assert j["tokens_predicted"] == 8 and j["stopped_limit"] is True
+    assert j["tokens_evaluated"] == want["usage"]["prompt_tokens"] and j["timings"]["predicted_n"] == 8
+    with server.client() as c, c.stream("POST", "/completion", json={**body, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
+    assert "".join(e["content"] for e in events) == j["content"]
+
+
+def test_completion_refuses_what_it_cannot_honour(server: ServerProc) -> None:
+    for field, value in (("grammar", "root ::= [a-z]+"), ("json_schema", {"type": "object"}), ("n_probs", 3),
+                         ("n_predict", 0), ("frobnicate", 1)):  # fmt: skip
+        r = server.post("/completion", {"prompt": "x", field: value})
+        assert r.status_code == 400, (field, r.text)
+        assert r.json()["error"]["param"] == field
