@@ -18,6 +18,7 @@ from engine.serve.errors import APIError, from_validation
 from engine.serve.jobs import ClientGone, Job, sse_event
 from engine.serve.llama_routes import add_llama_completion, add_llama_routes
 from engine.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware, BodyTooLarge
+from engine.serve.ollama_routes import add_ollama_routes
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from engine.serve.serving import METRICS_CONTENT_TYPE, EngineService
 from engine.serve.sse import EventStreamResponse
@@ -100,7 +101,7 @@ def create_app(service: EngineService, cors_origins: Sequence[str] = ()) -> Fast
             msg = (
                 f"there is no {request.method} {request.url.path} here; this server offers /v1/models, "
                 "/v1/chat/completions, /v1/completions, /health, /metrics, /stats, /events, and llama-server's "
-                "/completion, /tokenize, /detokenize, /props and /slots (see docs/api.md)"
+                "/completion, /tokenize, /detokenize, /props and /slots, and Ollama's /api/* (see docs/api.md)"
             )
             code = "not_found"
         elif e.status_code == 405:
@@ -203,6 +204,7 @@ def create_app(service: EngineService, cors_origins: Sequence[str] = ()) -> Fast
         app.add_api_route(f"{prefix}/completions", completions, methods=["POST"], **hidden)
     add_llama_routes(app, service, _parse)
     add_llama_completion(app, service, _parse)
+    add_ollama_routes(app, service, _parse)
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/stats", stats, methods=["GET"])
     app.add_api_route("/events", events, methods=["GET"])

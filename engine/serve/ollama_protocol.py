@@ -1,0 +1,162 @@
+"""Ollama's request bodies (/api/generate, /api/chat, /api/show), mapped onto the OpenAI requests this server runs:
+one generation path, so the same answer whichever dialect asks. Fields as Ollama's docs/api.md gives them."""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.serve.errors import FieldError
+from engine.serve.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class OllamaOptions(_Body):
+    """`options`: the sampling ones are honoured; the runner's (context, batch, GPU, threads, memory) are this
+    server's own flags and are accepted and left alone (`ignored_fields`)."""
+
+    num_predict: Annotated[int, Field(ge=-2)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repeat_penalty: Annotated[float, Field(gt=0)] | None = None
+    repeat_last_n: Annotated[int, Field(ge=-1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    seed: int | None = None
+    stop: Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    # accepted, not acted on
+    num_ctx: Any = None
+    num_keep: Any = None
+    num_batch: Any = None
+    num_gpu: Any = None
+    main_gpu: Any = None
+    num_thread: Any = None
+    typical_p: Any = None
+    tfs_z: Any = None
+    mirostat: Any = None
+    mirostat_tau: Any = None
+    mirostat_eta: Any = None
+    penalize_newline: Any = None
+    numa: Any = None
+    low_vram: Any = None
+    f16_kv: Any = None
+    vocab_only: Any = None
+    use_mmap: Any = None
+    use_mlock: Any = None
+
+    @classmethod
+    def ignored_fields(cls) -> list[str]:
+        return [name for name, f in cls.model_fields.items() if f.annotation is Any]
+
+    def as_openai(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            k: getattr(self, k)
+            for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n")
+            if getattr(self, k) is not None
+        }
+        for k in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
+        if self.seed is not None and self.seed >= 0:
+            out["seed"] = self.seed
+        if self.stop:
+            out["stop"] = self.stop
+        if self.num_predict is not None and self.num_predict > 0:
+            out["max_tokens"] = self.num_predict
+        return out
+
+
+class _Generation(_Body):
+    model: str | None = None
+    stream: bool = True  # Ollama streams unless told not to
+    options: OllamaOptions | None = None
+    keep_alive: Any = None  # the model stays loaded as long as this server runs
+    format: Any = None
+    think: bool | None = None
+
+    @model_validator(mode="after")
+    def _not_yet(self) -> "_Generation":
+        if self.format:
+            raise FieldError("format", "format (JSON or a schema) is not supported yet: leave it out")
+        if self.options is not None and self.options.num_predict == 0:
+            raise FieldError("options.num_predict", "num_predict 0 is not supported: send -1 or more")
+        return self
+
+    def _extra(self) -> dict[str, Any]:
+        return self.options.as_openai() if self.options is not None else {}
+
+
+class OllamaGenerateRequest(_Generation):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False  # the prompt as it is, without the chat template
+    images: list[Any] | None = None
+    suffix: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "OllamaGenerateRequest":
+        for name in ("images", "suffix", "template", "context"):
+            if getattr(self, name):
+                raise FieldError(name, f"{name} is not supported: leave it out")
+        return self
+
+    def as_openai(self) -> ChatCompletionRequest | CompletionRequest:
+        """raw: a completion of the prompt as it is; else the prompt (and system) as a chat turn, as Ollama puts
+        it through the model's template."""
+        if self.raw:
+            return CompletionRequest.model_validate({"prompt": self.prompt, **self._extra()}, strict=False)
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
+            {"role": "user", "content": self.prompt}
+        ]
+        return _chat(messages, self.think, self._extra())
+
+
+class OllamaMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[Any] | None = None
+    thinking: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_name: str | None = None
+
+
+class OllamaChatRequest(_Generation):
+    messages: Annotated[list[OllamaMessage], Field(min_length=1)]
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "OllamaChatRequest":
+        if self.tools:
+            raise FieldError("tools", "tools are not supported on /api/chat yet: leave them out")
+        for i, m in enumerate(self.messages):
+            if m.images:
+                raise FieldError(
+                    f"messages.{i}.images", "images are not supported: this server runs text models"
+                )
+            if m.tool_calls or m.role == "tool":
+                raise FieldError(f"messages.{i}", "tool calls are not supported on /api/chat yet")
+        return self
+
+    def as_openai(self) -> ChatCompletionRequest:
+        return _chat(
+            [{"role": m.role, "content": m.content} for m in self.messages], self.think, self._extra()
+        )
+
+
+class OllamaShowRequest(_Body):
+    model: str | None = None
+    name: str | None = None  # the older spelling
+    verbose: bool | None = None
+
+
+def _chat(messages: list[dict[str, Any]], think: bool | None, extra: dict[str, Any]) -> ChatCompletionRequest:
+    body: dict[str, Any] = {"messages": messages, **extra}
+    if think is not None:
+        body["chat_template_kwargs"] = {"enable_thinking": think}
+    return ChatCompletionRequest.model_validate(body, strict=False)
