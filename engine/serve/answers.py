@@ -3,7 +3,7 @@ llama-server's timings; a client that leaves cancels its job."""
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine.serve.errors import APIError
@@ -49,6 +49,15 @@ class Answers:
             yield batch
             if batch[-1][0] in ("done", "error"):
                 return
+
+    async def relay(self, job: Job, encode: Callable[[tuple[Any, ...]], bytes]) -> AsyncIterator[bytes]:
+        """A job's items (text, then its end: done or error) as bytes, `encode` one item, a batch a chunk; closing
+        it (the client left) cancels the job. Other dialects' streams (llama-server's, Ollama's) are this."""
+        try:
+            async for batch in self._items(job):
+                yield b"".join(encode(item) for item in batch)
+        finally:
+            self.cancel(job)
 
     async def stream(
         self, job: Job, endpoint: str, include_usage: bool, echo: str = ""

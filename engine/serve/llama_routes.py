@@ -3,7 +3,6 @@
 left out rather than faked)."""
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -138,23 +137,10 @@ def add_llama_completion(
             "timings": timings_dict(t, res.queued_ms),
         }
 
-    async def stream(job: Job) -> AsyncIterator[bytes]:
-        try:
-            while True:
-                batch = await job.take()
-                out = bytearray()
-                for item in batch:
-                    if item[0] == "text":
-                        out += sse_event({"content": item[1], "stop": False})
-                    elif item[0] == "error":
-                        out += sse_event(item[1].body())
-                    else:
-                        out += sse_event(final(item[1]))
-                yield bytes(out)
-                if batch[-1][0] in ("done", "error"):
-                    return
-        finally:
-            service.cancel(job)
+    def event(item: tuple[Any, ...]) -> bytes:
+        if item[0] == "text":
+            return sse_event({"content": item[1], "stop": False})
+        return sse_event(item[1].body() if item[0] == "error" else final(item[1]))
 
     async def completion(request: Request) -> Response:
         r: LlamaCompletionRequest = await parse(request, LlamaCompletionRequest)
@@ -163,7 +149,7 @@ def add_llama_completion(
         job = Job("completions", gen, r.stream, asyncio.get_running_loop())
         if r.stream:
             service.submit(job)
-            return EventStreamResponse(stream(job))
+            return EventStreamResponse(service.relay(job, event))
         try:
             res = await service.run_to_end(job, request.receive)
         except ClientGone:

@@ -6,14 +6,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.serve.errors import FieldError
-from engine.serve.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest
+from engine.serve.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest, Lenient
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class OllamaOptions(_Body):
+class OllamaOptions(Lenient):
     """`options`: the sampling ones are honoured; the runner's (context, batch, GPU, threads, memory) are this
     server's own flags and are accepted and left alone (`ignored_fields`)."""
 
@@ -35,11 +35,6 @@ class OllamaOptions(_Body):
     num_gpu: Any = None
     main_gpu: Any = None
     num_thread: Any = None
-    typical_p: Any = None
-    tfs_z: Any = None
-    mirostat: Any = None
-    mirostat_tau: Any = None
-    mirostat_eta: Any = None
     penalize_newline: Any = None
     numa: Any = None
     low_vram: Any = None
@@ -47,10 +42,6 @@ class OllamaOptions(_Body):
     vocab_only: Any = None
     use_mmap: Any = None
     use_mlock: Any = None
-
-    @classmethod
-    def ignored_fields(cls) -> list[str]:
-        return [name for name, f in cls.model_fields.items() if f.annotation is Any]
 
     def as_openai(self) -> dict[str, Any]:
         out: dict[str, Any] = {

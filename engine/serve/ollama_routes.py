@@ -6,7 +6,7 @@ requests)."""
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -139,27 +139,17 @@ def add_ollama_routes(
                 return Response(status_code=499)
             return JSONResponse({**piece(res.text), **stats(res, t0)})
 
-        async def lines() -> AsyncIterator[bytes]:
-            try:
-                while True:
-                    batch = await job.take()
-                    out = bytearray()
-                    for item in batch:
-                        if item[0] == "text":
-                            obj = piece(item[1])
-                        elif item[0] == "error":
-                            obj = {"error": item[1].body()["error"]["message"]}
-                        else:
-                            obj = {**piece(""), **stats(item[1], t0)}
-                        out += json.dumps(obj, ensure_ascii=False).encode() + b"\n"
-                    yield bytes(out)
-                    if batch[-1][0] in ("done", "error"):
-                        return
-            finally:
-                service.cancel(job)
+        def line(item: tuple[Any, ...]) -> bytes:
+            if item[0] == "text":
+                obj = piece(item[1])
+            elif item[0] == "error":
+                obj = {"error": item[1].body()["error"]["message"]}
+            else:
+                obj = {**piece(""), **stats(item[1], t0)}
+            return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
 
         service.submit(job)
-        return StreamingResponse(lines(), media_type=NDJSON)
+        return StreamingResponse(service.relay(job, line), media_type=NDJSON)
 
     async def generate(request: Request) -> Response:
         return await run(request, chat=False)

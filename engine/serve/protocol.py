@@ -360,10 +360,25 @@ class DetokenizeRequest(_Strict):
     tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1 << 20)]
 
 
-class LlamaCompletionRequest(BaseModel):
-    """llama-server's own POST /completion: the fields it honours are mapped onto the OpenAI completion's."""
+class Lenient(BaseModel):
+    """A body in another server's dialect: its fields typed Any are accepted and not acted on (`ignored_fields`),
+    any other unknown field is refused. The samplers llama.cpp has and this engine does not are common to them."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    typical_p: Any = None
+    tfs_z: Any = None
+    mirostat: Any = None
+    mirostat_tau: Any = None
+    mirostat_eta: Any = None
+
+    @classmethod
+    def ignored_fields(cls) -> list[str]:
+        return [name for name, f in cls.model_fields.items() if f.annotation is Any]
+
+
+class LlamaCompletionRequest(Lenient):
+    """llama-server's own POST /completion: the fields it honours are mapped onto the OpenAI completion's."""
+
     prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     n_predict: Annotated[int, Field(ge=-2)] = -1  # -1: until the context or an end; -2 likewise
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
@@ -385,11 +400,6 @@ class LlamaCompletionRequest(BaseModel):
     logit_bias: dict[str, Any] | list[Any] | None = None
     # accepted and not acted on (samplers this engine does not have, slot and output options): a client written
     # for llama-server sends them with their defaults; `ignored_fields` lists them (docs/api.md too)
-    typical_p: Any = None
-    tfs_z: Any = None
-    mirostat: Any = None
-    mirostat_tau: Any = None
-    mirostat_eta: Any = None
     n_keep: Any = None
     min_keep: Any = None
     samplers: Any = None
@@ -412,10 +422,6 @@ class LlamaCompletionRequest(BaseModel):
     penalize_nl: Any = None
     response_fields: Any = None
     n_cmpl: Any = None
-
-    @classmethod
-    def ignored_fields(cls) -> list[str]:
-        return [name for name, f in cls.model_fields.items() if f.annotation is Any]
 
     @model_validator(mode="after")
     def _not_yet(self) -> "LlamaCompletionRequest":
