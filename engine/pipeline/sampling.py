@@ -16,6 +16,8 @@ class SamplingParams(SamplingDefaults):
     """One request's sampling: the defaults of installer.engine_options where the request names none."""
 
     seed: int | None = None
+    # OpenAI's logit_bias: (token id, added to its logit before any filter); -100 bans a token, +100 forces it
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         checks = [
@@ -50,8 +52,17 @@ class Sampler:
             self.gen.seed()
 
     def _penalize(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
-        """On the logits' own device (the ids go there, not the logits to the host)."""
+        """The logit bias, then the penalties; on the logits' own device (the ids go there, not the logits to the
+        host)."""
         p = self.p
+        if p.logit_bias:
+            ids = torch.tensor([i for i, _ in p.logit_bias], dtype=torch.long).to(
+                logits.device, non_blocking=True
+            )
+            bias = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype).to(
+                logits.device, non_blocking=True
+            )
+            logits = logits.index_add(0, ids, bias)
         if p.repeat_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0:
             return logits
         recent = history if p.repeat_last_n == -1 else history[-p.repeat_last_n :] if p.repeat_last_n else []

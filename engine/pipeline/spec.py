@@ -236,8 +236,10 @@ class Verdict:
 
 
 def _penalised(sampler: Sampler) -> bool:
+    """Whether the sampler changes the logits before its choice (penalties, a logit bias): then a greedy window is
+    verified row by row through it, not by one argmax."""
     p = sampler.p
-    return p.repeat_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+    return p.repeat_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0 or bool(p.logit_bias)
 
 
 def verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, history: Sequence[int]) -> Verdict:

@@ -2,8 +2,8 @@
 dicts of responses and stream chunks.
 
 Requests accept every documented OpenAI field that a client may send (`user`, `stream_options`, `logprobs`, ...);
-fields we cannot honour are accepted at their neutral value (`logprobs: false`, `n: 1`, `logit_bias: {}`) and
-refused otherwise with a message that says so. llama-server's extensions that map onto our sampler are accepted too
+fields we cannot honour are accepted at their neutral value (`logprobs: false`, `n: 1`) and refused otherwise with a
+message that says so. llama-server's extensions that map onto our sampler are accepted too
 (`top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`, `ignore_eos`, `cache_prompt`, `chat_template_kwargs`).
 """
 
@@ -228,9 +228,14 @@ class _Common(_Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("logit_bias is not supported: leave it out or send {}")
+    def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.isdigit():
+                raise ValueError(
+                    f'logit_bias key {key[:20]!r} is not a token id: give ids as strings, e.g. "50256"'
+                )
+        if v is not None and len(v) > 1024:
+            raise ValueError(f"logit_bias has {len(v)} entries: at most 1024")
         return v
 
     @model_validator(mode="after")
@@ -434,9 +439,24 @@ class LlamaCompletionRequest(Lenient):
                 raise FieldError(name, f"{name} (constrained output) is not supported yet: leave it out")
         if self.n_probs:
             raise FieldError("n_probs", "n_probs (token probabilities) is not supported yet: send 0")
-        if self.logit_bias:
-            raise FieldError("logit_bias", "logit_bias is not supported yet: leave it out")
+        self._bias()  # its shape, checked here so that a bad one is a 400 naming it
         return self
+
+    def _bias(self) -> dict[str, float]:
+        """llama-server's logit_bias: {"id": bias} or [[id, bias], ...], a bias of false banning the token."""
+        b = self.logit_bias
+        pairs = b.items() if isinstance(b, dict) else b or []
+        out = {}
+        for pair in pairs:
+            if not isinstance(pair, list | tuple) or len(pair) != 2 or not isinstance(pair[0], int | str):
+                raise FieldError("logit_bias", 'logit_bias: give {"id": bias} or [[id, bias], ...]')
+            bias = -100.0 if pair[1] is False else pair[1]
+            if not isinstance(bias, int | float) or isinstance(bias, bool):
+                raise FieldError(
+                    "logit_bias", f"logit_bias for {pair[0]}: a number or false, not {pair[1]!r}"
+                )
+            out[str(pair[0])] = max(-100.0, min(100.0, float(bias)))
+        return out
 
     def as_openai(self) -> "CompletionRequest":
         """The OpenAI completion this request is (the fields acted on)."""
@@ -445,6 +465,8 @@ class LlamaCompletionRequest(Lenient):
         fields: dict[str, Any] = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.seed is not None and self.seed >= 0:
             fields["seed"] = self.seed
+        if self.logit_bias:
+            fields["logit_bias"] = self._bias()
         return CompletionRequest.model_validate(
             {
                 "prompt": self.prompt,

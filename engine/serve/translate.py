@@ -42,6 +42,20 @@ class RequestTranslation:
         except UnicodeError as e:
             raise APIError(400, f"the text cannot be encoded as UTF-8: {e}", code="invalid_text") from None
 
+    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        assert self.lm is not None
+        vocab = self.lm.tokenizer.vocab_size
+        out = tuple((int(k), float(v)) for k, v in (bias or {}).items())
+        bad = [i for i, _ in out if i >= vocab]
+        if bad:
+            raise APIError(
+                400,
+                f"logit_bias names token ids {bad[:5]} outside the vocabulary (0..{vocab - 1})",
+                code="invalid_value",
+                param="logit_bias",
+            )
+        return out
+
     def _sampling(self, r: ChatCompletionRequest | CompletionRequest) -> Any:
         d = SamplingParams()
         temperature = d.temperature if r.temperature is None else r.temperature
@@ -59,6 +73,7 @@ class RequestTranslation:
                 frequency_penalty=d.frequency_penalty if r.frequency_penalty is None else r.frequency_penalty,
                 repeat_last_n=d.repeat_last_n if r.repeat_last_n is None else r.repeat_last_n,
                 seed=None if r.seed is None else r.seed % 2**64,
+                logit_bias=self._logit_bias(r.logit_bias),
             )
         except SamplingError as e:
             raise APIError(400, str(e), code="invalid_value") from None

@@ -69,7 +69,24 @@ def test_completion_whole_and_streamed_as_llama_server_answers(server: ServerPro
 
 def test_completion_refuses_what_it_cannot_honour(server: ServerProc) -> None:
     for field, value in (("grammar", "root ::= [a-z]+"), ("json_schema", {"type": "object"}), ("n_probs", 3),
+                         ("logit_bias", [[1, "much"]]),
                          ("n_predict", 0), ("frobnicate", 1)):  # fmt: skip
         r = server.post("/completion", {"prompt": "x", field: value})
         assert r.status_code == 400, (field, r.text)
         assert r.json()["error"]["param"] == field
+
+
+def test_logit_bias_forces_and_bans_tokens_in_both_dialects(server: ServerProc, tiny_model: Path) -> None:
+    tok = Tokenizer.from_metadata(GGUFFile.open(tiny_model).metadata)
+    body = {"prompt": "jade harbor", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    free = server.post("/v1/completions", body).json()["choices"][0]["text"]
+    forced = server.post("/v1/completions", {**body, "logit_bias": {"77": 100}}).json()["choices"][0]["text"]
+    assert forced == tok.decode([77] * 4)
+    first = tok.encode(free, add_special=False)[0]
+    banned = server.post("/v1/completions", {**body, "logit_bias": {str(first): -100}}).json()
+    assert tok.encode(banned["choices"][0]["text"], add_special=False)[0] != first
+    llama = {"prompt": "jade harbor", "n_predict": 4, "temperature": 0, "ignore_eos": True}
+    assert server.post("/completion", {**llama, "logit_bias": [[77, 100]]}).json()["content"] == forced
+    assert server.post("/completion", {**llama, "logit_bias": {"77": 100}}).json()["content"] == forced
+    r = server.post("/v1/completions", {**body, "logit_bias": {"999999": 5}})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
