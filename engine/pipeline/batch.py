@@ -32,6 +32,7 @@ from engine.pipeline.generate import (
     TokenEvent,
     check_prompt,
     reuse_prefix,
+    token_logprob,
 )
 from engine.pipeline.prompt_cache import PromptCache, common_prefix
 from engine.pipeline.sampling import Sampler
@@ -237,7 +238,7 @@ class BatchRunner:
             if n == 0:
                 assert r.token is not None
                 slot.tokens.append(r.token)
-                self._decided(slot, r.sampler.sample(logits[j], r.history))
+                self._decided(slot, r.sampler.sample(logits[j], r.history), logits[j])
                 continue
             slot.tokens.extend(r.prompt[r.read : r.read + n])
             r.emit(PromptChunkEvent(r.read, n, ms))
@@ -246,13 +247,13 @@ class BatchRunner:
                 now = time.perf_counter()
                 r.timings.prompt_ms = (now - r.t_prompt) * 1e3
                 r.t_decode = now
-                self._decided(slot, r.sampler.sample(logits[j], r.history))
+                self._decided(slot, r.sampler.sample(logits[j], r.history), logits[j])
         rows = sum(p.tokens.shape[0] for p in parts)
         st = BatchStep(self.steps, ms, rows, decode_rows, rows - decode_rows, self.busy)
         self.steps += 1
         return st
 
-    def _decided(self, slot: Slot, token: int) -> None:
+    def _decided(self, slot: Slot, token: int, row: torch.Tensor) -> None:
         """A token was sampled for slot's request: emit it, or end the request (end of generation, a stop string,
         its length)."""
         r = slot.request
@@ -265,7 +266,8 @@ class BatchRunner:
         r.history.append(token)
         slot.generated += 1
         text, hit = r.stops.feed(r.decoder.push(token))  # type: ignore[attr-defined]
-        r.emit(TokenEvent(token, text))
+        lp = token_logprob(row, token, r.req.logprobs) if r.req.logprobs is not None else None
+        r.emit(TokenEvent(token, text, lp))
         if hit:
             self._done(slot, "stop", stopped_by_string=True)
         elif len(r.out) >= r.max_new:

@@ -32,9 +32,29 @@ class GenerationError(ValueError):
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model (the log-softmax of its raw logits, before any sampling filter)
+    and the `top` most likely tokens of that row with theirs, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(row: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """logits [V] of the row that decided `token` -> its TokenLogprob with the `top` most likely."""
+    lp = torch.log_softmax(row.float(), dim=-1)
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        vals, ids = torch.topk(lp, min(top, lp.shape[-1]))
+        best = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
+    return TokenLogprob(float(lp[token]), best)
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     token: int
     text: str  # the text this token completes (may be empty: part of a UTF-8 character or of a possible stop string)
+    logprob: TokenLogprob | None = None  # where the request asked for them (GenerationRequest.logprobs)
 
 
 @dataclass(frozen=True)
@@ -101,6 +121,7 @@ class GenerationRequest:
     stop: Sequence[str] = ()
     ignore_eos: bool = False
     cache_prompt: bool = True  # False: read the whole prompt again (no KV reuse)
+    logprobs: int | None = None  # each token's log-probability and this many of the likeliest (None: none)
 
 
 class StopMatcher:
@@ -282,17 +303,19 @@ class Runner:
         stopped_by_string = False
         t1 = time.perf_counter()
         pending = [sampler.sample(logits[-1], history)]  # decided tokens not yet emitted
+        rows = [logits[-1]]  # the logits row that decided each of them (the request's logprobs)
         try:
             step = 0
             while True:
-                token = pending.pop(0)
+                token, row = pending.pop(0), rows.pop(0)
                 if token in eog:
                     finish = "stop"
                     break
                 out.append(token)
                 history.append(token)
                 text, hit = stops.feed(decoder.push(token))
-                yield TokenEvent(token, text)
+                lp = token_logprob(row, token, req.logprobs) if req.logprobs is not None else None
+                yield TokenEvent(token, text, lp)
                 if hit:
                     finish, stopped_by_string = "stop", True
                     break
@@ -308,6 +331,7 @@ class Runner:
                 self._sync()
                 self.cached_tokens.extend([token, *w.accepted])
                 pending = [*w.accepted, w.next_token]
+                rows = [w.rows[j] for j in range(len(pending))]  # row j decided the token after tokens[j]
                 yield StepEvent(step, (time.perf_counter() - s0) * 1e3, len(pending))
                 step += 1
             windows.finish()

@@ -307,6 +307,7 @@ class Window:
     accepted: list[int]  # the drafts kept
     next_token: int  # decided, not yet in the KV cache
     guessed: bool = False  # the front stages had read this window ahead (--pipeline-windows)
+    rows: torch.Tensor | None = None  # the window's logits [len(tokens), V] (a request's logprobs)
 
 
 def pipeline_support(model: object, cache: KVCache | None = None) -> str | None:
@@ -552,7 +553,7 @@ class WindowDecoder:
         if draft.tokens:
             whole = 1.0 if v.accepted == len(draft.tokens) else 0.0
             self._kept_whole = 0.75 * self._kept_whole + 0.25 * whole
-        return Window(tokens, kept, v.token, taken is not None)
+        return Window(tokens, kept, v.token, taken is not None, logits)
 
     def _maybe_guess(self, tokens: list[int], draft: Draft, chain: Draft, pos: int, room: int) -> None:
         """Start the front stages on the next window as guessed: every draft of this one kept, the bonus token the

@@ -4,20 +4,54 @@ llama-server's timings; a client that leaves cancels its job."""
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.serve.errors import APIError
 from engine.serve.jobs import ClientGone, Job, Receive, Result, sse_event, wait_disconnect
 from engine.serve.protocol import new_id, now, timings_dict, usage_dict
 from installer.version import __version__
 
+if TYPE_CHECKING:
+    from engine.pipeline.generate import TokenLogprob
+    from engine.pipeline.loader import LoadedModel
+
 FINGERPRINT = f"polystrata-{__version__}"
 
 
 class Answers:
-    """Part of EngineService: queues jobs (`submit`, `cancel`) and names the model (`model_name`)."""
+    """Part of EngineService: queues jobs (`submit`, `cancel`), names the model (`model_name`) and spells tokens
+    (`lm.tokenizer`)."""
 
     model_name: str
+    lm: "LoadedModel | None"
+
+    def _lp_token(self, token: int, logprob: float) -> dict[str, Any]:
+        assert self.lm is not None
+        raw = self.lm.tokenizer.token_to_bytes(token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def chat_logprobs(self, lps: "list[tuple[int, TokenLogprob]]") -> dict[str, Any]:
+        """OpenAI's chat `logprobs`: each token with its log-probability, bytes and the likeliest alternatives."""
+        content = []
+        for token, lp in lps:
+            e = self._lp_token(token, lp.logprob)
+            e["top_logprobs"] = [self._lp_token(i, v) for i, v in lp.top]
+            content.append(e)
+        return {"content": content, "refusal": None}
+
+    def completion_logprobs(self, lps: "list[tuple[int, TokenLogprob]]", offset: int) -> dict[str, Any]:
+        """OpenAI's legacy completion `logprobs`: parallel lists, `text_offset` counted from `offset`."""
+        tokens = [self._lp_token(t, lp.logprob)["token"] for t, lp in lps]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for _, lp in lps],
+            "top_logprobs": [{self._lp_token(i, v)["token"]: v for i, v in lp.top} for _, lp in lps],
+            "text_offset": offsets,
+        }
 
     def submit(self, job: Job) -> None:
         raise NotImplementedError
@@ -72,7 +106,15 @@ class Answers:
             "system_fingerprint": FINGERPRINT,
         }
 
-        def chunk(text: str | None, finish: str | None = None, first: bool = False, **extra: Any) -> bytes:
+        offset = len(echo)  # where the next text starts in the answer (a completion's text_offset)
+
+        def chunk(
+            text: str | None,
+            finish: str | None = None,
+            first: bool = False,
+            logprobs: dict[str, Any] | None = None,
+            **extra: Any,
+        ) -> bytes:
             if chat:
                 delta: dict[str, Any] = {}
                 if first:
@@ -82,11 +124,11 @@ class Answers:
                 choice: dict[str, Any] = {
                     "index": 0,
                     "delta": delta,
-                    "logprobs": None,
+                    "logprobs": logprobs,
                     "finish_reason": finish,
                 }
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             obj: dict[str, Any] = {**base, "choices": [choice], **extra}
             if include_usage and "usage" not in obj:
                 obj["usage"] = None
@@ -106,8 +148,15 @@ class Answers:
             async for batch in self._items(job):
                 out = bytearray()
                 for item in batch:
-                    if item[0] == "text":
+                    if item[0] == "text" and len(item) > 2 and item[2]:  # with the tokens' log-probabilities
+                        lps = (
+                            self.chat_logprobs(item[2]) if chat else self.completion_logprobs(item[2], offset)
+                        )
+                        out += chunk(item[1], logprobs=lps)
+                        offset += len(item[1])
+                    elif item[0] == "text":
                         out += text_chunk(item[1])
+                        offset += len(item[1])
                     elif item[0] == "error":
                         err: APIError = item[1]
                         out += sse_event(err.body())
@@ -129,15 +178,19 @@ class Answers:
 
     def chat_response(self, res: Result) -> dict[str, Any]:
         message = {"role": "assistant", "content": res.text, "refusal": None}
-        return self._whole("chatcmpl", "chat.completion", {"message": message}, res)
+        lps = self.chat_logprobs(res.logprobs) if res.logprobs is not None else None
+        return self._whole("chatcmpl", "chat.completion", {"message": message}, res, lps)
 
     def completion_response(self, res: Result, echo: str) -> dict[str, Any]:
-        return self._whole("cmpl", "text_completion", {"text": echo + res.text}, res)
+        lps = self.completion_logprobs(res.logprobs, len(echo)) if res.logprobs is not None else None
+        return self._whole("cmpl", "text_completion", {"text": echo + res.text}, res, lps)
 
-    def _whole(self, prefix: str, kind: str, content: dict[str, Any], res: Result) -> dict[str, Any]:
-        """A whole answer: its one choice (`content` and how it finished), usage and timings."""
+    def _whole(
+        self, prefix: str, kind: str, content: dict[str, Any], res: Result, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """A whole answer: its one choice (`content`, its log-probabilities and how it finished), usage, timings."""
         t = res.done.timings
-        choice = {"index": 0, **content, "logprobs": None, "finish_reason": res.done.finish_reason}
+        choice = {"index": 0, **content, "logprobs": logprobs, "finish_reason": res.done.finish_reason}
         return {
             "id": new_id(prefix),
             "object": kind,

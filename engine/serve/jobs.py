@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from engine.serve.protocol import new_id
 
 if TYPE_CHECKING:
-    from engine.pipeline.generate import DoneEvent, GenerationRequest
+    from engine.pipeline.generate import DoneEvent, GenerationRequest, TokenLogprob
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 
@@ -68,6 +68,7 @@ class Result:
     text: str
     done: "DoneEvent"
     queued_ms: float
+    logprobs: "list[tuple[int, TokenLogprob]] | None" = None  # (token, its log-probabilities) where asked for
 
 
 class ClientGone(Exception):

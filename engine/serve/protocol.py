@@ -282,10 +282,8 @@ class ChatCompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _unsupported(self) -> "ChatCompletionRequest":
-        if self.logprobs:
-            raise FieldError("logprobs", "logprobs is not supported: leave it out or send false")
-        if self.top_logprobs:
-            raise FieldError("top_logprobs", "top_logprobs is not supported: leave it out or send 0")
+        if self.top_logprobs and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         if self.response_format is not None and self.response_format.type != "text":
             raise FieldError(
                 "response_format",
@@ -312,6 +310,11 @@ class ChatCompletionRequest(_Common):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprob_top(self) -> int | None:
+        """Each token's log-probability and this many of the likeliest (None: none asked for)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -342,13 +345,16 @@ class CompletionRequest(_Common):
             raise FieldError("suffix", "suffix is not supported: leave it out")
         if self.best_of is not None and self.best_of != 1:
             raise FieldError("best_of", f"best_of={self.best_of} is not supported: send 1 or leave it out")
-        if self.logprobs:
-            raise FieldError("logprobs", "logprobs is not supported: leave it out or send 0")
         return self
 
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def logprob_top(self) -> int | None:
+        """Each token's log-probability and this many of the likeliest (None: none asked for)."""
+        return self.logprobs
 
 
 # ---- llama-server's own routes (engine/serve/llama_routes.py) ----------------------------------------------------

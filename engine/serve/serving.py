@@ -32,6 +32,7 @@ from engine.pipeline.generate import (
     StepEvent,
     TextEvent,
     TokenEvent,
+    TokenLogprob,
 )
 from engine.pipeline.prompt_cache import PromptCache
 from engine.pipeline.spec import SpecConfig
@@ -489,18 +490,26 @@ class _JobOutput:
         self.queued_ms = (job.started - job.created) * 1e3
         self.parts: list[str] = []
         self.done: DoneEvent | None = None
+        self.logprobs: list[tuple[int, TokenLogprob]] = []  # where the request asked for them
+        self.sent = 0  # of those, streamed so far (each goes with the text that shows its token)
 
     def _text(self, text: str) -> None:
         if text:
             if self.job.stream:
-                self.job.push("text", text)
+                self.job.push("text", text, self._unsent())
             else:
                 self.parts.append(text)
+
+    def _unsent(self) -> list[tuple[int, TokenLogprob]]:
+        out, self.sent = self.logprobs[self.sent :], len(self.logprobs)
+        return out
 
     def event(self, ev: Event) -> None:
         job, svc = self.job, self.service
         if isinstance(ev, TokenEvent):
             job.generated += 1
+            if ev.logprob is not None:
+                self.logprobs.append((ev.token, ev.logprob))
             self._text(ev.text)
         elif isinstance(ev, TextEvent):
             self._text(ev.text)
@@ -518,7 +527,12 @@ class _JobOutput:
         assert self.done is not None
         svc, job = self.service, self.job
         svc.telemetry.request_done(job.endpoint, "ok", timings_dict(self.done.timings, self.queued_ms))
-        job.push("done", Result("".join(self.parts), self.done, self.queued_ms))
+        if job.stream and self.sent < len(
+            self.logprobs
+        ):  # tokens whose text never showed (an end, a stop string)
+            job.push("text", "", self._unsent())
+        lps = self.logprobs if job.req.logprobs is not None else None
+        job.push("done", Result("".join(self.parts), self.done, self.queued_ms, lps))
 
     def refused(self, e: GenerationError) -> None:
         self.job.finished = True

@@ -100,6 +100,7 @@ class RequestTranslation:
             stop=[*r.stops, *(s for s in template_stops if s not in r.stops)],
             ignore_eos=bool(r.ignore_eos),
             cache_prompt=r.cache_prompt is not False,
+            logprobs=r.logprob_top,
         )
 
     def prepare_chat(self, r: ChatCompletionRequest) -> "GenerationRequest":

@@ -252,3 +252,16 @@ def test_with_8_bit_activations_a_batch_keeps_each_rows_logits(
     )
     for a, b in zip(alone, both, strict=True):
         assert torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item() >= 0.999
+
+
+def test_both_runners_give_each_token_its_log_probability(qwen: object) -> None:
+    """The one-request Runner (its decode windows) and the slots give the same log-probabilities, those of the
+    model's raw logits, with the likeliest alternatives."""
+    req = GenerationRequest([3, 1, 4, 1, 5], max_tokens=5, sampling=GREEDY, ignore_eos=True, logprobs=2)
+    alone = [e.logprob for e in _alone(qwen, req) if isinstance(e, TokenEvent)]
+    (batched,) = _run(BatchRunner(qwen.model, qwen.tokenizer, 256, "f32", slots=2), [req])  # type: ignore[attr-defined]
+    both = [e.logprob for e in batched if isinstance(e, TokenEvent)]
+    assert len(alone) == len(both) == 5
+    for a, b in zip(alone, both, strict=True):
+        assert a is not None and b is not None and len(a.top) == 2
+        assert abs(a.logprob - b.logprob) <= 1e-5 and a.logprob == a.top[0][1]  # greedy: the likeliest

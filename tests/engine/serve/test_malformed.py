@@ -166,7 +166,7 @@ CASES: list[tuple[str, str, str, bytes | None, int, str | None]] = [
         400,
         None,
     ),
-    ("logprobs true", "POST", CHAT, chat(logprobs=True), 400, "logprobs"),
+    ("top_logprobs over 20", "POST", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("logit_bias key not a token id", "POST", CHAT, chat(logit_bias={"hello": 10}), 400, "logit_bias"),
     (
         "json response_format",
@@ -214,7 +214,7 @@ CASES: list[tuple[str, str, str, bytes | None, int, str | None]] = [
     ("completion best_of 3", "POST", COMP, comp(best_of=3), 400, "best_of"),
     ("completion suffix", "POST", COMP, comp(suffix="end"), 400, "suffix"),
     ("completion echo as string", "POST", COMP, comp(echo="yes"), 400, "echo"),
-    ("completion logprobs", "POST", COMP, comp(logprobs=2), 400, "logprobs"),
+    ("completion logprobs over 5", "POST", COMP, comp(logprobs=6), 400, "logprobs"),
     ("completion prompt too long", "POST", COMP, comp(prompt=LONG_PROMPT), 400, "prompt"),
     ("GET on chat", "GET", CHAT, None, 405, None),
     ("PUT on completions", "PUT", COMP, comp(), 405, None),
