@@ -61,21 +61,33 @@ class Answers:
 
     async def run_to_end(self, job: Job, receive: Receive) -> Result:
         """Queue the job and wait for its whole answer; the client leaving cancels it."""
-        self.submit(job)
+        return (await self.run_all([job], receive))[0]
+
+    async def run_all(self, jobs: list[Job], receive: Receive) -> list[Result]:
+        """Queue the jobs (a request's choices: with several slots they run together) and wait for every whole
+        answer; the client leaving cancels them all, and the first error ends the request."""
+        for job in jobs:
+            self.submit(job)
         watcher = asyncio.ensure_future(wait_disconnect(receive))
-        getter = asyncio.ensure_future(job.take())
+        getters = [asyncio.ensure_future(job.take()) for job in jobs]
         try:
-            done, _ = await asyncio.wait({watcher, getter}, return_when=asyncio.FIRST_COMPLETED)
-            if getter not in done:
-                raise ClientGone
-            item = getter.result()[0]  # a whole answer comes as one item
+            waiting: set[asyncio.Future[Any]] = set(getters)
+            while waiting:
+                done, _ = await asyncio.wait({watcher, *waiting}, return_when=asyncio.FIRST_COMPLETED)
+                if watcher in done:
+                    raise ClientGone
+                waiting -= done
         finally:
             watcher.cancel()
-            getter.cancel()
-            self.cancel(job)
-        if item[0] == "error":
-            raise item[1]
-        return item[1]
+            for g in getters:
+                g.cancel()
+            for job in jobs:
+                self.cancel(job)
+        items = [g.result()[0] for g in getters]  # a whole answer comes as one item
+        for item in items:
+            if item[0] == "error":
+                raise item[1]
+        return [item[1] for item in items]
 
     async def _items(self, job: Job) -> AsyncIterator[list[tuple[Any, ...]]]:
         while True:
@@ -176,28 +188,51 @@ class Answers:
         finally:
             self.cancel(job)
 
-    def chat_response(self, res: Result) -> dict[str, Any]:
-        message = {"role": "assistant", "content": res.text, "refusal": None}
-        lps = self.chat_logprobs(res.logprobs) if res.logprobs is not None else None
-        return self._whole("chatcmpl", "chat.completion", {"message": message}, res, lps)
+    def chat_response(self, res: Result | list[Result]) -> dict[str, Any]:
+        results = res if isinstance(res, list) else [res]
+        content = [
+            {
+                "message": {"role": "assistant", "content": r.text, "refusal": None},
+                "logprobs": self.chat_logprobs(r.logprobs) if r.logprobs is not None else None,
+            }
+            for r in results
+        ]
+        return self._whole("chatcmpl", "chat.completion", content, results)
 
-    def completion_response(self, res: Result, echo: str) -> dict[str, Any]:
-        lps = self.completion_logprobs(res.logprobs, len(echo)) if res.logprobs is not None else None
-        return self._whole("cmpl", "text_completion", {"text": echo + res.text}, res, lps)
+    def completion_response(self, res: Result | list[Result], echo: str) -> dict[str, Any]:
+        results = res if isinstance(res, list) else [res]
+        content = [
+            {
+                "text": echo + r.text,
+                "logprobs": self.completion_logprobs(r.logprobs, len(echo))
+                if r.logprobs is not None
+                else None,
+            }
+            for r in results
+        ]
+        return self._whole("cmpl", "text_completion", content, results)
 
     def _whole(
-        self, prefix: str, kind: str, content: dict[str, Any], res: Result, logprobs: dict[str, Any] | None
+        self, prefix: str, kind: str, content: list[dict[str, Any]], results: list[Result]
     ) -> dict[str, Any]:
-        """A whole answer: its one choice (`content`, its log-probabilities and how it finished), usage, timings."""
-        t = res.done.timings
-        choice = {"index": 0, **content, "logprobs": logprobs, "finish_reason": res.done.finish_reason}
+        """A whole answer: a choice per result (its `content`: text or message and log-probabilities, and how it
+        finished); usage counts the prompt once and every choice's tokens; timings are the first choice's."""
+        choices = [
+            {"index": i, **c, "finish_reason": r.done.finish_reason}
+            for i, (c, r) in enumerate(zip(content, results, strict=True))
+        ]
+        first = results[0].done.timings
+        usage = usage_dict(first)
+        extra = sum(r.done.timings.generated_tokens for r in results[1:])
+        usage["completion_tokens"] += extra
+        usage["total_tokens"] += extra
         return {
             "id": new_id(prefix),
             "object": kind,
             "created": now(),
             "model": self.model_name,
             "system_fingerprint": FINGERPRINT,
-            "choices": [choice],
-            "usage": usage_dict(t),
-            "timings": timings_dict(t, res.queued_ms),
+            "choices": choices,
+            "usage": usage,
+            "timings": timings_dict(first, results[0].queued_ms),
         }

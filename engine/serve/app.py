@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -14,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
+from engine.pipeline.generate import GenerationRequest
 from engine.serve.errors import APIError, from_validation
 from engine.serve.jobs import ClientGone, Job, sse_event
 from engine.serve.llama_routes import add_llama_completion, add_llama_routes
@@ -43,6 +45,17 @@ async def _parse(request: Request, model: type[M]) -> M:
         return model.model_validate_json(body)
     except ValidationError as e:
         raise from_validation(e) from None
+
+
+def choices(gen: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """A request's n choices: generations of their own, choice i seeded with seed + i where a seed is given."""
+    seed = gen.sampling.seed
+    return [
+        gen
+        if i == 0
+        else replace(gen, sampling=replace(gen.sampling, seed=None if seed is None else (seed + i) % 2**64))
+        for i in range(n)
+    ]
 
 
 def create_app(service: EngineService, cors_origins: Sequence[str] = ()) -> FastAPI:
@@ -140,12 +153,15 @@ def create_app(service: EngineService, cors_origins: Sequence[str] = ()) -> Fast
         service.check_model(r.model)
         service.require_ready()
         gen = await run_in_threadpool(service.prepare_chat, r)
-        job = Job("chat", gen, bool(r.stream), asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
         if r.stream:
+            job = Job("chat", gen, True, loop)
             service.submit(job)
             return EventStreamResponse(service.stream(job, "chat", r.include_usage))
         try:
-            res = await service.run_to_end(job, request.receive)
+            res = await service.run_all(
+                [Job("chat", g, False, loop) for g in choices(gen, r.choices)], request.receive
+            )
         except ClientGone:
             return Response(status_code=499)
         return JSONResponse(service.chat_response(res))
@@ -155,12 +171,14 @@ def create_app(service: EngineService, cors_origins: Sequence[str] = ()) -> Fast
         service.check_model(r.model)
         service.require_ready()
         gen, echo = await run_in_threadpool(service.prepare_completion, r)
-        job = Job("completions", gen, bool(r.stream), asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
         if r.stream:
+            job = Job("completions", gen, True, loop)
             service.submit(job)
             return EventStreamResponse(service.stream(job, "completions", r.include_usage, echo))
+        jobs = [Job("completions", g, False, loop) for g in choices(gen, r.choices)]
         try:
-            res = await service.run_to_end(job, request.receive)
+            res = await service.run_all(jobs, request.receive)
         except ClientGone:
             return Response(status_code=499)
         return JSONResponse(service.completion_response(res, echo))

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # torch loads in the background, after the server already ans
     from engine.pipeline.generate import Timings
 
 MAX_STOP = 16
+MAX_CHOICES = 16  # n: choices one request may ask for (each a generation of its own, sharing the slots)
 
 
 class FieldError(ValueError):
@@ -221,9 +222,9 @@ class _Common(_Strict):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError(f"n={v} is not supported: this server returns one choice per request; send n=1")
+    def _choices(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"n={v}: send 1 to {MAX_CHOICES} choices")
         return v
 
     @field_validator("logit_bias")
@@ -242,7 +243,13 @@ class _Common(_Strict):
     def _stream_options_need_stream(self) -> "_Common":
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed with stream: true")
+        if self.stream and (self.n or 1) > 1:
+            raise FieldError("n", "n > 1 is answered whole for now: send stream false, or n 1 to stream")
         return self
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
 
     @property
     def stops(self) -> list[str]:

@@ -64,3 +64,17 @@ def test_chat_logprobs_whole_and_streamed(server: ServerProc) -> None:
     assert off["choices"][0]["logprobs"] is None
     r = server.post("/v1/chat/completions", {**body, "logprobs": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_n_choices_each_seeded_on_from_the_request_seed(server: ServerProc) -> None:
+    body = {"prompt": "amber birch", "max_tokens": 5, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+            "ignore_eos": True, "seed": 11}  # fmt: skip
+    three = server.post("/v1/completions", {**body, "n": 3, "logprobs": 1}).json()
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+    for i, c in enumerate(three["choices"]):
+        alone = server.post("/v1/completions", {**body, "seed": 11 + i}).json()["choices"][0]["text"]
+        assert c["text"] == alone and len(c["logprobs"]["tokens"]) == 5
+    assert three["usage"]["completion_tokens"] == 15
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, "n": 2}
+    two = server.post("/v1/chat/completions", chat).json()["choices"]
+    assert len(two) == 2 and two[0]["message"] == two[1]["message"]  # greedy: the same answer twice

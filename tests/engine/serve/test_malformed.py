@@ -144,7 +144,7 @@ CASES: list[tuple[str, str, str, bytes | None, int, str | None]] = [
     ("presence_penalty out of range", "POST", CHAT, chat(presence_penalty=3), 400, "presence_penalty"),
     ("frequency_penalty out of range", "POST", CHAT, chat(frequency_penalty=-3), 400, "frequency_penalty"),
     ("zero repeat_penalty", "POST", CHAT, chat(repeat_penalty=0), 400, "repeat_penalty"),
-    ("n=2", "POST", CHAT, chat(n=2), 400, "n"),
+    ("n=2 streamed", "POST", CHAT, chat(n=2, stream=True), 400, "n"),
     ("huge n", "POST", CHAT, chat(n=1000000), 400, "n"),
     ("stop is a number", "POST", CHAT, chat(stop=5), 400, "stop"),
     ("too many stop strings", "POST", CHAT, chat(stop=[f"s{i}" for i in range(17)]), 400, "stop"),
