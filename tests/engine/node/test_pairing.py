@@ -19,7 +19,7 @@ from engine.node import wire
 from engine.node.agent import Agent
 from engine.node.client import NodeClient, NodeError, NodeRegistry, identify, pair
 from engine.node.keys import KeyFileError, KeyPair, fingerprint, load_or_create_keypair
-from tests.engine.node.conftest import Paired, pair_with
+from tests.engine.node.conftest import Paired, free_port, pair_with
 
 # The commands that need a paired main, with arguments that would be valid after pairing.
 PAIRED_ONLY: dict[str, dict] = {
@@ -173,7 +173,9 @@ def test_impostor_with_another_key_on_the_same_address(
 def test_pairing_survives_a_restart_and_local_unpair(
     make_agent: Callable[..., Agent], tmp_path: Path
 ) -> None:
-    a = make_agent("pc", data_dir=tmp_path / "agent-pc")
+    # A port below the ephemeral range: with port 0 the OS hands out one there, and between the close and the
+    # restart an outgoing connection elsewhere on the PC could take it (or the next one, the agent's second port).
+    a = make_agent("pc", data_dir=tmp_path / "agent-pc", port=free_port())
     p = pair_with(a)
     port = a.port
     a.close()
