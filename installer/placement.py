@@ -113,13 +113,23 @@ AUTO_PARALLEL = 8  # --parallel left out: at most this many slots on a card
 CPU_PARALLEL = 4  # and on the CPU, where host RAM holds the KV
 
 
-def auto_parallel(slot_kv_bytes: int, free_bytes: int | None) -> tuple[int, str]:
+def auto_parallel(
+    slot_kv_bytes: int, free_bytes: int | None, host_bytes: int | None = None
+) -> tuple[int, str]:
     """--parallel left out: the slots (requests decoded together) whose KV caches take at most an eighth of the
-    card's free VRAM (or of --vram-budget-mib), 1 to AUTO_PARALLEL (the rest goes to the weights and the expert cache); CPU_PARALLEL where no
-    card runs the model (`free_bytes` None). -> (slots, the reason, for the log)."""
+    card's free VRAM (or of --vram-budget-mib), 1 to AUTO_PARALLEL (the rest goes to the weights and the expert
+    cache); where no card runs the model (`free_bytes` None), up to CPU_PARALLEL within an eighth of the host RAM
+    available (`host_bytes`). -> (slots, the reason, for the log)."""
+    per = max(1, slot_kv_bytes)
     if free_bytes is None:
-        return CPU_PARALLEL, f"{CPU_PARALLEL} on the CPU"
-    n = max(1, min(AUTO_PARALLEL, free_bytes // 8 // max(1, slot_kv_bytes)))
+        if host_bytes is None:
+            return CPU_PARALLEL, f"{CPU_PARALLEL} on the CPU"
+        n = max(1, min(CPU_PARALLEL, host_bytes // 8 // per))
+        return int(n), (
+            f"{n} slot(s) of {slot_kv_bytes / GIB:.2f} GiB of KV each on the CPU, within an eighth of the "
+            f"{host_bytes / GIB:.1f} GiB of RAM available"
+        )
+    n = max(1, min(AUTO_PARALLEL, free_bytes // 8 // per))
     return int(n), (
         f"{n} slot(s) of {slot_kv_bytes / GIB:.2f} GiB of KV each, within an eighth of the {free_bytes / GIB:.1f} GiB "
         "free on the card"

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 
 from engine.experts.profile import startup_profile
@@ -69,7 +70,8 @@ def load_split_model(
     geometry = geometry_from_gguf(gf, cfg, kv_type) if cards else None
     # With a remote stage this PC runs one stage: the plan places it (the rest is the worker's).
     plan_opts = replace(opts, layer_split=None) if opts.remote else opts
-    sequences = _sequences(parallel, opts, cards if on_cuda else [], geometry, max_context)
+    kv_geometry = geometry if geometry is not None else geometry_from_gguf(gf, cfg, kv_type)
+    sequences = _sequences(parallel, opts, cards if on_cuda else [], kv_geometry, max_context)
     sp = plan_stages(plan_opts, cfg.n_layer, cards, geometry, max_context, profile, sequences)
     for line in sp.lines:
         log.info("%s", line)
@@ -111,7 +113,8 @@ def _sequences(
         free is not None and opts.vram_budget_mib is not None
     ):  # the budget is the card as far as the plan goes
         free = min(free, opts.vram_budget_mib << 20)
-    n, why = auto_parallel(slot_kv, free)
+    host = None if free is not None else int(psutil.virtual_memory().available)
+    n, why = auto_parallel(slot_kv, free, host)
     log.info("--parallel %d (auto: %s)", n, why)
     return n
 

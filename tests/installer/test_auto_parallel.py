@@ -29,6 +29,13 @@ def test_auto_parallel_keeps_the_slots_kv_within_an_eighth_of_the_card(
         assert n * slot_kv <= free // 8
 
 
+def test_on_the_cpu_the_slots_kv_stays_within_an_eighth_of_the_ram() -> None:
+    assert auto_parallel(GIB // 2, None, 64 * GIB)[0] == CPU_PARALLEL
+    n, why = auto_parallel(GIB, None, 16 * GIB)  # a big model's 1 GiB a slot on a 16 GiB PC: 2
+    assert n == 2 and "RAM" in why
+    assert auto_parallel(4 * GIB, None, 8 * GIB)[0] == 1
+
+
 def test_a_remote_stage_runs_one_slot(caplog: pytest.LogCaptureFixture) -> None:
     card = Card(0, "card", 80 * GIB)
     with caplog.at_level(logging.INFO, "strata.engine"):
