@@ -3,12 +3,14 @@ llama-server's timings; a client that leaves cancels its job."""
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.serve.errors import APIError
 from engine.serve.jobs import ClientGone, Job, Receive, Result, sse_event, wait_disconnect
 from engine.serve.protocol import new_id, now, timings_dict, usage_dict
+from engine.serve.tool_calls import HermesCalls, openai_tool_calls, parser_for
 from installer.version import __version__
 
 if TYPE_CHECKING:
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
     from engine.pipeline.loader import LoadedModel
 
 FINGERPRINT = f"polystrata-{__version__}"
+log = logging.getLogger("strata.serve")
 
 
 class Answers:
@@ -188,16 +191,31 @@ class Answers:
         finally:
             self.cancel(job)
 
-    def chat_response(self, res: Result | list[Result]) -> dict[str, Any]:
+    def chat_response(self, res: Result | list[Result], tools: bool = False) -> dict[str, Any]:
+        """`tools`: the request gave tools the model may call; its calls, in the format its template teaches,
+        become `tool_calls` (finish_reason "tool_calls")."""
         results = res if isinstance(res, list) else [res]
-        content = [
-            {
-                "message": {"role": "assistant", "content": r.text, "refusal": None},
-                "logprobs": self.chat_logprobs(r.logprobs) if r.logprobs is not None else None,
-            }
-            for r in results
-        ]
+        parser = self._tool_parser() if tools else None
+        content = []
+        for r in results:
+            message: dict[str, Any] = {"role": "assistant", "content": r.text, "refusal": None}
+            choice: dict[str, Any] = {"message": message}
+            parsed = parser.parse(r.text) if parser is not None else None
+            if parsed is not None and parsed.calls:
+                message.update(content=parsed.content, tool_calls=openai_tool_calls(parsed.calls))
+                choice["finish_reason"] = "tool_calls"
+            choice["logprobs"] = self.chat_logprobs(r.logprobs) if r.logprobs is not None else None
+            content.append(choice)
         return self._whole("chatcmpl", "chat.completion", content, results)
+
+    def _tool_parser(self) -> HermesCalls | None:
+        assert self.lm is not None
+        parser = parser_for(self.lm.chat.template)
+        if parser is None and not getattr(self, "_said_no_tool_format", False):
+            self._said_no_tool_format = True
+            log.info("the chat template of %s shows no tool-call format this server reads: tool calls come back "
+                     "as text", self.model_name)  # fmt: skip
+        return parser
 
     def completion_response(self, res: Result | list[Result], echo: str) -> dict[str, Any]:
         results = res if isinstance(res, list) else [res]
@@ -218,7 +236,7 @@ class Answers:
         """A whole answer: a choice per result (its `content`: text or message and log-probabilities, and how it
         finished); usage counts the prompt once and every choice's tokens; timings are the first choice's."""
         choices = [
-            {"index": i, **c, "finish_reason": r.done.finish_reason}
+            {"index": i, **c, "finish_reason": c.get("finish_reason", r.done.finish_reason)}
             for i, (c, r) in enumerate(zip(content, results, strict=True))
         ]
         first = results[0].done.timings

@@ -164,7 +164,7 @@ def create_app(service: EngineService, cors_origins: Sequence[str] = ()) -> Fast
             )
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(service.chat_response(res))
+        return JSONResponse(service.chat_response(res, tools=bool(r.tools) and r.tool_choice != "none"))
 
     async def completions(request: Request) -> Response:
         r = await _parse(request, CompletionRequest)
