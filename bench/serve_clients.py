@@ -134,7 +134,7 @@ def main() -> None:
     out = {
         "what": "bench/serve_clients.py: C clients at once through HTTP, each sending requests one after another",
         "server": url if a.url else f"strata-engine serve {a.serve_args}".strip(),
-        "model": str(a.model or ("(the server's)" if a.url else default_model_path())),
+        "model": (a.model or default_model_path()).name if not a.url else "(the server's)",
         "slots": (stats or {}).get("slots", {}) and stats["slots"]["total"],  # type: ignore[index]
         "tokens": a.tokens,
         "machine": {"cpu_count": __import__("os").cpu_count(), "platform": platform.platform()},

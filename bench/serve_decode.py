@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.serve_clients import start_server as serve
 from engine.layers.kv_cache import resolve_kv_type
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.loader import load_model
@@ -33,30 +34,7 @@ PROMPT = "The history of the city begins"
 
 
 def start_server(model: Path, threads: int, ctx: int) -> tuple[subprocess.Popen[str], str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "engine.cli",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        "0",
-        "--device",
-        "cpu",
-    ]
-    cmd += ["--threads", str(threads), "--max-context", str(ctx)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if "listening on http://" in line:
-            url = line.split("listening on ", 1)[1].split()[0]
-            break
-    else:
-        raise SystemExit("the server did not start")
-    while httpx.get(url + "/health", timeout=10).json()["status"] == "loading":
-        time.sleep(0.1)
-    return proc, url
+    return serve(model, ["--device", "cpu", "--threads", str(threads), "--max-context", str(ctx)])
 
 
 def server_whole(url: str, n: int) -> float:

@@ -35,8 +35,7 @@ class Metrics:
 
     @property
     def generating(self) -> int:
-        """Requests being generated: those in the slots, or the one request."""
-        return len(self.running) if self.batch is not None else (1 if self.active is not None else 0)
+        raise NotImplementedError
 
     def links(self) -> list[tuple[str, str]]:
         raise NotImplementedError

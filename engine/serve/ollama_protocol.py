@@ -6,27 +6,18 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.serve.errors import FieldError
-from engine.serve.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest, Lenient
+from engine.serve.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest, LlamaSampling
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class OllamaOptions(Lenient):
+class OllamaOptions(LlamaSampling):
     """`options`: the sampling ones are honoured; the runner's (context, batch, GPU, threads, memory) are this
     server's own flags and are accepted and left alone (`ignored_fields`)."""
 
     num_predict: Annotated[int, Field(ge=-2)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
-    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repeat_penalty: Annotated[float, Field(gt=0)] | None = None
-    repeat_last_n: Annotated[int, Field(ge=-1)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    seed: int | None = None
     stop: Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     # accepted, not acted on
     num_ctx: Any = None
@@ -44,16 +35,7 @@ class OllamaOptions(Lenient):
     use_mlock: Any = None
 
     def as_openai(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            k: getattr(self, k)
-            for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n")
-            if getattr(self, k) is not None
-        }
-        for k in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, k) is not None:
-                out[k] = getattr(self, k)
-        if self.seed is not None and self.seed >= 0:
-            out["seed"] = self.seed
+        out = self.sampling_fields()
         if self.stop:
             out["stop"] = self.stop
         if self.num_predict is not None and self.num_predict > 0:

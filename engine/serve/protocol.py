@@ -394,11 +394,9 @@ class Lenient(BaseModel):
         return [name for name, f in cls.model_fields.items() if f.annotation is Any]
 
 
-class LlamaCompletionRequest(Lenient):
-    """llama-server's own POST /completion: the fields it honours are mapped onto the OpenAI completion's."""
+class LlamaSampling(Lenient):
+    """The sampling fields llama.cpp's servers (llama-server, Ollama) name as this engine's sampler does."""
 
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    n_predict: Annotated[int, Field(ge=-2)] = -1  # -1: until the context or an end; -2 likewise
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
@@ -407,7 +405,23 @@ class LlamaCompletionRequest(Lenient):
     repeat_last_n: Annotated[int, Field(ge=-1)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    seed: int | None = None  # -1: random
+    seed: int | None = None  # -1 (or any negative): random
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The OpenAI request's sampling fields for those given (a negative seed: none, a random one)."""
+        names = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                 "frequency_penalty")  # fmt: skip
+        out: dict[str, Any] = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.seed is not None and self.seed >= 0:
+            out["seed"] = self.seed
+        return out
+
+
+class LlamaCompletionRequest(LlamaSampling):
+    """llama-server's own POST /completion: the fields it honours are mapped onto the OpenAI completion's."""
+
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    n_predict: Annotated[int, Field(ge=-2)] = -1  # -1: until the context or an end; -2 likewise
     stop: Annotated[list[str], Field(max_length=MAX_STOP)] = []
     stream: bool = False
     cache_prompt: bool = True
@@ -473,11 +487,7 @@ class LlamaCompletionRequest(Lenient):
 
     def as_openai(self) -> "CompletionRequest":
         """The OpenAI completion this request is (the fields acted on)."""
-        names = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-                 "frequency_penalty")  # fmt: skip
-        fields: dict[str, Any] = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
-        if self.seed is not None and self.seed >= 0:
-            fields["seed"] = self.seed
+        fields = self.sampling_fields()
         if self.logit_bias:
             fields["logit_bias"] = self._bias()
         return CompletionRequest.model_validate(

@@ -284,6 +284,11 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def generating(self) -> int:
+        """Requests being generated: those in the slots, or the one request."""
+        return len(self.running) if self.batch is not None else (1 if self.active is not None else 0)
+
     def submit(self, job: Job) -> None:
         with self._cv:
             if self._stopping:

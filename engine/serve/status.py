@@ -50,8 +50,7 @@ class Status:
 
     @property
     def generating(self) -> int:
-        """Requests being generated: those in the slots, or the one request."""
-        return len(self.running) if self.batch is not None else (1 if self.active is not None else 0)
+        raise NotImplementedError
 
     def _snapshot_experts(self) -> None:
         counts = self.lm.model.expert_counts if self.lm is not None else None
