@@ -154,6 +154,12 @@ class BatchPart:
     start: int
 
 
+def forward_each(model: Any, parts: Sequence[BatchPart]) -> torch.Tensor:
+    """Several sequences, a forward each -> each part's last-row logits [P, V] (what a model that cannot share a
+    step's weight reads between sequences does)."""
+    return torch.cat([model.forward(p.tokens, p.cache, p.start, last_only=True) for p in parts])
+
+
 class FamilyLM:
     """Layers `layers` of a model of one family on `device`, computing in `dtype`; the residual stream stays
     float32. Subclasses load their layers (`_load_layer`) and run them (`layer_at`)."""
@@ -323,7 +329,7 @@ class FamilyLM:
         """Several sequences in one step -> each part's last-row logits [P, V]; each part's cache then holds its
         start+T positions. Here a forward per part (every family: recurrent state, latent attention); the shared
         decoder reads the weights once for all the parts (DecoderLM.forward_batch)."""
-        return torch.cat([self.forward(p.tokens, p.cache, p.start, last_only=True) for p in parts])
+        return forward_each(self, parts)
 
     def forward_span(self, tokens: torch.Tensor, cache: KVCache, start: int, chunk: int) -> torch.Tensor:
         """A prompt span read layer by layer: tokens [T] -> the last row's logits [1, V]. Each layer reads the

@@ -32,6 +32,7 @@ from engine.pipeline.generate import (
     TokenEvent,
     check_prompt,
     reuse_prefix,
+    sync_device,
     token_logprob,
 )
 from engine.pipeline.prompt_cache import PromptCache, common_prefix
@@ -83,7 +84,6 @@ class Slot:
         self.tokens: list[int] = []
         self.request: _Request | None = None
         self.generated = 0  # tokens of the current request (per-slot rate)
-        self.since = 0.0
 
 
 class BatchRunner:
@@ -171,7 +171,7 @@ class BatchRunner:
             read=len(slot.tokens),
             t_prompt=time.perf_counter(),
         )
-        slot.request, slot.generated, slot.since = r, 0, time.perf_counter()
+        slot.request, slot.generated = r, 0
         self._order.append(slot)
         return slot
 
@@ -221,7 +221,7 @@ class BatchRunner:
                 logits = self.model.forward_span(p.tokens, p.cache, p.start, self.step_tokens)  # type: ignore[attr-defined]
             else:
                 logits = self.model.forward_batch(parts)  # type: ignore[attr-defined]
-            self._sync()
+            sync_device(self.model)
         except Exception as e:  # every request of the step fails; the slots are cleared, the runner goes on
             log.exception("a step of %d sequences failed", len(parts))
             for slot, _ in plan:
@@ -294,11 +294,6 @@ class BatchRunner:
         slot.request = None
         if slot in self._order:
             self._order.remove(slot)
-
-    def _sync(self) -> None:
-        dev = self.model.device  # type: ignore[attr-defined]
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
 
     # ---- what it says about itself --------------------------------------------------------------------------
 

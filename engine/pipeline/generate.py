@@ -154,6 +154,13 @@ class StopMatcher:
         return out
 
 
+def sync_device(model: object) -> None:
+    """Wait for the model's card to finish what was queued (a step's time and its tokens are then real)."""
+    dev = model.device  # type: ignore[attr-defined]
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def check_prompt(prompt: Sequence[int], max_ctx: int) -> None:
     """Raise GenerationError for a prompt that cannot be read: empty, or as long as the context."""
     if not prompt:
@@ -255,11 +262,6 @@ class Runner:
         self.cached_tokens = reuse_prefix(self.cache, self.cached_tokens, prompt, allow, self.prompt_cache)
         return len(self.cached_tokens)
 
-    def _sync(self) -> None:
-        dev = self.model.device  # type: ignore[attr-defined]
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
     @torch.inference_mode()
     def generate(self, req: GenerationRequest) -> Iterator[Event]:
         prompt = list(req.prompt)
@@ -287,7 +289,7 @@ class Runner:
                 kw = {"last_only": True} if self._last_only else {}
                 logits = self.model.forward(ids, self.cache, pos, **kw)  # type: ignore[attr-defined]
             windows.read(chunk)  # a draft layer takes the chunk's hidden states now, before the next forward
-            self._sync()
+            sync_device(self.model)
             self.cached_tokens.extend(chunk)
             yield PromptChunkEvent(pos, len(chunk), (time.perf_counter() - c0) * 1e3)
             pos += len(chunk)
@@ -328,7 +330,7 @@ class Runner:
                 left = max_new - len(out)  # tokens still allowed after this one
                 k = min(self.spec.n, left, self.max_ctx - p - 1)
                 w = windows.window(token, p, history, k, room=left - k - 1)
-                self._sync()
+                sync_device(self.model)
                 self.cached_tokens.extend([token, *w.accepted])
                 pending = [*w.accepted, w.next_token]
                 rows = [w.rows[j] for j in range(len(pending))]  # row j decided the token after tokens[j]

@@ -28,7 +28,7 @@ import torch
 from engine.gguf.model_config import ModelConfig
 from engine.layers.kv_cache import KVCache
 from engine.models.decoder import BatchRows, DecoderLM
-from engine.models.family_base import BatchPart
+from engine.models.family_base import BatchPart, forward_each
 from engine.models.gated_delta import RecurrentCache
 from engine.pipeline.cuda_graphs import StepGraphs, cpu_misses
 from engine.pipeline.handoff import Handoff, HandoffMode
@@ -265,7 +265,7 @@ class SplitModel:
         recurrent state, runs a forward per part."""
         local = all(isinstance(st, LocalStage) for st in self.stages)
         if len(parts) == 1 or not local or any(isinstance(p.cache, RecurrentCache) for p in parts):
-            return torch.cat([self.forward(p.tokens, p.cache, p.start, last_only=True) for p in parts])
+            return forward_each(self, parts)
         x = torch.cat([p.tokens for p in parts])
         self.clock = None  # host times only (stage_report): no device clock around shared steps yet
         for s, st in enumerate(self.stages):

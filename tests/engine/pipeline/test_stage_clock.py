@@ -145,7 +145,7 @@ def test_cuda_step_adds_no_sync_and_splits_on_the_card() -> None:
         launched = (time.perf_counter() - t0) * 1e3
         assert launched < a_ms / 2, f"forward() waited {launched:.1f} ms for the card"
         assert "compute_ms" not in _by_layers(sm)["2-3"]  # not finished: nothing is read, nothing waits
-        torch.cuda.synchronize(0)  # the step's own sync (Runner._sync)
+        torch.cuda.synchronize(0)  # the step's own sync (generate.sync_device)
         wall = (time.perf_counter() - t0) * 1e3
         r = _by_layers(sm)
         first, second = r["0-1"], r["2-3"]
