@@ -64,6 +64,27 @@ class CpuInPlaceExperts:
 class CachedExperts:
     def __init__(self, cache: "ExpertCache", layer: int, math: ExpertMath) -> None:
         self.cache, self.layer, self.math = cache, layer, math
+        cpu = cache.cpu_misses
+        if cpu is not None and layer in cpu.rows and not (math.plain and math.act == cpu.act):
+            # the CPU's kernels compute plain experts only: this layer's misses stay on the GPU
+            cpu.drop(layer)
+            if not cpu.rows:
+                cache.cpu_misses = None
+
+    def hand_off(
+        self, ids: torch.Tensor, w: torch.Tensor, x32: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """A one-token step's missed experts that the CPU takes (--cpu-experts; x32 the experts' float32 input
+        [1, D]): (claim [k], 1 where the CPU computes the slot, or None where it takes none of this layer's; the
+        weights the GPU's sum uses, the CPU's slots zeroed). `take_back` adds the CPU's sum to the output."""
+        cpu = self.cache.cpu_misses
+        posted = cpu.post(self.layer, ids, w, x32) if cpu is not None else None
+        return (None, w) if posted is None else posted
+
+    def take_back(self, out: torch.Tensor, claim: torch.Tensor | None) -> torch.Tensor:
+        """out [1, D] float32 with the CPU's share of the step added (in place), where `hand_off` claimed any."""
+        cpu = self.cache.cpu_misses
+        return out if claim is None or cpu is None else cpu.collect(self.layer, out)
 
     def mix(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         cache, layer, math = self.cache, self.layer, self.math
@@ -76,9 +97,9 @@ class CachedExperts:
         if t <= FUSED_MAX_ROWS and fused_moe_available(g.qtype, u.qtype, dn.qtype, d, f):
             moe_gemv = kernels.gemv.moe_gemv
             flat = ids.reshape(-1)
-            gt, ut, dt, sid = expert_tables(
-                cache, layer, ids
-            )  # sid: the ids the kernels read the tables with
+            claim, w = self.hand_off(ids, w, x.float()) if t == 1 and math.plain else (None, w)
+            # sid: the ids the kernels read the tables with
+            gt, ut, dt, sid = expert_tables(cache, layer, ids, claim)
             if math.plain:
                 h = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, x, f, d, k, up_table=ut, act=math.act)
             else:
@@ -90,7 +111,7 @@ class CachedExperts:
             y = moe_gemv(dt, dn.qtype, dn.raw.shape[-1], sid, h, d, f, k, x_per_slot=True)  # [T*k, D]
             if b is not None:
                 y = y + b.down[flat]
-            return (y.view(t, k, d) * w.unsqueeze(-1)).sum(dim=1)
+            return self.take_back((y.view(t, k, d).float() * w.float().unsqueeze(-1)).sum(dim=1), claim)
         if math.plain:  # a prompt chunk: grouped launches where they exist
             assert math.act is not None
             grouped = grouped_experts(x, le, w, ids, k, math.act, lambda: cache.prompt_tables(layer))

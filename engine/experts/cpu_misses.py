@@ -62,6 +62,7 @@ class CpuMisses:
             raise ValueError(f"--cpu-experts {share}: give a fraction above 0 and at most 1")
         self.cache = cache
         self.k = k
+        self.act = act
         self.layers: dict[int, CpuExperts] = {}
         dev = cache.device
         d = 0
@@ -173,9 +174,16 @@ class CpuMisses:
         """After a captured step of `rows` tokens is replayed: answer its requests, one a held layer, in order."""
         if rows != 1:
             return
-        for r in range(len(self.layers)):
+        for r in self.rows.values():
             self._serve_when_posted(r)
         self.check()
+
+    def drop(self, li: int) -> None:
+        """Layer li's experts compute what the CPU's kernels do not (biases, a family's own activation): its
+        misses all stay with the GPU, and no step posts or waits for it."""
+        if self.layers.pop(li, None) is not None:
+            self.rows.pop(li)
+            log.info("layer %d's experts are not plain gated experts: the GPU computes all its misses", li)
 
     @property
     def slots(self) -> int:
@@ -204,9 +212,10 @@ class CpuMisses:
             if spins & 1023 == 0 and time.monotonic() - since > _IDLE_S:
                 raise RuntimeError(f"the GPU did not post layer {self._layer_of[r]}'s experts for the CPU within "
                                    f"{_IDLE_S:.0f} s")  # fmt: skip
-        seen = time.perf_counter() if r == 0 else 0.0
+        first = r == next(iter(self.rows.values()))
+        seen = time.perf_counter() if first else 0.0
         self._serve(r)
-        if r == 0:
+        if first:
             self._tune(seen)
 
     def _tune(self, seen: float) -> None:

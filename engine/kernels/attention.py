@@ -24,6 +24,7 @@ def _rope_store_kernel(
     qn_ptr,  # [Dh] query norm weight (when NORM)
     kn_ptr,  # [Dh]
     pos_ptr,  # [T] int64
+    base_ptr,  # [T] int64: where each row's sequence starts in the caches (BASE), for slots sharing one cache
     inv_ptr,  # [ROT/2] float32 effective inverse frequencies
     qo_ptr,  # [T, H, Dh] out
     kc_ptr,  # [ctx, Hkv, Dh] key cache
@@ -39,6 +40,7 @@ def _rope_store_kernel(
     BLOCK: tl.constexpr,  # >= max(Dh, Dv), power of two
     NORM: tl.constexpr,
     NEOX: tl.constexpr,
+    BASE: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     hh = tl.program_id(1)  # 0..H-1 query heads, then H..H+HKV-1 key heads (each with its value head)
@@ -66,10 +68,13 @@ def _rope_store_kernel(
     if is_q:
         tl.store(qo_ptr + (t * H + hh) * Dh + offs, out.to(qo_ptr.dtype.element_ty), mask=m)
     else:
-        tl.store(kc_ptr + (p * HKV + hk) * Dh + offs, out.to(kc_ptr.dtype.element_ty), mask=m)
+        cp = p  # the row's cache row
+        if BASE:
+            cp += tl.load(base_ptr + t)
+        tl.store(kc_ptr + (cp * HKV + hk) * Dh + offs, out.to(kc_ptr.dtype.element_ty), mask=m)
         mv = offs < Dv
         val = tl.load(v_ptr + t * row_stride + hk * Dv + offs, mask=mv, other=0.0)
-        tl.store(vc_ptr + (p * HKV + hk) * Dv + offs, val.to(vc_ptr.dtype.element_ty), mask=mv)
+        tl.store(vc_ptr + (cp * HKV + hk) * Dv + offs, val.to(vc_ptr.dtype.element_ty), mask=mv)
 
 
 def rope_store(
@@ -88,10 +93,12 @@ def rope_store(
     v_cache: torch.Tensor,
     n_head: int,
     out_dtype: torch.dtype,
+    base: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H*Dh], k [T, Hkv*Dh], v [T, Hkv*Dv] (rows of one stride; column slices of one tensor are fine) ->
     normalised, rotated queries [T, H, Dh]; the rotated keys and the values are written into the float caches
-    [ctx, Hkv, D] at `pos` [T]."""
+    [ctx, Hkv, D] at `pos` [T], or at base + pos where `base` [T] (int64) places each row's sequence in caches
+    that several sequences share."""
     t = q.shape[0]
     _, hkv, dh = k_cache.shape
     dv = v_cache.shape[2]
@@ -107,6 +114,7 @@ def rope_store(
         q_norm if norm else q,
         k_norm if norm else q,
         pos,
+        base if base is not None else pos,
         inv_freq,
         qo,
         k_cache,
@@ -122,6 +130,7 @@ def rope_store(
         BLOCK=triton.next_power_of_2(max(dh, dv)),
         NORM=norm,
         NEOX=neox,
+        BASE=base is not None,
     )
     return qo
 
@@ -132,6 +141,7 @@ def _decode_attn_kernel(
     kc_ptr,  # [ctx, HKV, Dk]
     vc_ptr,  # [ctx, HKV, Dv]
     pos_ptr,  # [T] int64
+    base_ptr,  # [T] int64: where each row's sequence starts in the caches (BASE)
     o_ptr,  # [T, H, Dv] (SPLITS == 1) or partials [T, H, SPLITS, Dv] float32
     ml_ptr,  # [T, H, SPLITS, 2] float32 running max and sum (SPLITS > 1)
     q8_ptr,  # float32 [T, H * Dv]: the output rounded to 8 bits too, in quantize_q8's layout (Q8, SPLITS == 1)
@@ -152,12 +162,18 @@ def _decode_attn_kernel(
     BLOCK_DV: tl.constexpr,
     IEEE: tl.constexpr,
     Q8: tl.constexpr = False,
+    BASE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)  # t * HKV + hk
     sp = tl.program_id(1)
     t = pid // HKV
     hk = pid % HKV
     p = tl.load(pos_ptr + t).to(tl.int32)
+    row0 = hk.to(tl.int64)  # the row's sequence's first cache row, its key head
+    if BASE:
+        row0 += tl.load(base_ptr + t) * HKV
+    kc_ptr += row0 * Dk
+    vc_ptr += row0 * Dv
     g = tl.arange(0, GP)
     gm = g < G
     dk = tl.arange(0, BLOCK_DK)
@@ -178,7 +194,7 @@ def _decode_attn_kernel(
         s = s0 + tl.arange(0, BLOCK_S)
         sm = s < hi
         kb = tl.load(
-            kc_ptr + (s[:, None] * HKV + hk) * Dk + dk[None, :],
+            kc_ptr + s[:, None] * (HKV * Dk) + dk[None, :],
             mask=sm[:, None] & (dk[None, :] < Dk),
             other=0.0,
         )  # [BS, DK]
@@ -194,7 +210,7 @@ def _decode_attn_kernel(
         pr = tl.exp(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pr, axis=1)
         vb = tl.load(
-            vc_ptr + (s[:, None] * HKV + hk) * Dv + dv[None, :],
+            vc_ptr + s[:, None] * (HKV * Dv) + dv[None, :],
             mask=sm[:, None] & (dv[None, :] < Dv),
             other=0.0,
         )  # [BS, DV]
@@ -287,11 +303,13 @@ def decode_attention(
     softcap: float = 0.0,
     chunk: int | None = None,
     q8_out: torch.Tensor | None = None,
+    base: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, Dk] at positions `pos` [T] over the cache positions below `span` (each row sees positions <= its
     own, and within `window` of it when window > 0) -> [T, H*Dv] in q's dtype. `chunk`: positions a program
     covers (tests); by default chosen from the span and the GPU's size. `q8_out` (float32 [T, H*Dv], Dv a multiple
-    of 32): also filled with the output rounded to 8 bits in engine.kernels.gemv.quantize_q8's layout."""
+    of 32): also filled with the output rounded to 8 bits in engine.kernels.gemv.quantize_q8's layout. `base` [T]
+    (int64): where each row's sequence starts in caches several sequences share (rows of different slots)."""
     t, h, dk = q.shape
     _, hkv, _ = k_cache.shape
     dvv = v_cache.shape[2]
@@ -309,21 +327,23 @@ def decode_attention(
         BLOCK_DK=triton.next_power_of_2(dk),
         BLOCK_DV=triton.next_power_of_2(dvv),
         IEEE=q.dtype == torch.float32,
+        BASE=base is not None,
     )
+    bp = base if base is not None else pos
     q8 = q8_out is not None
     if q8 and (dvv % 32 or tuple(q8_out.shape) != (t, h * dvv) or q8_out.dtype != torch.float32):
         raise ValueError(f"q8_out must be float32 [{t}, {h * dvv}] with the value head size a multiple of 32")
     qo = q8_out if q8_out is not None else out
     if splits == 1:
         _decode_attn_kernel[(t * hkv, 1)](
-            q, k_cache, v_cache, pos, out, out, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
+            q, k_cache, v_cache, pos, bp, out, out, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
             SPLITS=1, Q8=q8, **common,
         )  # fmt: skip
         return out.view(t, h * dvv)
     part = torch.empty(t * h, splits, dvv, dtype=torch.float32, device=q.device)
     ml = torch.empty(t * h, splits, 2, dtype=torch.float32, device=q.device)
     _decode_attn_kernel[(t * hkv, splits)](
-        q, k_cache, v_cache, pos, part, ml, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
+        q, k_cache, v_cache, pos, bp, part, ml, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
         SPLITS=splits, **common,
     )  # fmt: skip
     _merge_kernel[(t * h,)](part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=common["BLOCK_DV"], Q8=q8)

@@ -107,6 +107,29 @@ class KVCache:
         """Forget positions >= length (a rejected draft, or a prompt-cache entry reused up to a prefix)."""
         self.length = min(self.length, length)
 
+    # Set on the caches `split` makes: the cache they are rows of, and where their rows start in it.
+    shared: "KVCache | None" = None
+    base = 0
+
+    def split(self, n: int) -> list["KVCache"]:
+        """n caches of max_ctx // n positions each, views of this one's rows (slot s: rows s*m .. (s+1)*m - 1).
+        One step can then read and write the rows of several sequences through this cache's tensors (each row at
+        its cache's `base` + its position), while each sequence keeps a cache of its own."""
+        m = self.max_ctx // n
+        if n < 1 or m < 1:
+            raise KVCacheError(f"cannot split {self.max_ctx} positions into {n} caches")
+        out = []
+        for s in range(n):
+            c = object.__new__(KVCache)
+            c.kv_type, c.max_ctx, c.length = self.kv_type, m, 0
+            c.layers = {
+                i: _LayerKV(*(None if t is None else t[s * m : (s + 1) * m] for t in (lk.k, lk.v, lk.k_scale, lk.v_scale)))
+                for i, lk in self.layers.items()
+            }  # fmt: skip
+            c.shared, c.base = self, s * m
+            out.append(c)
+        return out
+
 
 def kv_bytes_per_value(kv_type: str) -> float:
     return {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0}[kv_type]

@@ -6,13 +6,14 @@ range of layers only (a pipeline stage), with or without the embedding and the o
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.gguf import names
 from engine.gguf.reader import GGUFFile
 from engine.layers.attention import attention, causal_mask, project_qkv
-from engine.layers.kv_cache import KVCache
+from engine.layers.kv_cache import KVCache, KVCacheError
 from engine.layers.moe import ACTIVATIONS, ExpertMath, ExpertWeights, route_and_count
 from engine.layers.norm import rms_norm
 from engine.layers.qtensor import QTensor
@@ -88,6 +89,8 @@ class DecoderLM(FamilyLM):
     route_done: dict[int, torch.Tensor] | None = None  # its fused launches' counts (fast_decode.route_counts)
     # (next layer, its input, that input's attention norm in 8 bits), written by a layer's last launch
     prenormed: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    # Decode rows of several slots as CUDA graphs (engine/pipeline/cuda_graphs.py SlotGraphs), made by the loader.
+    slot_graphs: Any = None
 
     def _before_layers(self, gf: GGUFFile) -> None:
         freq_factors = Weights(gf, torch.device("cpu")).opt_f(
@@ -205,10 +208,91 @@ class DecoderLM(FamilyLM):
         h, q, k, v = self.attn_in(i, h, pos)
         return self.attn_out_ffn(i, h, self.attn_core(i, q, k, v, cache, pos, span, masks))
 
+    def new_caches(self, n: int, max_ctx: int, kv_type: str) -> list[KVCache]:
+        """Where the fused decode path runs, the n caches are rows of one (KVCache.split): a step then decodes a
+        row of every slot in one pass of fused launches, and one set of CUDA graphs serves every slot."""
+        if n > 1 and self.slotted(kv_type):
+            return self.new_cache(n * max_ctx, kv_type).split(n)
+        return super().new_caches(n, max_ctx, kv_type)
+
+    def slotted(self, kv_type: str) -> bool:
+        """Whether decode rows of several sequences can share the fused decode path's launches."""
+        return self.fast and kv_type != "int8" and self.has_embed and self.has_head
+
     def forward_batch(self, parts: Sequence[BatchPart]) -> torch.Tensor:
-        """Several sequences in one step: the rows of every part go through the norms, projections, FFNs and
-        experts together (each weight and each chosen expert read once for all of them), and through attention
-        part by part, each against its own cache. One part alone takes `forward` (its decode graphs)."""
+        """Several sequences in one step. Decode rows of slots that share one cache (new_caches) take the fused
+        decode path together, up to FAST_MAX_ROWS rows a pass; the other rows (prompt chunks) go through the
+        norms, projections, FFNs and experts together (each weight and each chosen expert read once for all of
+        them), and through attention part by part, each against its own cache."""
+        rows = [j for j, p in enumerate(parts) if p.tokens.shape[0] == 1 and p.cache.shared is not None]
+        if not rows or not self.slotted(parts[rows[0]].cache.kv_type):
+            return self._batch_rows(parts)
+        out: list[torch.Tensor | None] = [None] * len(parts)
+        for at in range(0, len(rows), fast_decode.FAST_MAX_ROWS):
+            js = rows[at : at + fast_decode.FAST_MAX_ROWS]
+            logits = self.decode_rows([parts[j] for j in js])
+            for n, j in enumerate(js):
+                out[j] = logits[n : n + 1]
+        rest = [j for j, o in enumerate(out) if o is None]
+        if rest:
+            logits = self._batch_rows([parts[j] for j in rest])
+            for n, j in enumerate(rest):
+                out[j] = logits[n : n + 1]
+        return torch.cat(out)  # type: ignore[arg-type]
+
+    def decode_rows(self, parts: Sequence[BatchPart]) -> torch.Tensor:
+        """One decode row each of up to FAST_MAX_ROWS sequences whose caches are rows of one shared cache ->
+        logits [P, V]: as a CUDA graph where the loader made them, else the fused launches eagerly."""
+        shared = parts[0].cache.shared
+        assert shared is not None and all(p.cache.shared is shared for p in parts)
+        limit = parts[0].cache.max_ctx
+        for p in parts:
+            if p.start >= limit:
+                raise KVCacheError(
+                    f"the sequence needs {p.start + 1} positions but the KV cache holds {limit} (--max-context)"
+                )
+        tok = torch.cat([p.tokens for p in parts])
+        pos = torch.tensor([p.start for p in parts])
+        base = torch.tensor([p.cache.base for p in parts])
+        top = max(p.start for p in parts) + 1
+        if self.slot_graphs is not None:
+            logits = self.slot_graphs.step(tok, pos, base, shared, top, limit)
+        else:
+            dev = self.device
+            logits = self.forward_rows(tok.to(dev), shared, pos.to(dev), base.to(dev), top)
+        for p in parts:
+            p.cache.length = p.start + 1
+        return logits
+
+    def warm_rows(self, caches: Sequence[KVCache]) -> int:
+        """Run (and so capture) the decode rows of 1 .. FAST_MAX_ROWS of these slots once, at position 0, and leave
+        the caches and the expert counts as they were; -> the most rows warmed (0: no slot graphs here)."""
+        if self.slot_graphs is None or not caches or caches[0].shared is None:
+            return 0
+        counts = self.expert_counts
+        saved = counts.clone() if counts is not None else None
+        n = min(len(caches), fast_decode.FAST_MAX_ROWS)
+        for t in range(1, n + 1):
+            self.decode_rows([BatchPart(torch.zeros(1, dtype=torch.long), c, 0) for c in caches[:t]])
+        for c in caches:
+            c.length = 0
+        if saved is not None and counts is not None:
+            counts.copy_(saved)
+        return n
+
+    def forward_rows(
+        self, tokens: torch.Tensor, shared: KVCache, pos: torch.Tensor, base: torch.Tensor, span: int
+    ) -> torch.Tensor:
+        """tokens [T] of T sequences at device positions `pos` [T], each sequence's cache the rows of `shared`
+        from base [T] on -> logits [T, V]; the fused decode path, capturable in a CUDA graph."""
+        h = self.embed(tokens)
+        for i in self.layer_range:
+            h = fast_decode.layer(self, i, h, shared, pos, span, base)
+        return self.head(h)
+
+    def _batch_rows(self, parts: Sequence[BatchPart]) -> torch.Tensor:
+        """Every part's rows together through the general layer (attention part by part). One part alone takes
+        `forward` (its decode graphs)."""
         if len(parts) == 1 or not (self.has_embed and self.has_head):
             return super().forward_batch(parts)
         rows = BatchRows(parts, self.device, self.step_masks)

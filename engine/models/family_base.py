@@ -373,6 +373,10 @@ class FamilyLM:
             self.layer_range, max_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, kv_type, self.device
         )
 
+    def new_caches(self, n: int, max_ctx: int, kv_type: str) -> list[KVCache]:
+        """The caches of n sequences that steps of several sequences (forward_batch) run together."""
+        return [self.new_cache(max_ctx, kv_type) for _ in range(n)]
+
 
 def grouped_route(
     x: torch.Tensor,

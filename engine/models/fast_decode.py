@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine import kernels
-from engine.experts.backends import expert_tables, fused_moe_available
+from engine.experts.backends import CachedExperts, expert_tables, fused_moe_available
 from engine.layers.kv_cache import KVCache, KVCacheError
 from engine.layers.moe import ACTIVATIONS, route_and_count
 from engine.layers.qtensor import QTensor
@@ -78,9 +78,17 @@ def fuse_qkv(q, k, v):  # -> (qkv QTensor, q view, k view, v view), or None wher
 
 
 def layer(
-    model: "DecoderLM", i: int, h: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int
+    model: "DecoderLM",
+    i: int,
+    h: torch.Tensor,
+    cache: KVCache,
+    pos: torch.Tensor,
+    span: int,
+    base: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """hidden [T, D] float32 at positions `pos` [T] -> hidden [T, D] float32 (T <= FAST_MAX_ROWS)."""
+    """hidden [T, D] float32 at positions `pos` [T] -> hidden [T, D] float32 (T <= FAST_MAX_ROWS). With `base`
+    [T] (int64) the rows belong to several sequences whose caches are rows of `cache` (KVCache.split): row t's
+    keys and values live at base[t] + pos[t], and `span` bounds every row's own positions."""
     attention, fused, gemv = kernels.attention, kernels.fused, kernels.gemv
     decode_attention, rope_store = attention.decode_attention, attention.rope_store
     norm_route, rms_norm, rms_norm_pair, rms_norm_q8 = (
@@ -95,7 +103,7 @@ def layer(
         gemv.quantize_q8,
         gemv.wants_q8,
     )
-    if span > cache.max_ctx:
+    if base is None and span > cache.max_ctx:
         raise KVCacheError(
             f"the sequence needs {span} positions but the KV cache holds {cache.max_ctx} (--max-context)"
         )
@@ -126,15 +134,19 @@ def layer(
     rope = model.rope_swa if swa else model.rope
     q = rope_store(
         qkv[:, :qd], qkv[:, qd : qd + kd], qkv[:, qd + kd :], lw.q_norm, lw.k_norm, c.rms_eps, pos,
-        rope.inv_effective(h.device), rope.cfg.dim, rope.cfg.neox, rope.mscale, lk.k, lk.v, c.n_head, dt,
+        rope.inv_effective(h.device), rope.cfg.dim, rope.cfg.neox, rope.mscale, lk.k, lk.v, c.n_head, dt, base,
     )  # fmt: skip
     window = c.sliding_window if swa else 0
     if wants_q8(lw.o.qtype, *lw.o.shape):  # the attention kernel writes the 8-bit form beside its output
         aq = torch.empty(q.shape[0], lw.o.shape[1], dtype=torch.float32, device=h.device)
-        a = decode_attention(q, lk.k, lk.v, pos, span, window, c.attn_scale, c.attn_softcap, q8_out=aq)
+        a = decode_attention(
+            q, lk.k, lk.v, pos, span, window, c.attn_scale, c.attn_softcap, q8_out=aq, base=base
+        )
         h = lw.o.linear(a, residual=h, q8=aq)
     else:
-        a = decode_attention(q, lk.k, lk.v, pos, span, window, c.attn_scale, c.attn_softcap)  # [T, H*Dv]
+        a = decode_attention(
+            q, lk.k, lk.v, pos, span, window, c.attn_scale, c.attn_softcap, base=base
+        )  # [T, H*Dv]
         h = lw.o.linear(a, residual=h)  # float32 [T, D]: h + o(a)
     if lw.experts is None:
         assert lw.ffn_gate is not None and lw.ffn_up is not None and lw.ffn_down is not None
@@ -149,6 +161,8 @@ def layer(
     q8 = wants_q8(g.qtype, f, d, "moe")
     counts = model.expert_counts[i] if model.expert_counts is not None else None
     done = model.route_done.get(i) if model.route_done is not None else None
+    experts = model.moe[i]
+    assert isinstance(experts, CachedExperts)
     cpu = model.expert_cache.cpu_misses  # --cpu-experts: reads the float32 input on the host
     if done is not None and le.router.qtype == QT.F32 and le.router.raw.is_contiguous():
         # the norm and the router's logits in one launch (the top-k too, where the tuning file says so); the
@@ -165,10 +179,9 @@ def layer(
             x, x32 = rms_norm_pair(h, lw.ffn_norm, c.rms_eps, dt)
         assert x32 is not None
         w, ids = route_and_count(x32, le.router, c.n_expert_used, c.expert_weights_norm, counts)  # [T, k]
-    posted = cpu.post(i, ids, w, x32) if cpu is not None and x32 is not None else None
     claim = None
-    if posted is not None:  # the CPU's slots: not copied, and no weight in the GPU's sum
-        claim, w = posted
+    if cpu is not None and x32 is not None:  # the CPU's slots: not copied, and no weight in the GPU's sum
+        claim, w = experts.hand_off(ids, w, x32)
     # gate, up, down tables; the ids they take
     gt, ut, dnt, sid = expert_tables(model.expert_cache, i, ids, claim)
     xin = x if xq is None else xq
@@ -203,4 +216,4 @@ def layer(
                            q8=q8d, next_norm=next_norm)  # fmt: skip
     if next_norm is not None:
         model.prenormed = (i + 1, out, next_norm[2])
-    return cpu.collect(i, out) if cpu is not None and claim is not None else out
+    return experts.take_back(out, claim)

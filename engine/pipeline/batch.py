@@ -121,11 +121,25 @@ class BatchRunner:
             and getattr(model, "streams_experts", False)
             else None
         )
-        self.slots = [Slot(i, model.new_cache(max_ctx, kv_type)) for i in range(slots)]  # type: ignore[attr-defined]
+        many = getattr(
+            model, "new_caches", None
+        )  # a model's slots may share one cache (DecoderLM.new_caches)
+        caches = (
+            many(slots, max_ctx, kv_type)
+            if many is not None
+            else [model.new_cache(max_ctx, kv_type) for _ in range(slots)]  # type: ignore[attr-defined]
+        )
+        self.slots = [Slot(i, c) for i, c in enumerate(caches)]
         self.steps = 0
         self._order: list[
             Slot
         ] = []  # busy slots in admission order (prompt chunks go first come, first served)
+
+    def warm(self) -> int:
+        """Capture the decode steps of every row count the slots can take (compiling their kernels) before the
+        first request, so that no request waits for a capture; -> the most rows warmed (0: nothing to warm)."""
+        warm = getattr(self.model, "warm_rows", None)
+        return warm([s.cache for s in self.slots]) if warm is not None else 0
 
     # ---- admission ------------------------------------------------------------------------------------------
 

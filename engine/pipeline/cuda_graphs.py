@@ -187,6 +187,68 @@ class DecodeGraphs(StepGraphs):
         return g
 
 
+@dataclass
+class _SlotGraph:
+    graph: torch.cuda.CUDAGraph
+    tok: torch.Tensor  # [T] token ids
+    pos: torch.Tensor  # [T] long: each row's position
+    base: torch.Tensor  # [T] long: where each row's sequence starts in the shared cache
+    out: torch.Tensor  # [T, V] logits
+
+
+class SlotGraphs:
+    """Decode rows of several sequences whose caches are rows of one shared cache (KVCache.split): one graph per
+    (span bucket, row count) serves every combination of slots, since the token ids, the positions and where each
+    sequence's rows start are the graph's inputs (DecoderLM.decode_rows)."""
+
+    def __init__(self, model: "DecoderLM") -> None:
+        self.model = model
+        self.cpu = cpu_misses(model)  # the host answers one-row steps' requests, as in StepGraphs
+        self.graphs: GraphTable[_SlotGraph] = GraphTable()
+        self.pool: tuple | None = None
+
+    def step(
+        self, tok: torch.Tensor, pos: torch.Tensor, base: torch.Tensor, shared: KVCache, top: int, limit: int
+    ) -> torch.Tensor:
+        """tok, pos, base [T] (host) with every position below `top`, each sequence at most `limit` long ->
+        logits [T, V]."""
+        t = int(tok.shape[0])
+        span = min(limit, -(-top // SPAN_BUCKET) * SPAN_BUCKET)
+        g = self.graphs.get(shared, (span, t))
+        if g is None:
+            g = self._capture(tok, pos, base, shared, span)
+            self.graphs.put(shared, (span, t), g)
+        else:
+            for dst, src in ((g.tok, tok), (g.pos, pos), (g.base, base)):
+                dst.copy_(src, non_blocking=True)
+        g.graph.replay()
+        out = g.out.clone()
+        if self.cpu is not None:
+            self.cpu.serve_step(t)
+        return out
+
+    def _capture(
+        self, tok: torch.Tensor, pos: torch.Tensor, base: torch.Tensor, shared: KVCache, span: int
+    ) -> _SlotGraph:
+        m, dev = self.model, self.model.device
+        bufs = [x.to(dev).clone() for x in (tok, pos, base)]
+        counts = m.expert_counts
+        saved = counts.clone() if counts is not None else None  # the warm-up runs' selections are put back
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile; they repeat this step's own KV writes
+                m.forward_rows(bufs[0], shared, bufs[1], bufs[2], span)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with capturing(graph, self.pool, side):
+            out = m.forward_rows(bufs[0], shared, bufs[1], bufs[2], span)
+        self.pool = graph.pool()
+        if saved is not None and counts is not None:
+            counts.copy_(saved)
+        return _SlotGraph(graph, *bufs, out)
+
+
 PROMPT_GRAPH_ROWS = range(9, 1025)  # prompt chunks whose launches cost more host time than device time
 PROMPT_GRAPH_SIZES = 2  # chunk sizes kept captured (each holds a pool of one layer's temporaries)
 

@@ -15,7 +15,7 @@ from engine.gguf.reader import GGUFFile
 from engine.layers import cpu_weights
 from engine.models.decoder import DecoderLM
 from engine.models.registry import file_config, model_class
-from engine.pipeline.cuda_graphs import DecodeGraphs, PromptGraphs
+from engine.pipeline.cuda_graphs import DecodeGraphs, PromptGraphs, SlotGraphs
 from engine.tokenizer import ChatFormatter, Tokenizer
 from installer.engine_options import runtime_switches
 
@@ -56,6 +56,9 @@ def prepare(model: DecoderLM, experts: ExpertPolicy | None = None, cuda_graphs: 
     if cuda_graphs and model.device.type == "cuda":
         model.graphs = DecodeGraphs(model)
         model.graphs.counts = model.expert_counts  # put back after the warm-up runs of a capture
+        if model.graphs.usable and getattr(model, "fast", False) and model.has_embed and model.has_head:
+            # several slots' decode rows in one step (DecoderLM.decode_rows)
+            model.slot_graphs = SlotGraphs(model)
         if (
             runtime_switches().prompt_graphs
             and model.supports_prompt_graphs

@@ -173,6 +173,12 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                 if slots > 1
                 else None
             )
+            if batch is not None:
+                t0 = time.perf_counter()
+                warmed = batch.warm()
+                if warmed:
+                    log.info("%d slots: decode graphs for 1-%d rows captured in %.1f s", slots, warmed,
+                             time.perf_counter() - t0)  # fmt: skip
             runner = (
                 Runner(lm.model, lm.tokenizer, o.max_context, kv, chunk, cache, spec=spec, prefill_span=span)
                 if batch is None

@@ -202,3 +202,50 @@ def test_cpu_computed_misses_stay_close_to_the_gpu_ones(moe_q4k: Path, fraction:
         tok = ref[-1].argmax().view(1).cpu()
     assert cm.slots > 0  # the CPU did compute experts
     assert cm.timing()["requests"] >= 8  # one a layer and step at least, answered by the host
+
+
+def _cpu_share_matches(path: Path, kv: str, fraction: float = 0.0) -> tuple[object, object]:
+    """The decode steps of `path` with every missed expert computed by the CPU (ratio 1) against all experts in
+    VRAM, on `kv` caches: cosine >= 0.999 at each of 8 steps; (the hybrid's CpuMisses or None, its model)."""
+    full = load_model(path, device="cuda", dtype="bf16")
+    hyb = load_model(path, device="cuda", dtype="bf16",
+                     experts=ExpertPolicy(slots=int(16 * fraction), cpu_share=1.0, cpu_ratio=1.0))  # fmt: skip
+    caches = [m.model.new_cache(64, kv) for m in (full, hyb)]
+    ids = torch.tensor(PROMPT)
+    for m, c in zip((full, hyb), caches, strict=True):
+        m.model.forward(ids, c, 0, last_only=True)
+    tok = torch.tensor([42])
+    for p in range(len(PROMPT), len(PROMPT) + 8):
+        ref = full.model.forward(tok, caches[0], p)
+        got = hyb.model.forward(tok, caches[1], p)
+        assert _cos(got, ref) >= 0.999, p
+        tok = ref[-1].argmax().view(1).cpu()
+    return hyb.model.expert_cache.cpu_misses, hyb.model
+
+
+def test_cpu_share_on_the_general_decode_path(moe_q4k: Path) -> None:
+    """An int8 KV cache takes the general layer (not fast_decode's) at decode: the CPU's share goes through the
+    expert backend there too, inside the decode graphs (before, the graphs waited 30 s for layers that never
+    posted and then failed)."""
+    cm, model = _cpu_share_matches(moe_q4k, "int8")
+    assert cm is not None and model.graphs.usable
+    assert cm.slots > 0 and cm.timing()["requests"] >= 8
+
+
+def test_cpu_share_in_a_family_model(tmp_path: Path) -> None:
+    """GLM-4.5's family model (its own layer code) hands its misses to the CPU through the same backend."""
+    from engine.testing.tiny_families import write_tiny_family
+
+    path = write_tiny_family(tmp_path / "glm.gguf", "glm4moe", qtype="Q4_K", seed=3)
+    cm, _ = _cpu_share_matches(path, "bf16")
+    assert cm is not None and cm.slots > 0
+
+
+def test_cpu_share_leaves_biased_experts_to_the_gpu(tmp_path: Path) -> None:
+    """gpt-oss's experts have biases and a clamped SwiGLU the CPU's kernels do not compute: its layers are dropped
+    from the CPU's share, and decode neither waits for them nor changes."""
+    from engine.testing.tiny_families import write_tiny_family
+
+    path = write_tiny_family(tmp_path / "oss.gguf", "gpt-oss", qtype="Q4_K", seed=3)
+    cm, _ = _cpu_share_matches(path, "bf16")
+    assert cm is None

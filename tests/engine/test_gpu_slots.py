@@ -1,0 +1,138 @@
+"""Decode rows of several slots in one pass of the fused decode path, their caches rows of one shared cache
+(KVCache.split): the attention kernels with a cache base per row against separate caches, the model's rows
+against each sequence alone (eager and as CUDA graphs, with the CPU's share of misses too), and the BatchRunner
+end to end against the Runner."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.experts.policy import ExpertPolicy
+from engine.models.family_base import BatchPart
+from engine.pipeline.batch import BatchRunner
+from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
+from engine.pipeline.sampling import GREEDY
+from engine.testing.tiny_models import write_tiny_model
+
+pytestmark = pytest.mark.gpu
+PROMPT = [1, 17, 42, 99, 150, 7, 300, 12, 5, 64, 128, 256, 33, 71]
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+@pytest.mark.parametrize("span", [200, 300])  # one launch; split over the span with a merge
+def test_attention_with_row_bases_matches_separate_caches(span: int) -> None:
+    from engine.kernels.attention import decode_attention
+
+    s, ctx, hkv, dk, h = 3, 320, 2, 64, 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(s * ctx, hkv, dk, device="cuda", generator=g).bfloat16()
+    v = torch.randn(s * ctx, hkv, dk, device="cuda", generator=g).bfloat16()
+    q = torch.randn(s, h, dk, device="cuda", generator=g).bfloat16()
+    pos = torch.tensor([5, span - 1, span // 2], device="cuda")
+    base = torch.arange(s, device="cuda") * ctx
+    got = decode_attention(q, k, v, pos, span, 0, dk**-0.5, base=base)
+    for r in range(s):
+        rows = slice(r * ctx, (r + 1) * ctx)
+        ref = decode_attention(q[r : r + 1], k[rows], v[rows], pos[r : r + 1], span, 0, dk**-0.5)
+        torch.testing.assert_close(got[r : r + 1], ref)
+
+
+def test_rope_store_writes_each_row_at_its_base() -> None:
+    from engine.kernels.attention import rope_store
+
+    t, ctx, h, hkv, dh = 3, 16, 4, 2, 64
+    qkv = torch.randn(t, (h + 2 * hkv) * dh, device="cuda")
+    q, k, v = qkv[:, : h * dh], qkv[:, h * dh : (h + hkv) * dh], qkv[:, (h + hkv) * dh :]
+    inv = 1.0 / (10000 ** (torch.arange(0, dh, 2, device="cuda").float() / dh))
+    pos = torch.tensor([3, 0, 15], device="cuda")
+    kc, vc = torch.zeros(t * ctx, hkv, dh, device="cuda"), torch.zeros(t * ctx, hkv, dh, device="cuda")
+    base = torch.arange(t, device="cuda") * ctx
+    qo = rope_store(q, k, v, None, None, 1e-6, pos, inv, dh, True, 1.0, kc, vc, h, torch.float32, base)
+    for r in range(t):
+        kr, vr = torch.zeros(ctx, hkv, dh, device="cuda"), torch.zeros(ctx, hkv, dh, device="cuda")
+        qr = rope_store(q[r : r + 1], k[r : r + 1], v[r : r + 1], None, None, 1e-6, pos[r : r + 1], inv, dh, True,
+                        1.0, kr, vr, h, torch.float32)  # fmt: skip
+        torch.testing.assert_close(qo[r : r + 1], qr)
+        torch.testing.assert_close(kc[r * ctx : (r + 1) * ctx], kr)
+        torch.testing.assert_close(vc[r * ctx : (r + 1) * ctx], vr)
+
+
+@pytest.fixture(scope="module")
+def moe_q4k(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(
+        tmp_path_factory.mktemp("slots") / "m.gguf",
+        "qwen3moe",
+        qtype="Q4_K",
+        types={"ffn_down": "Q6_K"},
+        seed=5,
+    )
+
+
+@pytest.mark.parametrize(
+    ("graphs", "policy"),
+    [(False, None), (True, None), (True, ExpertPolicy(slots=4, cpu_share=1.0, cpu_ratio=1.0))],
+    ids=["eager", "graphs", "graphs-cpu-share"],
+)
+def test_rows_of_several_slots_match_each_sequence_alone(
+    moe_q4k: Path, graphs: bool, policy: ExpertPolicy | None
+) -> None:
+    lm = load_model(moe_q4k, device="cuda", dtype="bf16", cuda_graphs=graphs, experts=policy)
+    m = lm.model
+    n = 10  # more rows than one pass takes (8): two passes a step
+    caches = m.new_caches(n, 128, "bf16")
+    assert all(c.shared is caches[0].shared is not None for c in caches)
+    refs = [m.new_cache(128, "bf16") for _ in range(n)]
+    prompts = [PROMPT[: 3 + i] for i in range(n)]  # every slot at its own position
+    for p, c, r in zip(prompts, caches, refs, strict=True):
+        m.forward(torch.tensor(p), c, 0, last_only=True)
+        m.forward(torch.tensor(p), r, 0, last_only=True)
+    toks = [40 + i for i in range(n)]
+    for step in range(6):
+        parts = [BatchPart(torch.tensor([toks[s]]), caches[s], len(prompts[s]) + step) for s in range(n)]
+        got = m.forward_batch(parts)
+        for s in range(n):
+            ref = m.forward(torch.tensor([toks[s]]), refs[s], len(prompts[s]) + step)
+            assert _cos(got[s], ref[-1]) >= 0.999, (step, s)
+            assert caches[s].length == len(prompts[s]) + step + 1
+        toks = [int(got[s].argmax()) for s in range(n)]
+    if graphs:
+        assert len(m.slot_graphs.graphs) > 0  # the rows ran as graphs
+
+
+def test_the_batch_runner_decodes_slots_together_with_each_ones_tokens(moe_q4k: Path) -> None:
+    """Six requests decode in shared steps after a warm-up that captured the graphs of 1-6 rows. Each one's greedy
+    tokens are the Runner's alone up to bf16 near-ties (the kernels' tiles depend on the row count): every token
+    the batch chose is within a hair of the best under the sequence's own forward, and most runs are identical."""
+    lm = load_model(moe_q4k, device="cuda", dtype="bf16")
+    m = lm.model
+    reqs = [
+        GenerationRequest(PROMPT[: 2 + i], max_tokens=12, sampling=GREEDY, ignore_eos=True) for i in range(6)
+    ]
+    br = BatchRunner(m, lm.tokenizer, 128, "bf16", slots=6)
+    assert br.warm() == 6 and len(m.slot_graphs.graphs) == 6
+    got: list[list[object]] = [[] for _ in reqs]
+    for r, g in zip(reqs, got, strict=True):
+        br.admit(r, g.append)
+    rows = []
+    while br.busy:
+        st = br.step()
+        if st is not None:
+            rows.append(st.decode_rows)
+    assert max(rows) == 6  # the six decoded in shared steps
+    assert len(m.slot_graphs.graphs) == 6  # and found their graphs captured
+    same = 0
+    for r, g in zip(reqs, got, strict=True):
+        done = g[-1]
+        assert isinstance(done, DoneEvent) and len(done.tokens) == 12
+        alone = list(Runner(m, lm.tokenizer, 128, "bf16").generate(r))
+        same += done.tokens == alone[-1].tokens  # type: ignore[attr-defined]
+        seq = torch.tensor(r.prompt + done.tokens)
+        logits = m.forward(seq, m.new_cache(128, "bf16"), 0)[len(r.prompt) - 1 : -1]
+        for row, tok in zip(logits, done.tokens, strict=True):
+            assert row.max() - row[tok] <= 0.05 * row.std(), (r.prompt, done.tokens)
+    assert same >= 4
