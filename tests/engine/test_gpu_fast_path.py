@@ -184,32 +184,21 @@ def test_cpu_computed_misses_stay_close_to_the_gpu_ones(moe_q4k: Path, fraction:
     (ratio 0.5), is computed on the CPU (torch's 4-bit kernel on bf16 activations and scales; Q6_K down projections
     as bf16 matrices), handed over through the mailboxes inside the decode graphs. The CPU rounds differently from
     the GPU's kernels, so the logits are compared by cosine (>= 0.999) rather than the greedy tokens."""
-    n_pairs = 2 * 8
-    full = load_model(moe_q4k, device="cuda", dtype="bf16")
-    hyb = load_model(moe_q4k, device="cuda", dtype="bf16",
-                     experts=ExpertPolicy(slots=int(n_pairs * fraction), cpu_share=1.0, cpu_ratio=ratio))  # fmt: skip
-    cm = hyb.model.expert_cache.cpu_misses
-    assert cm is not None and hyb.model.graphs.usable  # no host sync: decode steps are still CUDA graphs
-    caches = [m.model.new_cache(64, "bf16") for m in (full, hyb)]
-    ids = torch.tensor(PROMPT)
-    for m, c in zip((full, hyb), caches, strict=True):
-        m.model.forward(ids, c, 0, last_only=True)
-    tok = torch.tensor([42])
-    for p in range(len(PROMPT), len(PROMPT) + 8):
-        ref = full.model.forward(tok, caches[0], p)
-        got = hyb.model.forward(tok, caches[1], p)
-        assert _cos(got, ref) >= 0.999, p
-        tok = ref[-1].argmax().view(1).cpu()
+    cm, model = _cpu_share_matches(moe_q4k, "bf16", fraction, ratio)
+    assert cm is not None and model.graphs.usable  # no host sync: decode steps are still CUDA graphs
     assert cm.slots > 0  # the CPU did compute experts
     assert cm.timing()["requests"] >= 8  # one a layer and step at least, answered by the host
 
 
-def _cpu_share_matches(path: Path, kv: str, fraction: float = 0.0) -> tuple[object, object]:
-    """The decode steps of `path` with every missed expert computed by the CPU (ratio 1) against all experts in
-    VRAM, on `kv` caches: cosine >= 0.999 at each of 8 steps; (the hybrid's CpuMisses or None, its model)."""
+def _cpu_share_matches(
+    path: Path, kv: str, fraction: float = 0.0, ratio: float = 1.0
+) -> tuple[object, object]:
+    """The decode steps of `path` with the CPU computing `ratio` of the missed experts (`fraction` of them in
+    VRAM) against all experts in VRAM, on `kv` caches: cosine >= 0.999 at each of 8 steps; (the hybrid's
+    CpuMisses or None, its model)."""
     full = load_model(path, device="cuda", dtype="bf16")
     hyb = load_model(path, device="cuda", dtype="bf16",
-                     experts=ExpertPolicy(slots=int(16 * fraction), cpu_share=1.0, cpu_ratio=1.0))  # fmt: skip
+                     experts=ExpertPolicy(slots=int(16 * fraction), cpu_share=1.0, cpu_ratio=ratio))  # fmt: skip
     caches = [m.model.new_cache(64, kv) for m in (full, hyb)]
     ids = torch.tensor(PROMPT)
     for m, c in zip((full, hyb), caches, strict=True):
