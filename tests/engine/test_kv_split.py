@@ -16,7 +16,7 @@ def test_split_caches_are_views_of_their_rows(kv: str) -> None:
     assert shared.layers[1].k[4 + 2].float().abs().sum() > 0  # b's position 2 is the shared row 6
     assert shared.layers[1].k[:6].float().abs().sum() == 0 and shared.layers[1].k[7:].float().abs().sum() == 0
     keys, values = b.store(0, torch.tensor([0]), k, k, 1)
-    assert keys.shape == (1, 2, 4) and torch.equal(a.layers[0].k, shared.layers[0].k[:4])
+    assert keys.shape == values.shape == (1, 2, 4) and torch.equal(a.layers[0].k, shared.layers[0].k[:4])
     a.length = 3
     assert b.length == 0 and shared.length == 0  # each sequence's length is its own
 
