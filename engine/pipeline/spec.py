@@ -236,10 +236,16 @@ class Verdict:
 
 
 def _penalised(sampler: Sampler) -> bool:
-    """Whether the sampler changes the logits before its choice (penalties, a logit bias): then a greedy window is
-    verified row by row through it, not by one argmax."""
+    """Whether the sampler changes the logits before its choice (penalties, a logit bias, a grammar): then a greedy
+    window is verified row by row through it, not by one argmax."""
     p = sampler.p
-    return p.repeat_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0 or bool(p.logit_bias)
+    return (
+        p.repeat_penalty != 1
+        or p.presence_penalty != 0
+        or p.frequency_penalty != 0
+        or bool(p.logit_bias)
+        or sampler.constraint is not None
+    )
 
 
 def verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, history: Sequence[int]) -> Verdict:

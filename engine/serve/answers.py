@@ -4,13 +4,13 @@ llama-server's timings; a client that leaves cancels its job."""
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.serve.errors import APIError
 from engine.serve.jobs import ClientGone, Job, Receive, Result, sse_event, wait_disconnect
 from engine.serve.protocol import new_id, now, timings_dict, usage_dict
-from engine.serve.tool_calls import HermesCalls, openai_tool_calls, parser_for
+from engine.serve.tool_calls import CallStream, HermesCalls, ToolCall, openai_tool_calls, parser_for
 from installer.version import __version__
 
 if TYPE_CHECKING:
@@ -109,10 +109,14 @@ class Answers:
             self.cancel(job)
 
     async def stream(
-        self, job: Job, endpoint: str, include_usage: bool, echo: str = ""
+        self, job: Job, endpoint: str, include_usage: bool, echo: str = "", tools: Sequence[str] = ()
     ) -> AsyncIterator[bytes]:
-        """The SSE body of a streamed answer. Closing it (the client left) cancels the job."""
+        """The SSE body of a streamed answer. Closing it (the client left) cancels the job. `tools`: the names of
+        the tools a chat request lets the model call; its calls come as `tool_calls` deltas as OpenAI sends them
+        (id, type and name first, then the arguments), with finish_reason "tool_calls"."""
         chat = endpoint == "chat"
+        calls = CallStream(tools) if chat and tools and self._tool_parser() is not None else None
+        n_calls = 0
         base = {
             "id": new_id("chatcmpl" if chat else "cmpl"),
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -155,6 +159,24 @@ class Answers:
         def text_chunk(text: str) -> bytes:
             return head + json.dumps(text, ensure_ascii=False).encode() + tail
 
+        def call_chunks(items: list[tuple[str, Any]]) -> bytes:
+            nonlocal n_calls
+            out = bytearray()
+            for kind, value in items:
+                if kind == "text":
+                    out += text_chunk(value)
+                    continue
+                c: ToolCall = value
+                (tc,) = openai_tool_calls([c])
+                first = {"index": n_calls, "id": tc["id"], "type": "function",
+                         "function": {"name": c.name, "arguments": ""}}  # fmt: skip
+                for part in (first, {"index": n_calls, "function": {"arguments": c.arguments}}):
+                    delta = {"tool_calls": [part]}
+                    out += sse_event({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                           "finish_reason": None}]})  # fmt: skip
+                n_calls += 1
+            return bytes(out)
+
         try:
             if chat:
                 yield chunk("", first=True)
@@ -163,7 +185,11 @@ class Answers:
             async for batch in self._items(job):
                 out = bytearray()
                 for item in batch:
-                    if item[0] == "text" and len(item) > 2 and item[2]:  # with the tokens' log-probabilities
+                    if item[0] == "text" and calls is not None:  # text that may hold calls
+                        out += call_chunks(calls.feed(item[1]))
+                    elif (
+                        item[0] == "text" and len(item) > 2 and item[2]
+                    ):  # with the tokens' log-probabilities
                         lps = (
                             self.chat_logprobs(item[2]) if chat else self.completion_logprobs(item[2], offset)
                         )
@@ -181,7 +207,11 @@ class Answers:
                         res: Result = item[1]
                         t = res.done.timings
                         timings = timings_dict(t, res.queued_ms)
-                        out += chunk(None if chat else "", res.done.finish_reason, timings=timings)
+                        finish = res.done.finish_reason
+                        if calls is not None:
+                            out += call_chunks(calls.end())
+                            finish = "tool_calls" if n_calls else finish
+                        out += chunk(None if chat else "", finish, timings=timings)
                         if include_usage:
                             out += sse_event(
                                 {**base, "choices": [], "usage": usage_dict(t), "timings": timings}
@@ -191,16 +221,16 @@ class Answers:
         finally:
             self.cancel(job)
 
-    def chat_response(self, res: Result | list[Result], tools: bool = False) -> dict[str, Any]:
-        """`tools`: the request gave tools the model may call; its calls, in the format its template teaches,
-        become `tool_calls` (finish_reason "tool_calls")."""
+    def chat_response(self, res: Result | list[Result], tools: Sequence[str] = ()) -> dict[str, Any]:
+        """`tools`: the names of the tools the request lets the model call; its calls, in the format its template
+        teaches, become `tool_calls` (finish_reason "tool_calls")."""
         results = res if isinstance(res, list) else [res]
         parser = self._tool_parser() if tools else None
         content = []
         for r in results:
             message: dict[str, Any] = {"role": "assistant", "content": r.text, "refusal": None}
             choice: dict[str, Any] = {"message": message}
-            parsed = parser.parse(r.text) if parser is not None else None
+            parsed = parser.parse(r.text, tools) if parser is not None else None
             if parsed is not None and parsed.calls:
                 message.update(content=parsed.content, tool_calls=openai_tool_calls(parsed.calls))
                 choice["finish_reason"] = "tool_calls"

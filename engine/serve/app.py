@@ -157,14 +157,14 @@ def create_app(service: EngineService, cors_origins: Sequence[str] = ()) -> Fast
         if r.stream:
             job = Job("chat", gen, True, loop)
             service.submit(job)
-            return EventStreamResponse(service.stream(job, "chat", r.include_usage))
+            return EventStreamResponse(service.stream(job, "chat", r.include_usage, tools=r.tool_names))
         try:
             res = await service.run_all(
                 [Job("chat", g, False, loop) for g in choices(gen, r.choices)], request.receive
             )
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(service.chat_response(res, tools=bool(r.tools) and r.tool_choice != "none"))
+        return JSONResponse(service.chat_response(res, tools=r.tool_names))
 
     async def completions(request: Request) -> Response:
         r = await _parse(request, CompletionRequest)

@@ -53,14 +53,17 @@ class _Generation(_Body):
 
     @model_validator(mode="after")
     def _not_yet(self) -> "_Generation":
-        if self.format:
-            raise FieldError("format", "format (JSON or a schema) is not supported yet: leave it out")
+        if self.format not in (None, "", "json") and not isinstance(self.format, dict):
+            raise FieldError("format", 'format: give "json" or a JSON schema (an object)')
         if self.options is not None and self.options.num_predict == 0:
             raise FieldError("options.num_predict", "num_predict 0 is not supported: send -1 or more")
         return self
 
     def _extra(self) -> dict[str, Any]:
-        return self.options.as_openai() if self.options is not None else {}
+        out = self.options.as_openai() if self.options is not None else {}
+        if self.format:  # the answer held to JSON: any object ("json") or the schema given
+            out["json_schema"] = self.format if isinstance(self.format, dict) else {"type": "object"}
+        return out
 
 
 class OllamaGenerateRequest(_Generation):

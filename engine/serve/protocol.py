@@ -219,6 +219,8 @@ class _Common(_Strict):
     repeat_last_n: Annotated[int, Field(ge=-1)] | None = None
     ignore_eos: bool | None = None
     cache_prompt: bool | None = None
+    grammar: str | None = None  # the output follows this GBNF (or Lark) grammar
+    json_schema: dict[str, Any] | None = None  # the output is JSON valid against this schema
 
     @field_validator("n")
     @classmethod
@@ -291,16 +293,22 @@ class ChatCompletionRequest(_Common):
     def _unsupported(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
-        if self.response_format is not None and self.response_format.type != "text":
+        rf = self.response_format
+        if (
+            rf is not None
+            and rf.type == "json_schema"
+            and not isinstance((rf.json_schema or {}).get("schema"), dict)
+        ):
             raise FieldError(
                 "response_format",
-                f"response_format {self.response_format.type!r} is not supported: only 'text'; "
-                "ask for JSON in the prompt instead",
+                'response_format json_schema needs json_schema.schema, e.g. {"type": "json_schema", "json_schema": '
+                '{"name": "answer", "schema": {"type": "object", ...}}}',
             )
-        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
+            t.function.name for t in self.tools or ()
+        }:
             raise FieldError(
-                "tool_choice",
-                "tool_choice 'required' or a named function is not supported: use 'auto' or 'none'",
+                "tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools"
             )
         if (self.modalities and "audio" in self.modalities) or self.audio is not None:
             raise FieldError("modalities", "audio output is not supported: this server answers with text")
@@ -317,6 +325,11 @@ class ChatCompletionRequest(_Common):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def tool_names(self) -> list[str]:
+        """The tools the model may call (none with tool_choice "none")."""
+        return [t.function.name for t in self.tools or ()] if self.tool_choice != "none" else []
 
     @property
     def logprob_top(self) -> int | None:
@@ -461,9 +474,6 @@ class LlamaCompletionRequest(LlamaSampling):
             raise FieldError(
                 "n_predict", "n_predict 0 (read the prompt only) is not supported: send -1 or more"
             )
-        for name in ("grammar", "json_schema"):
-            if getattr(self, name):
-                raise FieldError(name, f"{name} (constrained output) is not supported yet: leave it out")
         if self.n_probs:
             raise FieldError("n_probs", "n_probs (token probabilities) is not supported yet: send 0")
         self._bias()  # its shape, checked here so that a bad one is a 400 naming it
@@ -497,6 +507,8 @@ class LlamaCompletionRequest(LlamaSampling):
                 "stop": self.stop or None,
                 "ignore_eos": self.ignore_eos,
                 "cache_prompt": self.cache_prompt,
+                "grammar": self.grammar or None,
+                "json_schema": self.json_schema,
                 **fields,
             },
             strict=False,

@@ -4,11 +4,13 @@ sampling fields into the sampler's, each refusal an OpenAI-style 400 that names 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from engine.pipeline.constrain import GrammarError, Kind, compile_grammar, hermes_calls_grammar
 from engine.pipeline.generate import GenerationRequest
 from engine.pipeline.sampling import SamplingError, SamplingParams
 from engine.serve.errors import APIError
 from engine.serve.options import ServeOptions
-from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, template_message
+from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, template_message
+from engine.serve.tool_calls import parser_for
 from engine.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -93,6 +95,7 @@ class RequestTranslation:
                 param="messages" if isinstance(r, ChatCompletionRequest) else "prompt",
             )
         limit = r.token_limit
+        grammar = self._grammar(r)
         return GenerationRequest(
             ids,
             max_tokens=ctx - len(ids) if limit is None else limit,
@@ -101,7 +104,66 @@ class RequestTranslation:
             ignore_eos=bool(r.ignore_eos),
             cache_prompt=r.cache_prompt is not False,
             logprobs=r.logprob_top,
+            grammar=grammar,
         )
+
+    def _grammar(self, r: ChatCompletionRequest | CompletionRequest) -> str | None:
+        """The grammar the request's output must follow, compiled against the vocabulary: a JSON schema
+        (`response_format` json_object or json_schema, llama-server's `json_schema`), a GBNF or Lark grammar
+        (llama-server's `grammar`), or a forced tool call (`tool_choice` required or a named function)."""
+        assert self.lm is not None
+        asked: list[tuple[str, Kind, Any]] = []
+        rf = getattr(r, "response_format", None)
+        if rf is not None and rf.type != "text":
+            asked.append(
+                (
+                    "response_format",
+                    "json_schema",
+                    True if rf.type == "json_object" else rf.json_schema["schema"],
+                )
+            )
+        if r.json_schema is not None:
+            asked.append(("json_schema", "json_schema", r.json_schema))
+        if r.grammar:
+            asked.append(("grammar", "gbnf", r.grammar))
+        if (
+            isinstance(r, ChatCompletionRequest)
+            and r.tools
+            and (r.tool_choice == "required" or isinstance(r.tool_choice, NamedToolChoice))
+        ):
+            asked.append(("tool_choice", "lark", self._forced_calls(r)))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise APIError(
+                400,
+                f"{' and '.join(a[0] for a in asked)} each constrain the output: give one of them",
+                code="invalid_value",
+                param=asked[1][0],
+            )
+        param, kind, source = asked[0]
+        try:
+            return compile_grammar(kind, source, self.lm.tokenizer)
+        except GrammarError as e:
+            raise APIError(400, f"{param}: {e}", code="invalid_grammar", param=param) from None
+
+    def _forced_calls(self, r: ChatCompletionRequest) -> str:
+        """tool_choice required (any declared tool, one call or more unless parallel_tool_calls is false) or a
+        named function (that one, once), in the call format the model's template teaches."""
+        assert self.lm is not None and r.tools
+        if parser_for(self.lm.chat.template) is None:
+            raise APIError(
+                400,
+                "tool_choice required or a named function needs a model whose chat template teaches a tool-call "
+                "format this server reads (Hermes/Qwen <tool_call>); this one's does not: use tool_choice auto",
+                code="invalid_value",
+                param="tool_choice",
+            )
+        tools = [t.model_dump(exclude_none=True) for t in r.tools]
+        if isinstance(r.tool_choice, NamedToolChoice):
+            tools = [t for t in tools if t["function"]["name"] == r.tool_choice.function.name]
+            return hermes_calls_grammar(tools, several=False)
+        return hermes_calls_grammar(tools, several=r.parallel_tool_calls is not False)
 
     def prepare_chat(self, r: ChatCompletionRequest) -> "GenerationRequest":
         """Messages through the model's chat template, then tokens (runs in a thread: templates and long

@@ -2,7 +2,7 @@
 
     xvfb-run -s "-screen 0 1400x1000x24" .venv/bin/python -m tests.app.screenshots docs/img [--engine real|fake]
 
-`--engine real` starts `strata-engine serve` on the embedded Gemma 3 270M (CPU); `fake` runs
+`--engine real` starts `strata-engine serve` on the embedded chat model (CPU); `fake` runs
 tests/app/fake_engine.py. The GPU rows come from a simulated two-card PC (tests/app/fake_nvml.py) unless this PC
 has NVIDIA cards and `--real-gpus` is given, and from a worker PC: a real node agent on loopback with a scripted
 NVML, paired with the app's keys.
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                 return
             time.sleep(0.01)
 
-    if args.engine == "real":  # the embedded Gemma 3 270M on the CPU
+    if args.engine == "real":  # the embedded chat model on the CPU
         command = None
         settings = AppSettings(device="cpu", port=_free_port(), max_context=2048)
     else:

@@ -38,6 +38,7 @@ def test_bundled_catalog_is_valid_and_has_the_models_people_run() -> None:
         "gpt-oss-120b",
         "glm-4.5-air",
         "gemma-3-270m",
+        "qwen2.5-coder-0.5b-instruct",
     } <= families
     for family in ("qwen3-30b-a3b-instruct-2507", "qwen3-coder-30b-a3b-instruct"):
         assert {e.quant for e in cat if e.family == family} == {"Q4_K_M", "Q5_K_M", "Q8_0"}
@@ -48,7 +49,7 @@ def test_bundled_catalog_is_valid_and_has_the_models_people_run() -> None:
     ]
     assert len(multi["glm-4.5-air-q4_k_m"]) == 2
     for e in cat:
-        assert e.is_moe == (e.family != "gemma-3-270m")
+        assert e.is_moe == (e.family not in ("gemma-3-270m", "qwen2.5-coder-0.5b-instruct"))
         known = [f.size_bytes for f in e.files if f.size_bytes is not None]
         if len(known) == len(e.files):
             assert abs(sum(known) - e.size_bytes) <= 0.01 * e.size_bytes
@@ -95,6 +96,29 @@ def test_gemma_entry_matches_the_real_file(tmp_path: Path) -> None:
     # Installing again finds the verified file and leaves it alone.
     mtime = path.stat().st_mtime_ns
     assert install_from_package(entry, tmp_path) == path and path.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.chat_model
+def test_the_chat_model_entry_matches_the_real_file(tmp_path: Path) -> None:
+    """The embedded chat model's entry: its file assembled from the six chunk packages, sha256, size and shape."""
+    import gguf
+
+    from installer.default_model import CHAT
+
+    entry = load_catalog().get("qwen2.5-coder-0.5b-instruct-q4_k_m")
+    assert (entry.package, entry.main_file.sha256, entry.main_file.name) == (
+        CHAT.package,
+        CHAT.sha256,
+        CHAT.file_name,
+    )
+    path = install_from_package(entry, tmp_path)
+    assert sha256_file(path) == CHAT.sha256 and path.stat().st_size == entry.size_bytes
+    reader = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+    assert meta["general.architecture"] == entry.architecture
+    assert (meta["qwen2.block_count"], meta["qwen2.context_length"]) == (entry.layers, entry.context)
+    assert sum(int(t.n_elements) for t in reader.tensors) == entry.geometry_facts["params_total"]
+    assert "<tool_call>" in reader.fields["tokenizer.chat_template"].contents()  # a template that knows tools
 
 
 def test_validation_names_each_problem() -> None:

@@ -68,7 +68,7 @@ def test_completion_whole_and_streamed_as_llama_server_answers(server: ServerPro
 
 
 def test_completion_refuses_what_it_cannot_honour(server: ServerProc) -> None:
-    for field, value in (("grammar", "root ::= [a-z]+"), ("json_schema", {"type": "object"}), ("n_probs", 3),
+    for field, value in (("grammar", "root ::= undefined-rule"), ("json_schema", {"type": 5}), ("n_probs", 3),
                          ("logit_bias", [[1, "much"]]),
                          ("n_predict", 0), ("frobnicate", 1)):  # fmt: skip
         r = server.post("/completion", {"prompt": "x", field: value})

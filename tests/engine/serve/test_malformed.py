@@ -169,19 +169,43 @@ CASES: list[tuple[str, str, str, bytes | None, int, str | None]] = [
     ("top_logprobs over 20", "POST", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("logit_bias key not a token id", "POST", CHAT, chat(logit_bias={"hello": 10}), 400, "logit_bias"),
     (
-        "json response_format",
+        "json_schema response_format without a schema",
         "POST",
         CHAT,
-        chat(response_format={"type": "json_object"}),
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
         400,
         "response_format",
     ),
-    ("tool without name", "POST", CHAT, chat(tools=[{"type": "function", "function": {}}]), 400, None),
     (
-        "tool_choice required",
+        "a schema that is not one",
         "POST",
         CHAT,
-        chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"),
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+            }
+        ),
+        400,
+        "response_format",
+    ),
+    (
+        "two constraints",
+        "POST",
+        CHAT,
+        chat(response_format={"type": "json_object"}, grammar='root ::= "a"'),
+        400,
+        "grammar",
+    ),
+    ("tool without name", "POST", CHAT, chat(tools=[{"type": "function", "function": {}}]), 400, None),
+    (
+        "tool_choice names a tool not given",
+        "POST",
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
         400,
         "tool_choice",
     ),

@@ -49,7 +49,7 @@ def test_generate_and_chat_match_the_openai_routes(server: ServerProc) -> None:
 def test_what_is_not_supported_yet_is_refused_by_name(server: ServerProc) -> None:
     user = [{"role": "user", "content": "hi"}]
     for path, body, param in (
-        ("/api/generate", {"prompt": "x", "format": "json"}, "format"),
+        ("/api/generate", {"prompt": "x", "format": "yaml"}, "format"),
         ("/api/chat", {"messages": user, "tools": [{"type": "function"}]}, "tools"),
         (
             "/api/chat",
@@ -61,3 +61,17 @@ def test_what_is_not_supported_yet_is_refused_by_name(server: ServerProc) -> Non
         r = server.post(path, body)
         assert r.status_code == 400, (path, r.text)
         assert r.json()["error"]["param"] == param
+
+
+def test_format_holds_the_answer_to_json(server: ServerProc) -> None:
+    """Ollama's `format`: a JSON schema (or "json": any object), through the same constrained decoding."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    r = server.post("/api/chat", {"messages": [{"role": "user", "content": "ok?"}], "format": schema,
+                                  "stream": False, "options": {"temperature": 1.0, "seed": 1}})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert json.loads(r.json()["message"]["content"]) in ({"ok": True}, {"ok": False})
+    r = server.post(
+        "/api/generate", {"prompt": "x", "format": "json", "stream": False, "options": {"num_predict": 4}}
+    )
+    assert r.status_code == 200 and r.json()["response"].startswith("{")

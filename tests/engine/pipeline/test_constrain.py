@@ -1,0 +1,143 @@
+"""Constrained decoding (engine/pipeline/constrain.py): a random tiny model, sampling at temperature 1, writes
+output that the grammar admits every time - JSON valid against its schema (checked with the jsonschema package),
+Hermes tool calls whose arguments validate, GBNF and regex grammars - through the Runner and the slots; bad
+grammars are refused with the reason."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine.pipeline.batch import BatchRunner
+from engine.pipeline.constrain import GrammarError, compile_grammar, hermes_calls_grammar
+from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
+from engine.pipeline.sampling import SamplingParams
+from engine.serve.tool_calls import HermesCalls
+from engine.testing.tiny_models import write_tiny_model
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "ok"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["c", "f"]}},
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": -99, "maximum": 99},
+                    "b": {"type": "integer"},
+                },
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+SEEDS = 200
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> object:
+    path = write_tiny_model(tmp_path_factory.mktemp("c") / "q.gguf", "qwen2", "Q8_0", seed=4)
+    return load_model(path, device="cpu", dtype="f32")
+
+
+def _outputs(lm: object, grammar: str, seeds: int, max_tokens: int = 120) -> list[str]:
+    tok = lm.tokenizer  # type: ignore[attr-defined]
+    runner = Runner(lm.model, tok, 512, "f32")  # type: ignore[attr-defined]
+    prompt = tok.encode("Answer:", add_special=False)
+    out = []
+    for seed in range(seeds):
+        req = GenerationRequest(prompt, max_tokens=max_tokens, grammar=grammar,
+                                sampling=SamplingParams(temperature=1.0, seed=seed))  # fmt: skip
+        done = list(runner.generate(req))[-1]
+        assert isinstance(done, DoneEvent) and done.finish_reason == "stop", (seed, tok.decode(done.tokens))
+        out.append(tok.decode(done.tokens))
+    return out
+
+
+def test_json_output_validates_against_its_schema_for_every_seed(tiny: object) -> None:
+    grammar = compile_grammar("json_schema", SCHEMA, tiny.tokenizer)  # type: ignore[attr-defined]
+    texts = _outputs(tiny, grammar, SEEDS)
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(texts)) > SEEDS // 2  # sampled, not one forced answer
+
+
+def test_a_forced_tool_call_always_parses_and_its_arguments_validate(tiny: object) -> None:
+    grammar = compile_grammar("lark", hermes_calls_grammar(TOOLS, several=False), tiny.tokenizer)  # type: ignore[attr-defined]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    names = set()
+    for text in _outputs(tiny, grammar, SEEDS):
+        (call,) = HermesCalls().parse(text, list(params)).calls
+        jsonschema.validate(json.loads(call.arguments), params[call.name])
+        names.add(call.name)
+    assert names == set(params)
+
+
+def test_gbnf_and_regex_grammars(tiny: object) -> None:
+    tok = tiny.tokenizer  # type: ignore[attr-defined]
+    gbnf = compile_grammar("gbnf", 'root ::= ("yes" | "no") " because " [a-z]{1,8}', tok)
+    assert all(re.fullmatch(r"(yes|no) because [a-z]{1,8}", t) for t in _outputs(tiny, gbnf, 20))
+    regex = compile_grammar("regex", r"[0-9]{3}-[a-z]{2}", tok)
+    assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", t) for t in _outputs(tiny, regex, 20))
+
+
+def test_constrained_requests_in_slots(tiny: object) -> None:
+    tok = tiny.tokenizer  # type: ignore[attr-defined]
+    grammar = compile_grammar("json_schema", SCHEMA, tok)
+    br = BatchRunner(tiny.model, tok, 256, "f32", slots=4)  # type: ignore[attr-defined]
+    got: list[list[object]] = [[] for _ in range(6)]
+    for i, g in enumerate(got):
+        req = GenerationRequest(tok.encode("Answer:", add_special=False), max_tokens=120, grammar=grammar,
+                                sampling=SamplingParams(temperature=1.0, seed=100 + i))  # fmt: skip
+        br.admit(req, g.append) if i < 4 else None
+    pending = got[4:]
+    while br.busy or pending:
+        while pending and br.free:
+            req = GenerationRequest(tok.encode("Answer:", add_special=False), max_tokens=120, grammar=grammar,
+                                    sampling=SamplingParams(temperature=1.0, seed=200 + len(pending)))  # fmt: skip
+            br.admit(req, pending.pop(0).append)
+        br.step()
+    for events in got:
+        done = events[-1]
+        assert isinstance(done, DoneEvent) and done.finish_reason == "stop"
+        jsonschema.validate(json.loads(tok.decode(done.tokens)), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    ("kind", "source", "says"),
+    [
+        ("json_schema", {"type": "objekt"}, "objekt"),
+        ("json_schema", [1, 2], "a JSON schema is an object"),
+        ("gbnf", 'root ::= "a" missing', "missing"),
+        ("regex", "[a-", "the regex cannot be used"),
+    ],
+)
+def test_a_bad_grammar_is_refused_with_the_reason(tiny: object, kind: str, source: object, says: str) -> None:
+    with pytest.raises(GrammarError, match=re.escape(says)):
+        compile_grammar(kind, source, tiny.tokenizer)  # type: ignore[arg-type, attr-defined]
