@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING, Any
 from engine.serve.errors import APIError
 from engine.serve.jobs import ClientGone, Job, Receive, Result, sse_event, wait_disconnect
 from engine.serve.protocol import new_id, now, timings_dict, usage_dict
+from engine.serve.reasoning import ThinkStream, thinks
+from engine.serve.reasoning import split as split_reasoning
 from engine.serve.tool_calls import CallStream, HermesCalls, ToolCall, openai_tool_calls, parser_for
 from installer.version import __version__
 
 if TYPE_CHECKING:
-    from engine.pipeline.generate import TokenLogprob
+    from engine.pipeline.generate import GenerationRequest, TokenLogprob
     from engine.pipeline.loader import LoadedModel
 
 FINGERPRINT = f"polystrata-{__version__}"
@@ -109,13 +111,21 @@ class Answers:
             self.cancel(job)
 
     async def stream(
-        self, job: Job, endpoint: str, include_usage: bool, echo: str = "", tools: Sequence[str] = ()
+        self,
+        job: Job,
+        endpoint: str,
+        include_usage: bool,
+        echo: str = "",
+        tools: Sequence[str] = (),
+        reasoning: bool | None = None,
     ) -> AsyncIterator[bytes]:
         """The SSE body of a streamed answer. Closing it (the client left) cancels the job. `tools`: the names of
         the tools a chat request lets the model call; its calls come as `tool_calls` deltas as OpenAI sends them
-        (id, type and name first, then the arguments), with finish_reason "tool_calls"."""
+        (id, type and name first, then the arguments), with finish_reason "tool_calls". `reasoning` (not None):
+        the answer's <think> block streams as `reasoning_content` deltas (True: the prompt opened it)."""
         chat = endpoint == "chat"
         calls = CallStream(tools) if chat and tools and self._tool_parser() is not None else None
+        thinking = ThinkStream(reasoning) if chat and reasoning is not None else None
         n_calls = 0
         base = {
             "id": new_id("chatcmpl" if chat else "cmpl"),
@@ -159,13 +169,46 @@ class Answers:
         def text_chunk(text: str) -> bytes:
             return head + json.dumps(text, ensure_ascii=False).encode() + tail
 
+        held_lps: list[
+            Any
+        ] = []  # log-probabilities of tokens whose text is held back (a tag may begin there)
+
+        def plain(text: str) -> bytes:
+            """Answer text given out, with the log-probabilities of the tokens held back until it came."""
+            if not held_lps:
+                return text_chunk(text)
+            lps = self.chat_logprobs(list(held_lps))
+            held_lps.clear()
+            return chunk(text, logprobs=lps)
+
+        def answer_chunks(text: str, lps: Any = None, final: bool = False) -> bytes:
+            """The answer's text through the reasoning split and the tool-call reader, where they apply."""
+            held_lps.extend(lps or ())
+            pieces = ([] if text == "" else thinking.feed(text)) if thinking is not None else [("text", text)]
+            if thinking is not None and final:
+                pieces += thinking.end()
+            out = bytearray()
+            for kind, value in pieces:
+                if kind == "reasoning":
+                    held_lps.clear()  # the reasoning's tokens: not the answer's
+                    out += sse_event({**base, "choices": [{"index": 0, "delta": {"reasoning_content": value},
+                                                           "logprobs": None, "finish_reason": None}]})  # fmt: skip
+                elif calls is not None:
+                    out += call_chunks(calls.feed(value))
+                elif value:
+                    out += plain(value)
+            if calls is not None and final:
+                out += call_chunks(calls.end())
+            return bytes(out)
+
         def call_chunks(items: list[tuple[str, Any]]) -> bytes:
             nonlocal n_calls
             out = bytearray()
             for kind, value in items:
                 if kind == "text":
-                    out += text_chunk(value)
+                    out += plain(value)
                     continue
+                held_lps.clear()
                 c: ToolCall = value
                 (tc,) = openai_tool_calls([c])
                 first = {"index": n_calls, "id": tc["id"], "type": "function",
@@ -185,8 +228,11 @@ class Answers:
             async for batch in self._items(job):
                 out = bytearray()
                 for item in batch:
-                    if item[0] == "text" and calls is not None:  # text that may hold calls
-                        out += call_chunks(calls.feed(item[1]))
+                    if item[0] == "text" and (
+                        calls is not None or (thinking is not None and thinking.state != "answer")
+                    ):
+                        # text that may hold reasoning or calls
+                        out += answer_chunks(item[1], item[2] if len(item) > 2 else None)
                     elif (
                         item[0] == "text" and len(item) > 2 and item[2]
                     ):  # with the tokens' log-probabilities
@@ -208,8 +254,8 @@ class Answers:
                         t = res.done.timings
                         timings = timings_dict(t, res.queued_ms)
                         finish = res.done.finish_reason
-                        if calls is not None:
-                            out += call_chunks(calls.end())
+                        if calls is not None or thinking is not None:
+                            out += answer_chunks("", final=True)
                             finish = "tool_calls" if n_calls else finish
                         out += chunk(None if chat else "", finish, timings=timings)
                         if include_usage:
@@ -221,22 +267,40 @@ class Answers:
         finally:
             self.cancel(job)
 
-    def chat_response(self, res: Result | list[Result], tools: Sequence[str] = ()) -> dict[str, Any]:
+    def chat_response(
+        self, res: Result | list[Result], tools: Sequence[str] = (), reasoning: bool | None = None
+    ) -> dict[str, Any]:
         """`tools`: the names of the tools the request lets the model call; its calls, in the format its template
-        teaches, become `tool_calls` (finish_reason "tool_calls")."""
+        teaches, become `tool_calls` (finish_reason "tool_calls"). `reasoning` (not None): the answer's <think>
+        block becomes `reasoning_content` (True: the prompt opened it)."""
         results = res if isinstance(res, list) else [res]
         parser = self._tool_parser() if tools else None
         content = []
         for r in results:
-            message: dict[str, Any] = {"role": "assistant", "content": r.text, "refusal": None}
+            text = r.text
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            if reasoning is not None:
+                thought, text = split_reasoning(text, reasoning)
+                message["content"] = text
+                if thought is not None:
+                    message["reasoning_content"] = thought
             choice: dict[str, Any] = {"message": message}
-            parsed = parser.parse(r.text, tools) if parser is not None else None
+            parsed = parser.parse(text, tools) if parser is not None else None
             if parsed is not None and parsed.calls:
                 message.update(content=parsed.content, tool_calls=openai_tool_calls(parsed.calls))
                 choice["finish_reason"] = "tool_calls"
             choice["logprobs"] = self.chat_logprobs(r.logprobs) if r.logprobs is not None else None
             content.append(choice)
         return self._whole("chatcmpl", "chat.completion", content, results)
+
+    def reasoning_mode(self, r: Any, gen: "GenerationRequest") -> bool | None:
+        """Whether a chat answer's reasoning goes apart (None: it stays in the content), and whether the prompt
+        opened the <think> block (True) or the answer does (False)."""
+        assert self.lm is not None
+        if getattr(r, "reasoning_format", None) == "none" or not thinks(self.lm.chat.template):
+            return None
+        tail = self.lm.tokenizer.decode(list(gen.prompt[-16:]))
+        return tail.rstrip().endswith("<think>")
 
     def _tool_parser(self) -> HermesCalls | None:
         assert self.lm is not None

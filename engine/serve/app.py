@@ -16,6 +16,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from engine.pipeline.generate import GenerationRequest
+from engine.serve.anthropic_routes import add_anthropic_routes
 from engine.serve.errors import APIError, from_validation
 from engine.serve.jobs import ClientGone, Job, sse_event
 from engine.serve.llama_routes import add_llama_completion, add_llama_routes
@@ -157,14 +158,19 @@ def create_app(service: EngineService, cors_origins: Sequence[str] = ()) -> Fast
         if r.stream:
             job = Job("chat", gen, True, loop)
             service.submit(job)
-            return EventStreamResponse(service.stream(job, "chat", r.include_usage, tools=r.tool_names))
+            think = service.reasoning_mode(r, gen)
+            return EventStreamResponse(
+                service.stream(job, "chat", r.include_usage, tools=r.tool_names, reasoning=think)
+            )
         try:
             res = await service.run_all(
                 [Job("chat", g, False, loop) for g in choices(gen, r.choices)], request.receive
             )
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(service.chat_response(res, tools=r.tool_names))
+        return JSONResponse(
+            service.chat_response(res, tools=r.tool_names, reasoning=service.reasoning_mode(r, gen))
+        )
 
     async def completions(request: Request) -> Response:
         r = await _parse(request, CompletionRequest)
@@ -223,6 +229,7 @@ def create_app(service: EngineService, cors_origins: Sequence[str] = ()) -> Fast
     add_llama_routes(app, service, _parse)
     add_llama_completion(app, service, _parse)
     add_ollama_routes(app, service, _parse)
+    add_anthropic_routes(app, service, _parse)
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/stats", stats, methods=["GET"])
     app.add_api_route("/events", events, methods=["GET"])

@@ -286,6 +286,8 @@ class ChatCompletionRequest(_Common):
     web_search_options: dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: Any = None
+    # extension (llama-server): "none" keeps a <think> block in the content; the others split it off
+    reasoning_format: Literal["none", "auto", "deepseek", "deepseek-legacy"] | None = None
     # extension (vLLM, llama-server): extra variables for the chat template, e.g. {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -187,7 +187,7 @@ class CallStream:
                     self._text(out, self.held[: j + len(close)])
                 self.held = self.held[j + len(close) :]
                 continue
-            keep = 0 if final else max(_partial(self.held, m) for m in self.marks)
+            keep = 0 if final else max(partial_tag(self.held, m) for m in self.marks)
             self._text(out, self.held[: len(self.held) - keep])
             self.held = self.held[len(self.held) - keep :]
             return out
@@ -198,7 +198,7 @@ class CallStream:
             self.sent = self.sent or bool(text.strip())
 
 
-def _partial(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (it may be completed by the next piece)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
