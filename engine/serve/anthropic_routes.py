@@ -15,8 +15,8 @@ from starlette.concurrency import run_in_threadpool
 from engine.serve.anthropic_protocol import STOP_REASONS, MessagesRequest, message_from_chat
 from engine.serve.jobs import ClientGone, Job, Result
 from engine.serve.protocol import new_id
-from engine.serve.reasoning import ThinkStream
-from engine.serve.tool_calls import CallStream, ToolCall
+from engine.serve.reasoning import AnswerParts
+from engine.serve.tool_calls import ToolCall
 
 if TYPE_CHECKING:
     from engine.serve.serving import EngineService
@@ -31,8 +31,7 @@ class MessageStream:
     start, each tool call becomes a tool_use block with its input as one input_json_delta."""
 
     def __init__(self, msg_id: str, model: str, input_tokens: int, tools: Sequence[str], think: bool | None):
-        self.calls = CallStream(tools) if tools else None
-        self.thinking = ThinkStream(think) if think is not None else None
+        self.parts = AnswerParts(tools, think)
         self.index = -1
         self.open: str | None = None  # the kind of the block open now
         self.n_calls = 0
@@ -57,37 +56,25 @@ class MessageStream:
         return out + _event("message_stop", {})
 
     def _pieces(self, text: str, final: bool) -> bytes:
-        th = self.thinking
-        pieces: list[tuple[str, Any]] = [("text", text)] if th is None else (th.feed(text) if text else [])
-        if th is not None and final:
-            pieces += th.end()
+        parts = self.parts.feed(text) if text else []
+        if final:
+            parts += self.parts.end()
         out = bytearray()
-        for kind, value in pieces:
+        for kind, value in parts:
             if kind == "reasoning":
                 out += self._delta("thinking", {"type": "thinking_delta", "thinking": value})
-            elif self.calls is not None:
-                out += self._answer(self.calls.feed(value))
-            elif value:
+            elif kind == "text":
                 out += self._delta("text", {"type": "text_delta", "text": value})
-        if self.calls is not None and final:
-            out += self._answer(self.calls.end())
-        return bytes(out)
-
-    def _answer(self, items: list[tuple[str, Any]]) -> bytes:
-        out = bytearray()
-        for kind, value in items:
-            if kind == "text":
-                out += self._delta("text", {"type": "text_delta", "text": value})
-                continue
-            c: ToolCall = value
-            out += self._close()
-            self.index += 1
-            block = {"type": "tool_use", "id": new_id("toolu"), "name": c.name, "input": {}}
-            out += _event("content_block_start", {"index": self.index, "content_block": block})
-            out += _event("content_block_delta", {"index": self.index,
-                                                  "delta": {"type": "input_json_delta", "partial_json": c.arguments}})  # fmt: skip
-            out += _event("content_block_stop", {"index": self.index})
-            self.n_calls += 1
+            else:
+                c: ToolCall = value
+                out += self._close()
+                self.index += 1
+                block = {"type": "tool_use", "id": new_id("toolu"), "name": c.name, "input": {}}
+                out += _event("content_block_start", {"index": self.index, "content_block": block})
+                delta = {"type": "input_json_delta", "partial_json": c.arguments}
+                out += _event("content_block_delta", {"index": self.index, "delta": delta})
+                out += _event("content_block_stop", {"index": self.index})
+                self.n_calls += 1
         return bytes(out)
 
     def _delta(self, kind: str, delta: dict[str, Any]) -> bytes:

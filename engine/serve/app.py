@@ -23,6 +23,7 @@ from engine.serve.llama_routes import add_llama_completion, add_llama_routes
 from engine.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware, BodyTooLarge
 from engine.serve.ollama_routes import add_ollama_routes
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from engine.serve.responses_api import add_responses_routes
 from engine.serve.serving import METRICS_CONTENT_TYPE, EngineService
 from engine.serve.sse import EventStreamResponse
 from installer.version import __version__
@@ -230,6 +231,7 @@ def create_app(service: EngineService, cors_origins: Sequence[str] = ()) -> Fast
     add_llama_completion(app, service, _parse)
     add_ollama_routes(app, service, _parse)
     add_anthropic_routes(app, service, _parse)
+    add_responses_routes(app, service, _parse)
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/stats", stats, methods=["GET"])
     app.add_api_route("/events", events, methods=["GET"])

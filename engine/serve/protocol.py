@@ -221,6 +221,48 @@ class _Common(_Strict):
     cache_prompt: bool | None = None
     grammar: str | None = None  # the output follows this GBNF (or Lark) grammar
     json_schema: dict[str, Any] | None = None  # the output is JSON valid against this schema
+    n_predict: Annotated[int, Field(ge=-1)] | None = None  # llama-server's max_tokens (-1: no limit)
+    # vLLM's names: the repeat penalty, and constrained output (a schema, a regex, a grammar, one of some strings)
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    # Accepted and not acted on (`ignored_fields`): samplers and slot, timing and output options of llama-server
+    # and vLLM that clients written for them send, often at their defaults. Other unknown fields are refused.
+    typical_p: Any = None
+    tfs_z: Any = None
+    mirostat: Any = None
+    mirostat_tau: Any = None
+    mirostat_eta: Any = None
+    keep_alive: Any = None
+    samplers: Any = None
+    n_keep: Any = None
+    min_keep: Any = None
+    dry_multiplier: Any = None
+    dry_base: Any = None
+    dry_allowed_length: Any = None
+    dry_penalty_last_n: Any = None
+    dry_sequence_breakers: Any = None
+    xtc_probability: Any = None
+    xtc_threshold: Any = None
+    dynatemp_range: Any = None
+    dynatemp_exponent: Any = None
+    id_slot: Any = None
+    t_max_predict_ms: Any = None
+    t_max_prompt_ms: Any = None
+    timings_per_token: Any = None
+    post_sampling_probs: Any = None
+    return_tokens: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    top_a: Any = None
+
+    @classmethod
+    def ignored_fields(cls) -> list[str]:
+        return [name for name, f in cls.model_fields.items() if f.annotation is Any]
 
     @field_validator("n")
     @classmethod

@@ -6,9 +6,10 @@ Where the chat template opens the `<think>` itself at the end of the prompt (Dee
 2507 models), the answer begins inside it; otherwise a `<think>` at the very start of the answer opens it. An
 answer cut before `</think>` is reasoning only."""
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
-from engine.serve.tool_calls import partial_tag
+from engine.serve.tool_calls import CallStream, partial_tag
 
 OPEN, CLOSE = "<think>", "</think>"
 Piece = tuple[Literal["reasoning", "text"], str]
@@ -88,3 +89,31 @@ class ThinkStream:
         if text:
             out.append(("reasoning", text))
             self.fresh = False
+
+
+class AnswerParts:
+    """A streamed chat answer as its parts, in order: ("reasoning", str), ("text", str) and ("call", ToolCall);
+    the reasoning split first (`think` as in `ThinkStream`, None: no split), then the tool calls read from the
+    answer (`tools`: the names the request declared; none: no calls read)."""
+
+    def __init__(self, tools: Sequence[str], think: bool | None) -> None:
+        self.thinking = ThinkStream(think) if think is not None else None
+        self.calls = CallStream(tools) if tools else None
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        pieces: list[Piece] = [("text", text)] if self.thinking is None else self.thinking.feed(text)
+        return self._calls(pieces, final=False)
+
+    def end(self) -> list[tuple[str, Any]]:
+        return self._calls(self.thinking.end() if self.thinking is not None else [], final=True)
+
+    def _calls(self, pieces: list[Piece], final: bool) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for kind, value in pieces:
+            if kind == "text" and self.calls is not None:
+                out += self.calls.feed(value)
+            elif value:
+                out.append((kind, value))
+        if final and self.calls is not None:
+            out += self.calls.end()
+        return out

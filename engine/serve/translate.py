@@ -1,6 +1,7 @@
 """Requests into generation requests: chat messages through the model's template, prompts into token ids, the
 sampling fields into the sampler's, each refusal an OpenAI-style 400 that names the field."""
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -70,7 +71,9 @@ class RequestTranslation:
                 top_k=d.top_k if r.top_k is None else r.top_k,
                 top_p=top_p,
                 min_p=d.min_p if r.min_p is None else r.min_p,
-                repeat_penalty=d.repeat_penalty if r.repeat_penalty is None else r.repeat_penalty,
+                repeat_penalty=next(
+                    (x for x in (r.repeat_penalty, r.repetition_penalty) if x is not None), d.repeat_penalty
+                ),
                 presence_penalty=d.presence_penalty if r.presence_penalty is None else r.presence_penalty,
                 frequency_penalty=d.frequency_penalty if r.frequency_penalty is None else r.frequency_penalty,
                 repeat_last_n=d.repeat_last_n if r.repeat_last_n is None else r.repeat_last_n,
@@ -95,6 +98,8 @@ class RequestTranslation:
                 param="messages" if isinstance(r, ChatCompletionRequest) else "prompt",
             )
         limit = r.token_limit
+        if limit is None and r.n_predict is not None and r.n_predict > 0:
+            limit = r.n_predict
         grammar = self._grammar(r)
         return GenerationRequest(
             ids,
@@ -126,6 +131,23 @@ class RequestTranslation:
             asked.append(("json_schema", "json_schema", r.json_schema))
         if r.grammar:
             asked.append(("grammar", "gbnf", r.grammar))
+        if r.guided_json is not None:
+            schema = r.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise APIError(400, f"guided_json is not JSON: {e}", code="invalid_grammar",
+                                   param="guided_json") from None  # fmt: skip
+            asked.append(("guided_json", "json_schema", schema))
+        if r.guided_regex:
+            asked.append(("guided_regex", "regex", r.guided_regex))
+        if r.guided_grammar:
+            asked.append(("guided_grammar", "gbnf", r.guided_grammar))
+        if r.guided_choice:
+            asked.append(
+                ("guided_choice", "lark", "start: " + " | ".join(json.dumps(c) for c in r.guided_choice))
+            )
         if (
             isinstance(r, ChatCompletionRequest)
             and r.tools

@@ -120,3 +120,33 @@ def test_llama_server_grammar_and_json_schema(server: ServerProc) -> None:
         jsonschema.validate(json.loads(r.json()["content"]), SCHEMA)
     r = server.post("/v1/completions", {"prompt": "x", "grammar": "root ::= [0-9]{3}", "max_tokens": 10})
     assert re.fullmatch(r"[0-9]{3}", r.json()["choices"][0]["text"])
+
+
+def test_fields_other_servers_clients_send(client: openai.OpenAI, server: ServerProc) -> None:
+    """llama-server's and vLLM's fields on the OpenAI routes: n_predict, repetition_penalty and vLLM's guided_*
+    honoured; their other samplers and options accepted and not acted on; anything else refused by name."""
+    base = {"model": "m", "messages": ASK, "temperature": 0}
+    r = server.post("/v1/chat/completions", {**base, "n_predict": 5})
+    assert r.json()["usage"]["completion_tokens"] == 5
+    a = server.post("/v1/chat/completions", {**base, "max_tokens": 12, "repetition_penalty": 1.5}).json()
+    b = server.post("/v1/chat/completions", {**base, "max_tokens": 12, "repeat_penalty": 1.5}).json()
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    ignored = {"typical_p": 1.0, "mirostat": 0, "keep_alive": "5m", "samplers": ["top_k"], "dry_multiplier": 0,
+               "id_slot": -1, "skip_special_tokens": True, "use_beam_search": False}  # fmt: skip
+    c = server.post(
+        "/v1/chat/completions", {**base, "max_tokens": 12, "repeat_penalty": 1.5, **ignored}
+    ).json()
+    assert c["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    for seed in range(5):
+        body = {**base, "temperature": 1.0, "seed": seed, "max_tokens": 60}
+        got = server.post("/v1/chat/completions", {**body, "guided_choice": ["yes", "no", "maybe so"]}).json()
+        assert got["choices"][0]["message"]["content"] in ("yes", "no", "maybe so")
+        got = server.post("/v1/chat/completions", {**body, "guided_regex": "[a-c]{2}[0-9]"}).json()
+        assert re.fullmatch("[a-c]{2}[0-9]", got["choices"][0]["message"]["content"])
+        plain = {k: v for k, v in body.items() if k != "messages"}
+        got = server.post(
+            "/v1/completions", {"prompt": "x", **plain, "guided_json": json.dumps(SCHEMA)}
+        ).json()
+        jsonschema.validate(json.loads(got["choices"][0]["text"]), SCHEMA)
+    bad = server.post("/v1/chat/completions", {**base, "frobnicate": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "frobnicate"
