@@ -198,7 +198,46 @@ class ResponseFormat(_Strict):
 # ---- requests -------------------------------------------------------------------------------------------------
 
 
-class _Common(_Strict):
+class OtherSamplers(BaseModel):
+    """The samplers llama.cpp has and this engine does not: accepted and not acted on (`ignored_fields`) wherever
+    a client of llama-server or Ollama may send them."""
+
+    typical_p: Any = None
+    tfs_z: Any = None
+    mirostat: Any = None
+    mirostat_tau: Any = None
+    mirostat_eta: Any = None
+
+    @classmethod
+    def ignored_fields(cls) -> list[str]:
+        return [name for name, f in cls.model_fields.items() if f.annotation is Any]
+
+
+class LlamaOptions(OtherSamplers):
+    """Options of llama-server's samplers, slots and output that clients written for it send, often at their
+    defaults: accepted and not acted on, on its own route and on the OpenAI ones."""
+
+    n_keep: Any = None
+    min_keep: Any = None
+    samplers: Any = None
+    dynatemp_range: Any = None
+    dynatemp_exponent: Any = None
+    xtc_probability: Any = None
+    xtc_threshold: Any = None
+    dry_multiplier: Any = None
+    dry_base: Any = None
+    dry_allowed_length: Any = None
+    dry_penalty_last_n: Any = None
+    dry_sequence_breakers: Any = None
+    id_slot: Any = None
+    t_max_predict_ms: Any = None
+    t_max_prompt_ms: Any = None
+    return_tokens: Any = None
+    timings_per_token: Any = None
+    post_sampling_probs: Any = None
+
+
+class _Common(_Strict, LlamaOptions):
     model: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -228,41 +267,14 @@ class _Common(_Strict):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
-    # Accepted and not acted on (`ignored_fields`): samplers and slot, timing and output options of llama-server
-    # and vLLM that clients written for them send, often at their defaults. Other unknown fields are refused.
-    typical_p: Any = None
-    tfs_z: Any = None
-    mirostat: Any = None
-    mirostat_tau: Any = None
-    mirostat_eta: Any = None
+    # Accepted and not acted on (`ignored_fields`) besides llama-server's (LlamaOptions): vLLM's and Ollama's
+    # options that clients written for them send. Other unknown fields are refused.
     keep_alive: Any = None
-    samplers: Any = None
-    n_keep: Any = None
-    min_keep: Any = None
-    dry_multiplier: Any = None
-    dry_base: Any = None
-    dry_allowed_length: Any = None
-    dry_penalty_last_n: Any = None
-    dry_sequence_breakers: Any = None
-    xtc_probability: Any = None
-    xtc_threshold: Any = None
-    dynatemp_range: Any = None
-    dynatemp_exponent: Any = None
-    id_slot: Any = None
-    t_max_predict_ms: Any = None
-    t_max_prompt_ms: Any = None
-    timings_per_token: Any = None
-    post_sampling_probs: Any = None
-    return_tokens: Any = None
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     top_a: Any = None
-
-    @classmethod
-    def ignored_fields(cls) -> list[str]:
-        return [name for name, f in cls.model_fields.items() if f.annotation is Any]
 
     @field_validator("n")
     @classmethod
@@ -435,20 +447,11 @@ class DetokenizeRequest(_Strict):
     tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1 << 20)]
 
 
-class Lenient(BaseModel):
+class Lenient(OtherSamplers):
     """A body in another server's dialect: its fields typed Any are accepted and not acted on (`ignored_fields`),
     any other unknown field is refused. The samplers llama.cpp has and this engine does not are common to them."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    typical_p: Any = None
-    tfs_z: Any = None
-    mirostat: Any = None
-    mirostat_tau: Any = None
-    mirostat_eta: Any = None
-
-    @classmethod
-    def ignored_fields(cls) -> list[str]:
-        return [name for name, f in cls.model_fields.items() if f.annotation is Any]
 
 
 class LlamaSampling(Lenient):
@@ -474,7 +477,7 @@ class LlamaSampling(Lenient):
         return out
 
 
-class LlamaCompletionRequest(LlamaSampling):
+class LlamaCompletionRequest(LlamaSampling, LlamaOptions):
     """llama-server's own POST /completion: the fields it honours are mapped onto the OpenAI completion's."""
 
     prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -487,26 +490,7 @@ class LlamaCompletionRequest(LlamaSampling):
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
     logit_bias: dict[str, Any] | list[Any] | None = None
-    # accepted and not acted on (samplers this engine does not have, slot and output options): a client written
-    # for llama-server sends them with their defaults; `ignored_fields` lists them (docs/api.md too)
-    n_keep: Any = None
-    min_keep: Any = None
-    samplers: Any = None
-    dynatemp_range: Any = None
-    dynatemp_exponent: Any = None
-    xtc_probability: Any = None
-    xtc_threshold: Any = None
-    dry_multiplier: Any = None
-    dry_base: Any = None
-    dry_allowed_length: Any = None
-    dry_penalty_last_n: Any = None
-    dry_sequence_breakers: Any = None
-    id_slot: Any = None
-    t_max_predict_ms: Any = None
-    t_max_prompt_ms: Any = None
-    return_tokens: Any = None
-    timings_per_token: Any = None
-    post_sampling_probs: Any = None
+    # accepted and not acted on besides LlamaOptions' (docs/api.md lists them all)
     n_indent: Any = None
     penalize_nl: Any = None
     response_fields: Any = None
