@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from engine.serve.protocol import MAX_STOP, ChatCompletionRequest, FieldError, _Strict
+from engine.serve.protocol import MAX_STOP, ChatCompletionRequest, FieldError, _Strict, reasoning_effort
 
 
 class _Block(_Strict):
@@ -129,14 +129,16 @@ class MessagesRequest(_Strict):
                  "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}}
                 for t in self.tools
             ]  # fmt: skip
-            c = self.tool_choice
-            if c is not None:
-                body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(c.type) or {
-                    "type": "function",
-                    "function": {"name": c.name},
-                }
-                if c.disable_parallel_tool_use:
-                    body["parallel_tool_calls"] = False
+        c = self.tool_choice
+        if c is not None and (
+            self.tools or c.type in ("any", "tool")
+        ):  # a call forced with no tools: refused
+            body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(c.type) or {
+                "type": "function",
+                "function": {"name": c.name},
+            }
+            if c.disable_parallel_tool_use:
+                body["parallel_tool_calls"] = False
         if self.thinking is not None:
             body["chat_template_kwargs"] = {"enable_thinking": self.thinking.get("type") == "enabled"}
         oc = self.output_config or {}
@@ -147,7 +149,7 @@ class MessagesRequest(_Strict):
                 "json_schema": {"name": "output", "schema": fmt.get("schema")},
             }
         if oc.get("effort"):
-            body["reasoning_effort"] = {"xhigh": "high", "max": "high"}.get(oc["effort"], oc["effort"])
+            body["reasoning_effort"] = reasoning_effort(oc["effort"])
         return ChatCompletionRequest.model_validate(body, strict=False)
 
 

@@ -3,17 +3,15 @@ Anthropic streams it (message_start, content blocks of text, thinking and tool_u
 message_delta with the stop reason and usage, message_stop). The key may come as `x-api-key`, as Anthropic's
 clients send it (engine/serve/middleware.py)."""
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from engine.serve.anthropic_protocol import STOP_REASONS, MessagesRequest, message_from_chat
-from engine.serve.jobs import ClientGone, Job, Result
+from engine.serve.jobs import ClientGone, Result
 from engine.serve.protocol import new_id
 from engine.serve.reasoning import AnswerParts
 from engine.serve.tool_calls import ToolCall
@@ -103,12 +101,8 @@ def add_anthropic_routes(
 ) -> None:
     async def messages(request: Request) -> Response:
         r: MessagesRequest = await parse(request, MessagesRequest)
-        service.check_model(r.model)
-        service.require_ready()
-        chat = r.as_openai()
-        gen = await run_in_threadpool(service.prepare_chat, chat)
-        think = service.reasoning_mode(chat, gen)
-        job = Job("chat", gen, r.stream, asyncio.get_running_loop())
+        chat, job, think = await service.dialect_chat(r, r.stream)
+        gen = job.req
         msg_id = new_id("msg")
         if not r.stream:
             try:

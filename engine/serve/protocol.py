@@ -546,6 +546,11 @@ class LlamaCompletionRequest(LlamaSampling, LlamaOptions):
 # ---- responses ------------------------------------------------------------------------------------------------
 
 
+def reasoning_effort(level: str) -> str:
+    """Another API's effort level as the chat request's reasoning_effort (its two levels above high are high)."""
+    return {"xhigh": "high", "max": "high"}.get(level, level)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 

@@ -3,7 +3,6 @@ the request mapped onto the chat request the engine serves, the answer back as a
 (reasoning, message, function_call), whole or as the Responses stream of typed events. Nothing is stored: a
 request gives its whole conversation in `input` (previous_response_id is refused with a message saying so)."""
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -12,10 +11,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ConfigDict, Field, model_validator
-from starlette.concurrency import run_in_threadpool
 
-from engine.serve.jobs import ClientGone, Job, Result
-from engine.serve.protocol import ChatCompletionRequest, FieldError, _Strict, new_id
+from engine.serve.jobs import ClientGone, Result
+from engine.serve.protocol import ChatCompletionRequest, FieldError, _Strict, new_id, reasoning_effort
 from engine.serve.reasoning import AnswerParts
 from engine.serve.tool_calls import ToolCall
 
@@ -123,11 +121,13 @@ class ResponsesRequest(_Strict):
                                                   "parameters": t.get("parameters") or {"type": "object"}}}
                 for t in self.tools
             ]  # fmt: skip
-            c = self.tool_choice
-            if isinstance(c, dict):
-                body["tool_choice"] = {"type": "function", "function": {"name": c.get("name")}}
-            elif c is not None:
-                body["tool_choice"] = c
+        c = self.tool_choice
+        if isinstance(c, dict):
+            body["tool_choice"] = {"type": "function", "function": {"name": c.get("name")}}
+        elif c is not None and (
+            self.tools or c not in ("auto", "none")
+        ):  # a call forced with no tools: refused
+            body["tool_choice"] = c
         fmt = (self.text or {}).get("format") or {}
         if fmt.get("type") == "json_object":
             body["response_format"] = {"type": "json_object"}
@@ -136,7 +136,7 @@ class ResponsesRequest(_Strict):
                                        "json_schema": {"name": fmt.get("name", "output"), "schema": fmt.get("schema")}}  # fmt: skip
         effort = (self.reasoning or {}).get("effort")
         if effort:
-            body["reasoning_effort"] = {"xhigh": "high", "max": "high"}.get(effort, effort)
+            body["reasoning_effort"] = reasoning_effort(effort)
         return ChatCompletionRequest.model_validate(body, strict=False)
 
 
@@ -287,12 +287,7 @@ def add_responses_routes(
 ) -> None:
     async def responses(request: Request) -> Response:
         r: ResponsesRequest = await parse(request, ResponsesRequest)
-        service.check_model(r.model)
-        service.require_ready()
-        chat = r.as_openai()
-        gen = await run_in_threadpool(service.prepare_chat, chat)
-        think = service.reasoning_mode(chat, gen)
-        job = Job("chat", gen, r.stream, asyncio.get_running_loop())
+        chat, job, think = await service.dialect_chat(r, r.stream)
         if not r.stream:
             created = time.time()
             try:

@@ -7,6 +7,7 @@ each request's asyncio queue, and a request whose client went away is taken out 
 two steps of its generation.
 """
 
+import asyncio
 import collections
 import contextlib
 import logging
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from engine.experts.profile import ProfileRecorder, model_counts, profile_location
 from engine.layers.kv_cache import resolve_kv_type
@@ -38,12 +40,13 @@ from engine.pipeline.prompt_cache import PromptCache
 from engine.pipeline.spec import SpecConfig
 from engine.pipeline.split import SplitOptions, prefill_chunk, prefill_span
 from engine.serve.answers import Answers
-from engine.serve.errors import APIError
+from engine.serve.errors import APIError, from_validation
 from engine.serve.jobs import Job, Result
 from engine.serve.metrics import Metrics
 from engine.serve.options import ServeOptions, model_id
 from engine.serve.protocol import (
     EVENT,
+    ChatCompletionRequest,
     now,
     timings_dict,
 )
@@ -272,6 +275,19 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                 code="model_not_found",
                 param="model",
             )
+
+    async def dialect_chat(self, r: Any, stream: bool) -> tuple[ChatCompletionRequest, Job, bool | None]:
+        """Another dialect's chat request (Anthropic's, the Responses API's): the chat request it maps onto (one
+        the chat route would refuse is a 400 naming the field), its job, prepared off the event loop, and how its
+        answer's reasoning goes (`reasoning_mode`)."""
+        self.check_model(r.model)
+        try:
+            chat: ChatCompletionRequest = r.as_openai()
+        except ValidationError as e:
+            raise from_validation(e) from None
+        self.require_ready()
+        gen = await run_in_threadpool(self.prepare_chat, chat)
+        return chat, Job("chat", gen, stream, asyncio.get_running_loop()), self.reasoning_mode(chat, gen)
 
     def require_ready(self) -> None:
         if self.status == "loading":

@@ -101,6 +101,7 @@ def test_refusals(server: ServerProc) -> None:
          "messages.0.content.0"),
         ({"max_tokens": 5, "messages": ASK, "tools": [ADD], "tool_choice": {"type": "tool", "name": "nope"}},
          "tool_choice"),
+        ({"max_tokens": 5, "messages": ASK, "tool_choice": {"type": "any"}}, "tool_choice"),  # no tools to call
     ):  # fmt: skip
         r = server.post("/v1/messages", body)
         assert r.status_code == 400, r.text

@@ -95,6 +95,10 @@ def test_refusals(server: ServerProc) -> None:
         ),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
         ({"input": "x", "frobnicate": 1}, "frobnicate"),
+        (
+            {"input": "x", "tool_choice": "required"},
+            "tool_choice",
+        ),  # refused by the chat request it maps onto
     ):
         r = server.post("/v1/responses", body)
         assert r.status_code == 400, r.text
