@@ -1,6 +1,7 @@
 """Ollama's request bodies (/api/generate, /api/chat, /api/show), mapped onto the OpenAI requests this server runs:
 one generation path, so the same answer whichever dialect asks. Fields as Ollama's docs/api.md gives them."""
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -108,21 +109,40 @@ class OllamaChatRequest(_Generation):
 
     @model_validator(mode="after")
     def _unsupported(self) -> "OllamaChatRequest":
-        if self.tools:
-            raise FieldError("tools", "tools are not supported on /api/chat yet: leave them out")
         for i, m in enumerate(self.messages):
             if m.images:
                 raise FieldError(
                     f"messages.{i}.images", "images are not supported: this server runs text models"
                 )
-            if m.tool_calls or m.role == "tool":
-                raise FieldError(f"messages.{i}", "tool calls are not supported on /api/chat yet")
         return self
 
     def as_openai(self) -> ChatCompletionRequest:
-        return _chat(
-            [{"role": m.role, "content": m.content} for m in self.messages], self.think, self._extra()
-        )
+        """Ollama's tool calls (arguments as objects, no ids) become OpenAI's: each call gets an id, and a tool
+        message answers the latest call of its `tool_name` (else the latest call)."""
+        messages: list[dict[str, Any]] = []
+        calls: list[tuple[str, str]] = []  # (id, name) of the calls so far
+        for m in self.messages:
+            msg: dict[str, Any] = {"role": m.role, "content": m.content}
+            if m.tool_calls:
+                out = []
+                for c in m.tool_calls:
+                    f = c.get("function", {}) if isinstance(c, dict) else {}
+                    cid = f"call_{len(calls)}"
+                    calls.append((cid, f.get("name", "")))
+                    args = f.get("arguments", {})
+                    out.append({"id": cid, "type": "function", "function": {
+                        "name": f.get("name", ""), "arguments": args if isinstance(args, str) else json.dumps(args)}})  # fmt: skip
+                msg["tool_calls"] = out
+            if m.role == "tool":
+                named = (
+                    [cid for cid, n in calls if n == m.tool_name] or [cid for cid, _ in calls] or ["call_0"]
+                )
+                msg["tool_call_id"] = named[-1]
+            messages.append(msg)
+        extra = self._extra()
+        if self.tools:
+            extra["tools"] = self.tools
+        return _chat(messages, self.think, extra)
 
 
 class OllamaShowRequest(_Body):

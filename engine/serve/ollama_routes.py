@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 import gguf
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from engine.serve.errors import from_validation
 from engine.serve.jobs import ClientGone, Job, Result
 from engine.serve.ollama_protocol import (
     OllamaChatRequest,
@@ -22,6 +24,8 @@ from engine.serve.ollama_protocol import (
     OllamaShowRequest,
 )
 from engine.serve.protocol import ChatCompletionRequest
+from engine.serve.reasoning import AnswerParts
+from engine.serve.tool_calls import ToolCall
 from installer.version import __version__
 
 if TYPE_CHECKING:
@@ -121,32 +125,66 @@ def add_ollama_routes(
         r = await parse(request, OllamaChatRequest if chat else OllamaGenerateRequest)
         service.check_model(r.model)
         service.require_ready()
-        openai = r.as_openai()
+        try:
+            openai = r.as_openai()
+        except ValidationError as e:  # what the chat route would refuse: a 400 naming the field
+            raise from_validation(e) from None
+        tools: list[str] = []
+        think: bool | None = None
         if isinstance(openai, ChatCompletionRequest):
             gen = await run_in_threadpool(service.prepare_chat, openai)
+            tools, think = openai.tool_names, service.reasoning_mode(openai, gen)
         else:
             gen, _ = await run_in_threadpool(service.prepare_completion, openai)
         job = Job("chat" if chat else "completions", gen, r.stream, asyncio.get_running_loop())
 
-        def piece(text: str) -> dict[str, Any]:
-            body = {"message": {"role": "assistant", "content": text}} if chat else {"response": text}
+        def piece(text: str, **message: Any) -> dict[str, Any]:
+            body = (
+                {"message": {"role": "assistant", "content": text, **message}} if chat else {"response": text}
+            )
             return {"model": name(), "created_at": _iso(), **body, "done": False}
+
+        def ollama_calls(calls: list[ToolCall]) -> dict[str, Any]:
+            return {
+                "tool_calls": [
+                    {"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in calls
+                ]
+            }
 
         if not r.stream:
             try:
                 res = await service.run_to_end(job, request.receive)
             except ClientGone:
                 return Response(status_code=499)
-            return JSONResponse({**piece(res.text), **stats(res, t0)})
+            if not chat:
+                return JSONResponse({**piece(res.text), **stats(res, t0)})
+            m = service.chat_response(res, tools=tools, reasoning=think)["choices"][0]["message"]
+            extra = {"thinking": m["reasoning_content"]} if m.get("reasoning_content") else {}
+            calls = [
+                ToolCall(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []
+            ]
+            if calls:
+                extra.update(ollama_calls(calls))
+            return JSONResponse({**piece(m["content"] or "", **extra), **stats(res, t0)})
+
+        parts = AnswerParts(tools, think) if chat else None
+
+        def as_lines(found: list[tuple[str, Any]]) -> bytes:
+            out = bytearray()
+            for kind, value in found:
+                obj = (piece(value) if kind == "text" else piece("", thinking=value) if kind == "reasoning"
+                       else piece("", **ollama_calls([value])))  # fmt: skip
+                out += json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+            return bytes(out)
 
         def line(item: tuple[Any, ...]) -> bytes:
             if item[0] == "text":
-                obj = piece(item[1])
-            elif item[0] == "error":
+                return as_lines(parts.feed(item[1]) if parts is not None else [("text", item[1])])
+            if item[0] == "error":
                 obj = {"error": item[1].body()["error"]["message"]}
-            else:
-                obj = {**piece(""), **stats(item[1], t0)}
-            return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+                return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+            head = as_lines(parts.end()) if parts is not None else b""
+            return head + json.dumps({**piece(""), **stats(item[1], t0)}, ensure_ascii=False).encode() + b"\n"
 
         service.submit(job)
         return StreamingResponse(service.relay(job, line), media_type=NDJSON)

@@ -50,7 +50,7 @@ def test_what_is_not_supported_yet_is_refused_by_name(server: ServerProc) -> Non
     user = [{"role": "user", "content": "hi"}]
     for path, body, param in (
         ("/api/generate", {"prompt": "x", "format": "yaml"}, "format"),
-        ("/api/chat", {"messages": user, "tools": [{"type": "function"}]}, "tools"),
+        ("/api/chat", {"messages": user, "tools": [{"type": "function"}]}, "tools[0].function"),
         (
             "/api/chat",
             {"messages": [{"role": "user", "content": "hi", "images": ["AAAA"]}]},
@@ -75,3 +75,18 @@ def test_format_holds_the_answer_to_json(server: ServerProc) -> None:
         "/api/generate", {"prompt": "x", "format": "json", "stream": False, "options": {"num_predict": 4}}
     )
     assert r.status_code == 200 and r.json()["response"].startswith("{")
+
+
+def test_tool_messages_go_through_the_template(server: ServerProc) -> None:
+    """A conversation with Ollama's tool calls (arguments as objects, no ids) and a tool's answer is read."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    user = [{"role": "user", "content": "Add 2 and 3"}]
+    history = [*user, {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+               {"role": "tool", "content": "5", "tool_name": "add"}]  # fmt: skip
+    short = server.post(
+        "/api/chat", {"messages": user, "tools": tools, "stream": False, "options": OPTIONS}
+    ).json()
+    long_ = server.post(
+        "/api/chat", {"messages": history, "tools": tools, "stream": False, "options": OPTIONS}
+    ).json()
+    assert long_["done"] is True and long_["prompt_eval_count"] > short["prompt_eval_count"] + 10

@@ -140,3 +140,15 @@ def test_structured_output_and_a_forced_call_on_the_chat_model(chat_server: Serv
     )
     (call,) = forced.choices[0].message.tool_calls or []
     assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_ollama_chat_gives_the_models_tool_call(chat_server: ServerProc, stream: bool) -> None:
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": [WEATHER],
+            "stream": stream, "options": {"temperature": 0, "num_predict": 60}}  # fmt: skip
+    r = chat_server.post("/api/chat", body)
+    assert r.status_code == 200, r.text
+    lines = [json.loads(x) for x in r.text.splitlines() if x.strip()] if stream else [r.json()]
+    calls = [c for x in lines for c in x["message"].get("tool_calls", [])]
+    assert calls == [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    assert lines[-1]["done"] is True
