@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 from engine.serve.errors import APIError
 from engine.serve.jobs import ClientGone, Job, Receive, Result, sse_event, wait_disconnect
 from engine.serve.protocol import new_id, now, timings_dict, usage_dict
-from engine.serve.reasoning import ThinkStream, thinks
+from engine.serve.reasoning import AnswerParts, thinks
 from engine.serve.reasoning import split as split_reasoning
-from engine.serve.tool_calls import CallStream, HermesCalls, ToolCall, openai_tool_calls, parser_for
+from engine.serve.tool_calls import HermesCalls, ToolCall, openai_tool_calls, parser_for
 from installer.version import __version__
 
 if TYPE_CHECKING:
@@ -124,8 +124,12 @@ class Answers:
         (id, type and name first, then the arguments), with finish_reason "tool_calls". `reasoning` (not None):
         the answer's <think> block streams as `reasoning_content` deltas (True: the prompt opened it)."""
         chat = endpoint == "chat"
-        calls = CallStream(tools) if chat and tools and self._tool_parser() is not None else None
-        thinking = ThinkStream(reasoning) if chat and reasoning is not None else None
+        read_calls = chat and bool(tools) and self._tool_parser() is not None
+        parts = (
+            AnswerParts(tools if read_calls else (), reasoning)
+            if chat and (read_calls or reasoning is not None)
+            else None
+        )
         n_calls = 0
         base = {
             "id": new_id("chatcmpl" if chat else "cmpl"),
@@ -169,9 +173,8 @@ class Answers:
         def text_chunk(text: str) -> bytes:
             return head + json.dumps(text, ensure_ascii=False).encode() + tail
 
-        held_lps: list[
-            Any
-        ] = []  # log-probabilities of tokens whose text is held back (a tag may begin there)
+        # log-probabilities of tokens whose text is held back (a tag may begin there)
+        held_lps: list[Any] = []
 
         def plain(text: str) -> bytes:
             """Answer text given out, with the log-probabilities of the tokens held back until it came."""
@@ -182,33 +185,23 @@ class Answers:
             return chunk(text, logprobs=lps)
 
         def answer_chunks(text: str, lps: Any = None, final: bool = False) -> bytes:
-            """The answer's text through the reasoning split and the tool-call reader, where they apply."""
-            held_lps.extend(lps or ())
-            pieces = ([] if text == "" else thinking.feed(text)) if thinking is not None else [("text", text)]
-            if thinking is not None and final:
-                pieces += thinking.end()
-            out = bytearray()
-            for kind, value in pieces:
-                if kind == "reasoning":
-                    held_lps.clear()  # the reasoning's tokens: not the answer's
-                    out += sse_event({**base, "choices": [{"index": 0, "delta": {"reasoning_content": value},
-                                                           "logprobs": None, "finish_reason": None}]})  # fmt: skip
-                elif calls is not None:
-                    out += call_chunks(calls.feed(value))
-                elif value:
-                    out += plain(value)
-            if calls is not None and final:
-                out += call_chunks(calls.end())
-            return bytes(out)
-
-        def call_chunks(items: list[tuple[str, Any]]) -> bytes:
+            """The answer's text through the reasoning split and the tool-call reader (AnswerParts)."""
             nonlocal n_calls
+            assert parts is not None
+            held_lps.extend(lps or ())
+            found = parts.feed(text) if text else []
+            if final:
+                found += parts.end()
             out = bytearray()
-            for kind, value in items:
+            for kind, value in found:
                 if kind == "text":
                     out += plain(value)
                     continue
-                held_lps.clear()
+                held_lps.clear()  # the reasoning's or the call's tokens: not the answer text's
+                if kind == "reasoning":
+                    out += sse_event({**base, "choices": [{"index": 0, "delta": {"reasoning_content": value},
+                                                           "logprobs": None, "finish_reason": None}]})  # fmt: skip
+                    continue
                 c: ToolCall = value
                 (tc,) = openai_tool_calls([c])
                 first = {"index": n_calls, "id": tc["id"], "type": "function",
@@ -228,9 +221,7 @@ class Answers:
             async for batch in self._items(job):
                 out = bytearray()
                 for item in batch:
-                    if item[0] == "text" and (
-                        calls is not None or (thinking is not None and thinking.state != "answer")
-                    ):
+                    if item[0] == "text" and parts is not None and not parts.passing:
                         # text that may hold reasoning or calls
                         out += answer_chunks(item[1], item[2] if len(item) > 2 else None)
                     elif (
@@ -254,7 +245,7 @@ class Answers:
                         t = res.done.timings
                         timings = timings_dict(t, res.queued_ms)
                         finish = res.done.finish_reason
-                        if calls is not None or thinking is not None:
+                        if parts is not None:
                             out += answer_chunks("", final=True)
                             finish = "tool_calls" if n_calls else finish
                         out += chunk(None if chat else "", finish, timings=timings)

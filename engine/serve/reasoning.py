@@ -100,6 +100,11 @@ class AnswerParts:
         self.thinking = ThinkStream(think) if think is not None else None
         self.calls = CallStream(tools) if tools else None
 
+    @property
+    def passing(self) -> bool:
+        """Every later piece is answer text as it comes: no calls to read, and past any reasoning."""
+        return self.calls is None and (self.thinking is None or self.thinking.state == "answer")
+
     def feed(self, text: str) -> list[tuple[str, Any]]:
         pieces: list[Piece] = [("text", text)] if self.thinking is None else self.thinking.feed(text)
         return self._calls(pieces, final=False)
