@@ -35,17 +35,28 @@ TOPICS = [
 ]  # fmt: skip
 
 
-def start_server(model: Path, args: list[str]) -> tuple[subprocess.Popen[str], str]:
+def start_server(model: Path, args: list[str], log: Path | None = None) -> tuple[subprocess.Popen[str], str]:
+    """Our server on `model` -> (its process, its URL) once it is ready; its log goes to `log` where given."""
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", str(model), "--port", "0", *args]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     assert proc.stderr is not None
+    sink = log.open("w") if log is not None else None
     for line in proc.stderr:
+        if sink is not None:
+            sink.write(line)
         if "listening on http://" in line:
             url = line.split("listening on ", 1)[1].split()[0]
             break
     else:
         raise SystemExit("the server did not start")
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
+
+    def drain() -> None:
+        for line in proc.stderr:  # type: ignore[union-attr]
+            if sink is not None:
+                sink.write(line)
+                sink.flush()
+
+    threading.Thread(target=drain, daemon=True).start()
     deadline = time.monotonic() + 600
     while httpx.get(url + "/health", timeout=10).json()["status"] == "loading":
         if time.monotonic() > deadline:

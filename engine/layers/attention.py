@@ -2,6 +2,7 @@
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.layers.qtensor import QTensor
 
@@ -35,6 +36,11 @@ def causal_mask(q_pos: torch.Tensor, k_len: int, window: int) -> torch.Tensor:
 _SCORE_ELEMS = 1 << 26  # 256 MB of float32 scores: within the workspace the expert cache leaves (policy.py)
 
 
+# Not cuDNN's attention: it builds a plan for every new (rows, keys) shape, which made the first prompt of each new
+# length wait ~40 ms more than the next one of that length.
+_CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
 def attention(
     q: torch.Tensor,  # [T, H, Dk]
     k: torch.Tensor,  # [S, Hkv, Dk]
@@ -63,7 +69,10 @@ def attention(
                     kh.repeat_interleave(n_head // n_kv, dim=0),
                     vh.repeat_interleave(n_head // n_kv, dim=0),
                 )
-            out = F.scaled_dot_product_attention(qh[None], kh[None], vh[None], attn_mask=mask, scale=scale)
+            with sdpa_kernel(_CUDA_BACKENDS):
+                out = F.scaled_dot_product_attention(
+                    qh[None], kh[None], vh[None], attn_mask=mask, scale=scale
+                )
             return out[0].transpose(0, 1)
         out = F.scaled_dot_product_attention(
             qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=n_head != n_kv

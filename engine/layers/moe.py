@@ -166,12 +166,18 @@ def route_and_count(
     return w, ids
 
 
-def count_experts(counts: torch.Tensor | None, ids: torch.Tensor) -> None:
+def count_experts(counts: torch.Tensor | None, ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
     """Add a step's selections to the usage counts [E] (index_add_ rather than bincount: no host sync,
-    capturable)."""
-    if counts is not None:
-        flat = ids.flatten()
+    capturable). `rows` (a device int64 [1]): only the first rows[0] rows of ids count (the others pad a prompt
+    chunk up to a captured size)."""
+    if counts is None:
+        return
+    flat = ids.flatten()
+    if rows is None:
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
+        return
+    real = torch.arange(ids.shape[0], device=ids.device) < rows  # [T]
+    counts.index_add_(0, flat, real.unsqueeze(1).expand_as(ids).reshape(-1).to(counts.dtype))
 
 
 def per_expert(

@@ -14,12 +14,12 @@ from engine.gguf import names
 from engine.gguf.reader import GGUFFile
 from engine.layers.attention import attention, causal_mask, project_qkv
 from engine.layers.kv_cache import KVCache, KVCacheError
-from engine.layers.moe import ACTIVATIONS, ExpertMath, ExpertWeights, route_and_count
+from engine.layers.moe import ACTIVATIONS, ExpertMath, ExpertWeights, count_experts, route_and_count
 from engine.layers.norm import rms_norm
 from engine.layers.qtensor import QTensor
 from engine.layers.rope import Rope
 from engine.models import fast_decode
-from engine.models.family_base import BatchPart, FamilyLM, Weights
+from engine.models.family_base import BatchPart, FamilyLM, Weights, forward_each
 
 
 @dataclass
@@ -85,6 +85,8 @@ class DecoderLM(FamilyLM):
     of `ModelConfig` (the stage surface - embed, layers, head, forward, CUDA graphs - is `FamilyLM`'s)."""
 
     supports_prompt_graphs = True
+    # While PromptGraphs captures a padded chunk: a device int64 [1], the rows whose expert selections count.
+    counted_rows: torch.Tensor | None = None
     fast = False  # the fused decode path (engine/models/fast_decode.py), decided once loaded
     route_done: dict[int, torch.Tensor] | None = None  # its fused launches' counts (fast_decode.route_counts)
     # (next layer, its input, that input's attention norm in 8 bits), written by a layer's last launch
@@ -223,10 +225,11 @@ class DecoderLM(FamilyLM):
         """Several sequences in one step. Decode rows of slots that share one cache (new_caches) take the fused
         decode path together, up to FAST_MAX_ROWS rows a pass; the other rows (prompt chunks) go through the
         norms, projections, FFNs and experts together (each weight and each chosen expert read once for all of
-        them), and through attention part by part, each against its own cache."""
+        them), and through attention part by part, each against its own cache; where prompt chunks run as CUDA
+        graphs (PromptGraphs), each chunk runs from its own."""
         rows = [j for j, p in enumerate(parts) if p.tokens.shape[0] == 1 and p.cache.shared is not None]
-        if not rows or not self.slotted(parts[rows[0]].cache.kv_type):
-            return self._batch_rows(parts)
+        if rows and not self.slotted(parts[rows[0]].cache.kv_type):
+            rows = []
         out: list[torch.Tensor | None] = [None] * len(parts)
         for at in range(0, len(rows), fast_decode.FAST_MAX_ROWS):
             js = rows[at : at + fast_decode.FAST_MAX_ROWS]
@@ -235,7 +238,11 @@ class DecoderLM(FamilyLM):
                 out[j] = logits[n : n + 1]
         rest = [j for j, o in enumerate(out) if o is None]
         if rest:
-            logits = self._batch_rows([parts[j] for j in rest])
+            # prompt chunks: each from its captured size's graphs where there are some (no launch-bound eager
+            # pass over all of them together)
+            each = self.prompt_graphs is not None and all(parts[j].tokens.shape[0] > 1 for j in rest)
+            part = [parts[j] for j in rest]
+            logits = forward_each(self, part) if each else self._batch_rows(part)
             for n, j in enumerate(rest):
                 out[j] = logits[n : n + 1]
         return torch.cat(out)  # type: ignore[arg-type]
@@ -382,9 +389,12 @@ class DecoderLM(FamilyLM):
             assert lw.ffn_gate is not None and lw.ffn_up is not None and lw.ffn_down is not None
             return lw.ffn_down.linear(act(lw.ffn_gate.linear(x)) * lw.ffn_up.linear(x))
         counts = self.expert_counts[i] if self.expert_counts is not None else None
+        real = self.counted_rows  # a prompt chunk padded to a captured size: its pad rows do not count
         w, ids = route_and_count(
-            x, lw.experts.router, c.n_expert_used, c.expert_weights_norm, counts
+            x, lw.experts.router, c.n_expert_used, c.expert_weights_norm, counts if real is None else None
         )  # [T, k]
+        if real is not None:
+            count_experts(counts, ids, real)
         y = self.moe[i].mix(x, w, ids)
         if lw.shexp_gate is not None:
             assert lw.shexp_up is not None and lw.shexp_down is not None

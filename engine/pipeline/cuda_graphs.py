@@ -38,17 +38,35 @@ StepBody = Callable[[torch.Tensor, KVCache, torch.Tensor, int], torch.Tensor]
 def capturing(
     graph: torch.cuda.CUDAGraph, pool: tuple | None, stream: torch.cuda.Stream | None = None
 ) -> Iterator[None]:
-    """`torch.cuda.graph` with no garbage collection inside: a dead model in a reference cycle (an earlier load)
-    would otherwise free its pinned host memory in the middle of the capture, a CUDA call that a capturing stream
-    forbids, and the capture would fail. `stream`: capture on it (a stream of the stage's own card; torch's
-    default capture stream belongs to the card current when it was first made)."""
-    gc.collect()
+    """A capture on `stream` (a stream of the stage's own card; torch's default capture stream belongs to the card
+    current when it was first made) into `pool`. Not `torch.cuda.graph`: that empties the allocator's device and
+    pinned-host caches at every capture, which made a prompt chunk's set of ~50 captures take ~8 s in a serving
+    process. A holder keeps the last graph it captured into a pool (`keeper`) as long as it keeps the pool's
+    handle: without torch's emptying, a pool whose graphs are all gone cannot be captured into again (torch
+    asserts). Garbage collection stays off during the capture: a dead model in a reference cycle (an earlier load)
+    would otherwise free its pinned host memory in the middle of it, a CUDA call that a capturing stream forbids."""
+    s = stream if stream is not None else _capture_stream()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            yield
+        torch.cuda.synchronize(s.device)
+        with torch.cuda.stream(s):
+            graph.capture_begin(pool) if pool is not None else graph.capture_begin()
+            try:
+                yield
+            finally:
+                graph.capture_end()
     finally:
         gc.enable()
+
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream() -> torch.cuda.Stream:
+    dev = torch.cuda.current_device()
+    if dev not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[dev] = torch.cuda.Stream(dev)
+    return _CAPTURE_STREAMS[dev]
 
 
 class GraphTable(Generic[G]):
@@ -109,6 +127,7 @@ class StepGraphs:
         self.cpu = cpu  # --cpu-experts: the host computes its share of each replayed step's misses
         self.graphs: GraphTable[_Graph] = GraphTable()
         self.pool: tuple | None = None
+        self.keeper: torch.cuda.CUDAGraph | None = None  # keeps the pool (capturing)
 
     def step(self, inp: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """The step for the T = inp.shape[0] rows at positions start..start+T-1 (one graph per row count)."""
@@ -144,7 +163,7 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         with capturing(graph, self.pool, side):
             out = self.body(buf, cache, pos, span)
-        self.pool = graph.pool()
+        self.pool, self.keeper = graph.pool(), graph
         if saved is not None and self.counts is not None:
             self.counts.copy_(saved)
         return _Graph(graph, buf, offsets, pos, out)
@@ -206,6 +225,7 @@ class SlotGraphs:
         self.cpu = cpu_misses(model)  # the host answers one-row steps' requests, as in StepGraphs
         self.graphs: GraphTable[_SlotGraph] = GraphTable()
         self.pool: tuple | None = None
+        self.keeper: torch.cuda.CUDAGraph | None = None  # keeps the pool (capturing)
 
     def step(
         self, tok: torch.Tensor, pos: torch.Tensor, base: torch.Tensor, shared: KVCache, top: int, limit: int
@@ -243,14 +263,23 @@ class SlotGraphs:
         graph = torch.cuda.CUDAGraph()
         with capturing(graph, self.pool, side):
             out = m.forward_rows(bufs[0], shared, bufs[1], bufs[2], span)
-        self.pool = graph.pool()
+        self.pool, self.keeper = graph.pool(), graph
         if saved is not None and counts is not None:
             counts.copy_(saved)
         return _SlotGraph(graph, *bufs, out)
 
 
-PROMPT_GRAPH_ROWS = range(9, 1025)  # prompt chunks whose launches cost more host time than device time
-PROMPT_GRAPH_SIZES = 2  # chunk sizes kept captured (each holds a pool of one layer's temporaries)
+# Prompt chunks of 2-1,024 tokens run as the graphs of the smallest of these sizes that holds them, padded (a graph
+# launches ~1,600 kernels that took longer to issue from Python than to run). Each size is at most 1.5x the one
+# below: at most a third of a padded chunk's rows are pads.
+PROMPT_BUCKETS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+def prompt_bucket(t: int) -> int | None:
+    """The captured size a chunk of t tokens runs as; None: eagerly (one token, or more than the largest)."""
+    if t < 2:
+        return None
+    return next((b for b in PROMPT_BUCKETS if b >= t), None)
 
 
 @dataclass
@@ -258,14 +287,17 @@ class _PromptGraph:
     graphs: list[
         torch.cuda.CUDAGraph
     ]  # a layer's pieces: embed + attn_in(0), attn_out_ffn(i) + attn_in(i+1), ..
-    tok: torch.Tensor  # [T] token ids
-    offsets: torch.Tensor  # [T] long: 0..T-1
-    pos: torch.Tensor  # [T] long: start + offsets
-    h: torch.Tensor  # [T, D] float32: the residual stream between pieces
-    q: torch.Tensor  # [T, H, Dk]
-    k: torch.Tensor  # [T, Hkv, Dk]
-    v: torch.Tensor  # [T, Hkv, Dv]
-    a: torch.Tensor  # [T, H * Dv]: the attention's output, written between the pieces
+    tok: torch.Tensor  # [B] token ids
+    offsets: torch.Tensor  # [B] long: 0..B-1
+    rows: torch.Tensor  # [B] long: the chunk's row each row copies (itself, or a pad's original)
+    pos: torch.Tensor  # [B] long: start + rows
+    real: torch.Tensor  # [1] long: the chunk's own rows (the others are pads), whose expert selections count
+    last: torch.Tensor  # [1] long: the chunk's last row, whose logits come out
+    h: torch.Tensor  # [B, D] float32: the residual stream between pieces
+    q: torch.Tensor  # [B, H, Dk]
+    k: torch.Tensor  # [B, Hkv, Dk]
+    v: torch.Tensor  # [B, Hkv, Dv]
+    a: torch.Tensor  # [B, H * Dv]: the attention's output, written between the pieces
     out: torch.Tensor  # [1, V]: the last row's logits
 
 
@@ -273,16 +305,24 @@ class PromptGraphs:
     """A prompt chunk's layers as CUDA graphs, with the attention between them run eagerly: a 512-token chunk of
     Qwen3-30B-A3B launches ~1,600 kernels, which took longer to issue from Python (~50 ms on an H200's host) than to
     run (~29 ms). The graphs hold everything but the attention (norms, projections, RoPE, router, grouped experts,
-    residual adds), so they depend on the chunk's size only: not on the KV cache, its position or its span. One set
-    of graphs per chunk size, captured the second time a size is seen (the first runs eagerly, which also builds
-    its kernels), the least recently used set dropped past PROMPT_GRAPH_SIZES. Only chunks whose last row's logits
-    are wanted (a prompt) take this path."""
+    residual adds), so they depend on the chunk's size only: not on the KV cache, its position or its span.
+
+    A chunk of t tokens runs as the graphs of its bucket (prompt_bucket): the rows past t repeat the chunk's first
+    rows (same tokens, same positions, and after each attention the same outputs), so they compute what real rows
+    do and change nothing: the attention reads and writes the KV cache for the t real rows only, only those rows'
+    expert selections are counted, and the logits are row t-1's. A server captures every bucket at load (`warm`),
+    so that no request waits for a capture whatever its prompt's length; elsewhere a bucket is captured the second
+    time it is seen (the first runs eagerly, which also builds its kernels). All buckets share one memory pool:
+    their temporaries live only while a piece runs. Only chunks whose last row's logits are wanted (a prompt) take
+    this path."""
 
     def __init__(self, model: "DecoderLM") -> None:
         self.model = model
         self.seen: set[int] = set()
         self.failed: set[int] = set()  # sizes whose capture ran out of VRAM: they stay eager
-        self.sets: OrderedDict[int, _PromptGraph] = OrderedDict()
+        self.sets: dict[int, _PromptGraph] = {}
+        self.pool: tuple | None = None
+        self.keeper: torch.cuda.CUDAGraph | None = None  # keeps the pool (capturing)
         self.stream = torch.cuda.Stream(model.device)
 
     @staticmethod
@@ -303,41 +343,56 @@ class PromptGraphs:
             for le in ec.layers.values()
         )
 
+    def warm(self, most: int) -> list[int]:
+        """Capture the buckets of chunks up to `most` tokens now (a server, at load) -> the sizes captured."""
+        done = []
+        for b in PROMPT_BUCKETS:
+            if b not in self.sets and b not in self.failed and self._add(b):
+                done.append(b)
+            if b >= most:
+                break
+        return done
+
     def step(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor | None:
-        """The last row's logits [1, V] of tokens [T] at positions start..start+T-1, or None where this chunk runs
-        eagerly (a size outside PROMPT_GRAPH_ROWS, or seen for the first time)."""
+        """The last row's logits [1, V] of tokens [T] (device) at positions start..start+T-1, or None where this
+        chunk runs eagerly (a size outside the buckets, or a bucket seen for the first time)."""
         t = int(tokens.shape[0])
-        if t not in PROMPT_GRAPH_ROWS or t in self.failed:
+        b = prompt_bucket(t)
+        if b is None or b in self.failed:
             return None
-        g = self.sets.get(t)
+        g = self.sets.get(b)
         if g is None:
-            if t not in self.seen:
-                self.seen.add(t)
+            if b not in self.seen:
+                self.seen.add(b)
                 return None
-            try:
-                g = self._capture(t)
-            except torch.OutOfMemoryError as e:  # a full card: the chunk runs eagerly, as it did before
-                self.failed.add(t)
-                torch.cuda.empty_cache()
-                log.warning(
-                    "prompt chunks of %d tokens run without CUDA graphs (%s)", t, str(e).splitlines()[0]
-                )
+            if not self._add(b):
                 return None
-            self.sets[t] = g
-            while len(self.sets) > PROMPT_GRAPH_SIZES:
-                self.sets.popitem(last=False)
-        else:
-            self.sets.move_to_end(t)
+            g = self.sets[b]
         m = self.model
-        g.tok.copy_(tokens.view(t), non_blocking=True)
-        torch.add(g.offsets, start, out=g.pos)
+        torch.remainder(g.offsets, t, out=g.rows)
+        torch.index_select(tokens.view(t), 0, g.rows, out=g.tok)
+        torch.add(g.rows, start, out=g.pos)
+        g.real.fill_(t)
+        g.last.fill_(t - 1)
         span = start + t
-        masks = m.step_masks(g.pos, span)
+        masks = m.step_masks(g.pos[:t], span)
         for n, i in enumerate(m.layer_range):
             g.graphs[n].replay()
-            g.a.copy_(m.attn_core(i, g.q, g.k, g.v, cache, g.pos, span, masks))
+            a = m.attn_core(i, g.q[:t], g.k[:t], g.v[:t], cache, g.pos[:t], span, masks)
+            torch.index_select(a, 0, g.rows, out=g.a)  # the pads' rows repeat their originals'
         g.graphs[-1].replay()
         return g.out.clone()  # the next replay overwrites it
+
+    def _add(self, b: int) -> bool:
+        """Capture bucket b's set; False (and the size stays eager) where the card has no room for it."""
+        try:
+            self.sets[b] = self._capture(b)
+            return True
+        except torch.OutOfMemoryError as e:  # a full card: the chunk runs eagerly, as it did before
+            self.failed.add(b)
+            torch.cuda.empty_cache()
+            log.warning("prompt chunks of %d tokens run without CUDA graphs (%s)", b, str(e).splitlines()[0])
+            return False
 
     def _pieces(self, g: _PromptGraph) -> list[Callable[[], None]]:
         """The chunk's captured pieces, each writing its results into g's buffers."""
@@ -358,24 +413,28 @@ class PromptGraphs:
             return lambda: into(nxt, m.attn_out_ffn(prev, g.h, g.a))
 
         def last() -> None:
-            g.out.copy_(m.head(m.attn_out_ffn(layers[-1], g.h, g.a), last_only=True))
+            h = m.attn_out_ffn(layers[-1], g.h, g.a)
+            g.out.copy_(m.head(h.index_select(0, g.last), last_only=True))
 
         return [first, *(between(a, b) for a, b in pairwise(layers)), last]
 
-    def _capture(self, t: int) -> _PromptGraph:
+    def _capture(self, b: int) -> _PromptGraph:
         m, c, dev = self.model, self.model.cfg, self.model.device
         dt = m.dtype
-        offsets = torch.arange(t, dtype=torch.long, device=dev)
+        offsets = torch.arange(b, dtype=torch.long, device=dev)
         g = _PromptGraph(
             graphs=[],
-            tok=torch.zeros(t, dtype=torch.long, device=dev),
+            tok=torch.zeros(b, dtype=torch.long, device=dev),
             offsets=offsets,
+            rows=offsets.clone(),
             pos=offsets.clone(),
-            h=torch.zeros(t, c.n_embd, dtype=torch.float32, device=dev),
-            q=torch.zeros(t, c.n_head, c.head_dim_k, dtype=dt, device=dev),
-            k=torch.zeros(t, c.n_head_kv, c.head_dim_k, dtype=dt, device=dev),
-            v=torch.zeros(t, c.n_head_kv, c.head_dim_v, dtype=dt, device=dev),
-            a=torch.zeros(t, c.n_head * c.head_dim_v, dtype=dt, device=dev),
+            real=torch.full((1,), b, dtype=torch.long, device=dev),
+            last=torch.full((1,), b - 1, dtype=torch.long, device=dev),
+            h=torch.zeros(b, c.n_embd, dtype=torch.float32, device=dev),
+            q=torch.zeros(b, c.n_head, c.head_dim_k, dtype=dt, device=dev),
+            k=torch.zeros(b, c.n_head_kv, c.head_dim_k, dtype=dt, device=dev),
+            v=torch.zeros(b, c.n_head_kv, c.head_dim_v, dtype=dt, device=dev),
+            a=torch.zeros(b, c.n_head * c.head_dim_v, dtype=dt, device=dev),
             out=torch.zeros(1, c.n_vocab, dtype=torch.float32, device=dev),
         )
         pieces = self._pieces(g)
@@ -383,19 +442,22 @@ class PromptGraphs:
         # selection counts it bumps, which the expert cache's hit rates derive from, are put back.
         counts = m.expert_counts
         saved = counts.clone() if counts is not None else None
-        self.stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(self.stream):
-            for p in pieces:
-                p()
-        torch.cuda.current_stream(dev).wait_stream(self.stream)
-        pool = None
-        for p in pieces:  # one pool for the set: each piece's temporaries are free again when the next runs
-            graph = torch.cuda.CUDAGraph()
-            with capturing(graph, pool, self.stream):
-                p()
-            pool = graph.pool()
-            g.graphs.append(graph)
+        m.counted_rows = g.real
+        try:
+            self.stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(self.stream):
+                for p in pieces:
+                    p()
+            torch.cuda.current_stream(dev).wait_stream(self.stream)
+            for p in pieces:  # one pool for every piece of every size: a piece's temporaries die when it ends
+                graph = torch.cuda.CUDAGraph()
+                with capturing(graph, self.pool, self.stream):
+                    p()
+                self.pool, self.keeper = graph.pool(), graph
+                g.graphs.append(graph)
+        finally:
+            m.counted_rows = None
         if saved is not None and counts is not None:
             counts.copy_(saved)
-        log.debug("prompt chunks of %d tokens: %d graphs captured", t, len(g.graphs))
+        log.debug("prompt chunks of up to %d tokens: %d graphs captured", b, len(g.graphs))
         return g

@@ -398,6 +398,7 @@ class WindowGraphs:
 
         self.graphs: GraphTable[_WindowGraph] = GraphTable()
         self.pool: tuple[int, int] | None = None
+        self.keeper: torch.cuda.CUDAGraph | None = None  # keeps the pool (cuda_graphs.capturing)
 
     @staticmethod
     def usable(model: object) -> bool:
@@ -448,7 +449,7 @@ class WindowGraphs:
         graph = torch.cuda.CUDAGraph()
         with capturing(graph, self.pool, side):
             out = m.forward_at(tok, cache, pos, span)  # type: ignore[attr-defined]
-        self.pool = graph.pool()
+        self.pool, self.keeper = graph.pool(), graph
         if saved is not None and counts is not None:
             counts.copy_(saved)
         return _WindowGraph(graph, tok, offsets, pos, out)

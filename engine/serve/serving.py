@@ -182,6 +182,13 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                 if warmed:
                     log.info("%d slots: decode graphs for 1-%d rows captured in %.1f s", slots, warmed,
                              time.perf_counter() - t0)  # fmt: skip
+            graphs = getattr(lm.model, "prompt_graphs", None)
+            if graphs is not None:  # every prompt length then runs from graphs: none waits for a capture
+                t0 = time.perf_counter()
+                sizes = graphs.warm(chunk)
+                if sizes:
+                    log.info("prompt graphs for chunks of 2-%d tokens (%d sizes) captured in %.1f s", sizes[-1],
+                             len(sizes), time.perf_counter() - t0)  # fmt: skip
             runner = (
                 Runner(lm.model, lm.tokenizer, o.max_context, kv, chunk, cache, spec=spec, prefill_span=span)
                 if batch is None

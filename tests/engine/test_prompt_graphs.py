@@ -1,5 +1,6 @@
 """Prompt chunks as CUDA graphs (engine/pipeline/cuda_graphs.py, PromptGraphs): the same logits, KV cache and
-expert counts as the eager layers, whatever the chunk's position; and the cases that must stay eager."""
+expert counts as the eager layers, whatever the chunk's position and however many pad rows its captured size
+adds; and the cases that must stay eager."""
 
 from pathlib import Path
 
@@ -42,7 +43,8 @@ def test_graphed_chunks_equal_the_eager_layers(tmp_path: Path, arch: str) -> Non
     m = lm.model
     assert m.prompt_graphs is not None
     ids = torch.randint(1, 400, (70,), generator=torch.Generator().manual_seed(1))
-    chunks = [(0, ids[:40]), (40, ids[40:])]  # a second chunk of another size at a later position
+    # a second chunk of another size at a later position; they run as sizes 48 and 32 (8 and 2 pad rows)
+    chunks = [(0, ids[:40]), (40, ids[40:])]
     ref_cache = m.new_cache(128, "bf16")
     counts0 = m.expert_counts.clone() if m.expert_counts is not None else None
     refs = [_eager(m, c, ref_cache, s) for s, c in chunks]
@@ -60,7 +62,7 @@ def test_graphed_chunks_equal_the_eager_layers(tmp_path: Path, arch: str) -> Non
             torch.testing.assert_close(lk.v[:70], rk.v[:70], rtol=1e-2, atol=1e-2)
         if before is not None:  # one count per selection, no more
             assert torch.equal(m.expert_counts - before, eager_counts), rnd
-    assert set(m.prompt_graphs.sets) == {40, 30}
+    assert set(m.prompt_graphs.sets) == {48, 32}
 
 
 @pytest.mark.gpu
@@ -90,24 +92,26 @@ def test_experts_in_host_memory_keep_chunks_eager(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-def test_sizes_outside_the_range_and_the_lru(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cuda_graphs, "PROMPT_GRAPH_SIZES", 1)
+def test_sizes_share_buckets_and_warm_captures_them_at_load(tmp_path: Path) -> None:
     lm = load_model(_model(tmp_path, "qwen3"), device="cuda", dtype="bf16")
-    pg = lm.model.prompt_graphs
-    cache = lm.model.new_cache(64, "bf16")
-    assert pg.step(torch.arange(1, 5, device="cuda"), cache, 0) is None  # 4 rows: the decode-sized path
-    for t in (20, 20, 24, 24):
-        pg.step(torch.arange(1, t + 1, device="cuda"), cache, 0)
+    m, pg = lm.model, lm.model.prompt_graphs
+    cache = m.new_cache(256, "bf16")
+    assert pg.step(torch.arange(1, 2, device="cuda"), cache, 0) is None  # one token: the decode step's path
+    assert pg.step(torch.arange(1, 21, device="cuda"), cache, 0) is None  # 20 tokens: bucket 24, first seen
+    assert pg.step(torch.arange(1, 25, device="cuda"), cache, 0) is not None  # 24: the same bucket, captured
     assert list(pg.sets) == [24]
+    assert pg.warm(100) == [4, 8, 12, 16, 32, 48, 64, 96, 128]  # the sizes a 100-token chunk may need, but 24
+    ids = torch.randint(1, 400, (50,), generator=torch.Generator().manual_seed(2))
+    got = pg.step(ids.cuda(), m.new_cache(256, "bf16"), 0)  # a length never seen: the warmed size 64 at once
+    assert got is not None
+    torch.testing.assert_close(got, _eager(m, ids, m.new_cache(256, "bf16"), 0), rtol=1e-3, atol=1e-3)
 
 
 def test_a_capture_that_runs_out_of_vram_leaves_the_size_eager(caplog: pytest.LogCaptureFixture) -> None:
     """A card too full for a size's graphs: the chunk runs eagerly (None), the size is not tried again, and the
     log says so once."""
-    from collections import OrderedDict
-
     pg = object.__new__(cuda_graphs.PromptGraphs)  # no CUDA here: only the bookkeeping around the capture
-    pg.seen, pg.failed, pg.sets = set(), set(), OrderedDict()
+    pg.seen, pg.failed, pg.sets = set(), set(), {}
     tries = []
 
     def out_of_vram(t: int) -> None:
@@ -118,5 +122,23 @@ def test_a_capture_that_runs_out_of_vram_leaves_the_size_eager(caplog: pytest.Lo
     toks = torch.arange(1, 21)
     with caplog.at_level("WARNING", logger="strata.engine"):
         assert [pg.step(toks, None, 0) for _ in range(4)] == [None] * 4  # type: ignore[arg-type]
-    assert tries == [20] and pg.failed == {20} and not pg.sets
+    assert tries == [24] and pg.failed == {24} and not pg.sets  # 20 tokens run as 24
     assert sum("run without CUDA graphs" in r.message for r in caplog.records) == 1
+
+
+def test_every_chunk_size_has_a_bucket_at_most_half_again_as_large() -> None:
+    assert cuda_graphs.prompt_bucket(1) is None and cuda_graphs.prompt_bucket(1025) is None
+    for t in range(2, 1025):
+        b = cuda_graphs.prompt_bucket(t)
+        assert b is not None and t <= b <= max(4, (3 * t + 1) // 2), t
+
+
+def test_pad_rows_of_a_chunk_do_not_count() -> None:
+    from engine.layers.moe import count_experts
+
+    counts = torch.zeros(6, dtype=torch.int64)
+    ids = torch.tensor([[0, 1], [2, 1], [0, 1], [5, 5]])  # rows 2 and 3 are pads
+    count_experts(counts, ids, torch.tensor([2]))
+    assert counts.tolist() == [1, 2, 1, 0, 0, 0]
+    count_experts(counts, ids)
+    assert counts.tolist() == [3, 5, 2, 0, 0, 2]
