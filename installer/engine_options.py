@@ -176,6 +176,7 @@ ENVIRONMENT: dict[str, str] = {
     "STRATA_NORM_ROUTE": "0: the decode step's norm and router as separate launches (runtime_switches)",
     "STRATA_PROMPT_GRAPHS": "0: prompt chunks run eagerly, not from CUDA graphs (runtime_switches)",
     "STRATA_GEMV_TUNED": "another GEMV tuning file (runtime_switches)",
+    "STRATA_ROWS_GEMM": "1: steps of 2-16 rows multiply dense weights with rows_gemm, not the GEMV (runtime_switches)",
     "STRATA_STAGE_TOKEN": "the shared secret of a hand-started stage link (engine/link/keys.py)",
     "STRATA_STAGE_SECRET_KEY": "a worker's own key, from its node agent (engine/link/keys.py)",
     "STRATA_STAGE_ALLOW": "the keys a worker admits, from its node agent (engine/link/keys.py)",
@@ -194,6 +195,7 @@ class RuntimeSwitches:
     norm_route: bool = True
     prompt_graphs: bool = True
     gemv_tuned: str | None = None
+    rows_gemm: bool = False  # off until measured against the GEMV on a card (bench/rows_bench.py)
 
 
 def int8_activations(env: Mapping[str, str] | None = None) -> bool:
@@ -202,7 +204,7 @@ def int8_activations(env: Mapping[str, str] | None = None) -> bool:
 
 
 def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
-    """STRATA_ACTIVATIONS, STRATA_NORM_ROUTE, STRATA_PROMPT_GRAPHS and STRATA_GEMV_TUNED, read now (a switch set
+    """STRATA_ACTIVATIONS, STRATA_NORM_ROUTE, STRATA_PROMPT_GRAPHS, STRATA_GEMV_TUNED and STRATA_ROWS_GEMM, read now (a switch set
     while the process runs takes effect at the next read)."""
     e = os.environ if env is None else env
     return RuntimeSwitches(
@@ -210,6 +212,7 @@ def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
         norm_route=e.get("STRATA_NORM_ROUTE", "1") != "0",
         prompt_graphs=e.get("STRATA_PROMPT_GRAPHS", "1") != "0",
         gemv_tuned=e.get("STRATA_GEMV_TUNED") or None,
+        rows_gemm=e.get("STRATA_ROWS_GEMM", "0") == "1",
     )
 
 

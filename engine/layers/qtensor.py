@@ -16,6 +16,11 @@ def _gemv_for(qtype: QT, n_in: int):  # -> the kernel, or None where it does not
     return gemv.gemv if gemv is not None and gemv.supports(qtype, n_in) else None
 
 
+def _rows_for(qtype: QT, n_in: int, rows: int):  # -> the few-rows tile kernel, or None (GEMV per row)
+    rows_gemm = kernels.loaded("rows_gemm") if rows > 1 else None
+    return rows_gemm.rows_gemm if rows_gemm is not None and rows_gemm.takes(qtype, n_in, rows) else None
+
+
 def _deq_kernel_for(qtype: QT, n_in: int):  # -> the GPU decoder, or None where it does not apply
     dequant, moe_gemm = kernels.loaded("dequant"), kernels.loaded("moe_gemm")
     if dequant is None or moe_gemm is None:
@@ -126,6 +131,8 @@ class QTensor:
         gemv = self._gemv(x)
         if gemv is not None:  # decode: compute on the blocks, no dequantized copy
             flat = x.reshape(-1, n_in) if q8 is None else q8.reshape(-1, n_in)
+            # several rows (slots decoding together): each weight tile decoded once for all of them
+            gemv = _rows_for(self.qtype, n_in, flat.shape[0]) or gemv
             if residual is not None:
                 res = residual.reshape(-1, n_out)
                 y = gemv(self.raw, self.qtype, n_out, n_in, flat, out_dtype=torch.float32, residual=res,

@@ -42,6 +42,45 @@ def test_attention_with_row_bases_matches_separate_caches(span: int) -> None:
         torch.testing.assert_close(got[r : r + 1], ref)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+def test_a_few_rows_decode_each_weight_tile_once_and_match_one_row_at_a_time(
+    qtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QTensor.linear of 2-8 rows runs rows_gemm (each tile decoded once for all rows): the same products as the
+    one-row GEMV, float rows with a residual and 8-bit rows, with STRATA_ROWS_GEMM=1; without it, the GEMV."""
+    from gguf import GGMLQuantizationType as QT
+
+    from engine.gguf.random_blocks import random_blocks
+    from engine.kernels import rows_gemm
+    from engine.kernels.gemv import quantize_q8, wants_q8
+    from engine.layers.qtensor import QTensor
+
+    qt, n, k = QT[qtype], 1000, 2048
+    w = QTensor(torch.from_numpy(random_blocks(qt, n, k, seed=5)).cuda(), qt, (n, k))
+    monkeypatch.setenv("STRATA_ROWS_GEMM", "1")
+    calls = []
+    real = rows_gemm.rows_gemm
+    monkeypatch.setattr(rows_gemm, "rows_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for t in (2, 5, 8):
+        x = torch.randn(t, k, device="cuda").bfloat16()
+        r = torch.randn(t, n, device="cuda")
+        got = w.linear(x, residual=r)
+        one = torch.cat([w.linear(x[i : i + 1], residual=r[i : i + 1]) for i in range(t)])
+        assert _cos(got, one) >= 0.9999
+        if not wants_q8(qt, n, k):  # this weight's one-row launch reads float activations
+            continue
+        xq = quantize_q8(x.float())
+        got8 = w.linear(x, q8=xq, out_dtype=torch.float32)
+        one8 = torch.cat([w.linear(x[i : i + 1], q8=quantize_q8(x[i : i + 1].float()), out_dtype=torch.float32)
+                          for i in range(t)])  # fmt: skip
+        assert _cos(got8, one8) >= 0.9999
+    done = len(calls)
+    assert done >= 3
+    monkeypatch.setenv("STRATA_ROWS_GEMM", "0")
+    w.linear(torch.randn(4, k, device="cuda").bfloat16())
+    assert len(calls) == done
+
+
 def test_rope_store_writes_each_row_at_its_base() -> None:
     from engine.kernels.attention import rope_store
 

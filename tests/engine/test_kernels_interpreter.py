@@ -504,3 +504,22 @@ def test_a_tuned_share_reaches_the_device() -> None:
     assert cache.stats().cpu_share == 1.0  # what /stats and /metrics report as cpu_share
     cm.set_ratio(0.5)
     assert cm.tuner is None and not cm.timing()["tuned"]
+
+
+@pytest.mark.parametrize("qtype,k", [("Q4_K", 512), ("Q6_K", 512), ("Q8_0", 352), ("IQ4_XS", 512)])
+@pytest.mark.parametrize("rows", [2, 5])
+def test_rows_gemm_matches_the_dequantized_weight(qtype: str, k: int, rows: int) -> None:
+    """A few rows at once, each weight tile decoded once: float rows (with a residual) and 8-bit rows."""
+    from engine.kernels.gemv import q8_round, quantize_q8
+    from engine.kernels.rows_gemm import rows_gemm
+
+    qt, n = QT[qtype], 24
+    raw = _blocks(qt, n, k, 7)
+    w = dequantize(raw, qt)
+    x, r = torch.randn(rows, k), torch.randn(rows, n)
+    y = rows_gemm(raw, qt, n, k, x, residual=r, block_n=16)
+    assert y.shape == (rows, n) and _cos(y, r + x @ w.T) >= 0.99999
+    y8 = rows_gemm(raw, qt, n, k, quantize_q8(x), q8=True, block_n=16)
+    assert _cos(y8, q8_round(x) @ w.T) >= 0.9999
+    with pytest.raises(ValueError, match="2-16 rows"):
+        rows_gemm(raw, qt, n, k, x[:1])
