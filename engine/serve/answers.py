@@ -12,7 +12,7 @@ from engine.serve.jobs import ClientGone, Job, Receive, Result, sse_event, wait_
 from engine.serve.protocol import new_id, now, timings_dict, usage_dict
 from engine.serve.reasoning import AnswerParts, thinks
 from engine.serve.reasoning import split as split_reasoning
-from engine.serve.tool_calls import HermesCalls, ToolCall, openai_tool_calls, parser_for
+from engine.serve.tool_calls import CallFormat, ToolCall, openai_tool_calls, parser_for
 from installer.version import __version__
 
 if TYPE_CHECKING:
@@ -124,9 +124,10 @@ class Answers:
         (id, type and name first, then the arguments), with finish_reason "tool_calls". `reasoning` (not None):
         the answer's <think> block streams as `reasoning_content` deltas (True: the prompt opened it)."""
         chat = endpoint == "chat"
-        read_calls = chat and bool(tools) and self._tool_parser() is not None
+        fmt = self.tool_format() if chat and (tools or reasoning is not None) else None
+        read_calls = chat and bool(tools) and fmt is not None
         parts = (
-            AnswerParts(tools if read_calls else (), reasoning)
+            AnswerParts(tools if read_calls else (), reasoning, fmt)
             if chat and (read_calls or reasoning is not None)
             else None
         )
@@ -265,18 +266,24 @@ class Answers:
         teaches, become `tool_calls` (finish_reason "tool_calls"). `reasoning` (not None): the answer's <think>
         block becomes `reasoning_content` (True: the prompt opened it)."""
         results = res if isinstance(res, list) else [res]
-        parser = self._tool_parser() if tools else None
+        fmt = self.tool_format() if tools or reasoning is not None else None
+        channels = fmt is not None and fmt.channels and reasoning is not None
+        parser = fmt if tools or channels else None
         content = []
         for r in results:
             text = r.text
             message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-            if reasoning is not None:
+            if reasoning is not None and not channels:
                 thought, text = split_reasoning(text, reasoning)
                 message["content"] = text
                 if thought is not None:
                     message["reasoning_content"] = thought
             choice: dict[str, Any] = {"message": message}
             parsed = parser.parse(text, tools) if parser is not None else None
+            if channels and parsed is not None:  # harmony: the channels split the answer, calls or not
+                message["content"] = parsed.content if parsed.content or not parsed.calls else None
+                if parsed.reasoning is not None:
+                    message["reasoning_content"] = parsed.reasoning
             if parsed is not None and parsed.calls:
                 message.update(content=parsed.content, tool_calls=openai_tool_calls(parsed.calls))
                 choice["finish_reason"] = "tool_calls"
@@ -288,18 +295,28 @@ class Answers:
         """Whether a chat answer's reasoning goes apart (None: it stays in the content), and whether the prompt
         opened the <think> block (True) or the answer does (False)."""
         assert self.lm is not None
-        if getattr(r, "reasoning_format", None) == "none" or not thinks(self.lm.chat.template):
+        if getattr(r, "reasoning_format", None) == "none":
+            return None
+        fmt = self.tool_format()
+        if fmt is not None and fmt.channels:  # harmony: the analysis channel is the reasoning
+            return False
+        if not thinks(self.lm.chat.template):
             return None
         tail = self.lm.tokenizer.decode(list(gen.prompt[-16:]))
         return tail.rstrip().endswith("<think>")
 
-    def _tool_parser(self) -> HermesCalls | None:
+    def tool_format(self) -> CallFormat | None:
+        """The tool-call format the loaded model's chat template teaches (tool_calls.parser_for); the log says
+        once which, or that there is none (calls then come back as text)."""
         assert self.lm is not None
         parser = parser_for(self.lm.chat.template)
-        if parser is None and not getattr(self, "_said_no_tool_format", False):
-            self._said_no_tool_format = True
-            log.info("the chat template of %s shows no tool-call format this server reads: tool calls come back "
-                     "as text", self.model_name)  # fmt: skip
+        if not getattr(self, "_said_tool_format", False):
+            self._said_tool_format = True
+            if parser is None:
+                log.info("the chat template of %s shows no tool-call format this server reads: tool calls come "
+                         "back as text", self.model_name)  # fmt: skip
+            else:
+                log.info("tool calls of %s are read in the %s format", self.model_name, parser.name)
         return parser
 
     def completion_response(self, res: Result | list[Result], echo: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from engine.serve.anthropic_protocol import STOP_REASONS, MessagesRequest, messa
 from engine.serve.jobs import ClientGone, Result
 from engine.serve.protocol import new_id
 from engine.serve.reasoning import AnswerParts
-from engine.serve.tool_calls import ToolCall
+from engine.serve.tool_calls import CallFormat, ToolCall
 
 if TYPE_CHECKING:
     from engine.serve.serving import EngineService
@@ -28,8 +28,11 @@ class MessageStream:
     """A streamed answer's items as Anthropic's events: text and reasoning go into content blocks opened as they
     start, each tool call becomes a tool_use block with its input as one input_json_delta."""
 
-    def __init__(self, msg_id: str, model: str, input_tokens: int, tools: Sequence[str], think: bool | None):
-        self.parts = AnswerParts(tools, think)
+    def __init__(
+        self, msg_id: str, model: str, input_tokens: int, tools: Sequence[str], think: bool | None,
+        fmt: CallFormat | None = None,
+    ):  # fmt: skip
+        self.parts = AnswerParts(tools, think, fmt)
         self.index = -1
         self.open: str | None = None  # the kind of the block open now
         self.n_calls = 0
@@ -113,7 +116,9 @@ def add_anthropic_routes(
             return JSONResponse(
                 message_from_chat(whole["choices"][0], service.model_name, msg_id, whole["usage"])
             )
-        enc = MessageStream(msg_id, service.model_name, len(gen.prompt), chat.tool_names, think)
+        enc = MessageStream(
+            msg_id, service.model_name, len(gen.prompt), chat.tool_names, think, service.tool_format()
+        )
         service.submit(job)
 
         async def body() -> AsyncIterator[bytes]:

@@ -167,7 +167,7 @@ def add_ollama_routes(
                 extra.update(ollama_calls(calls))
             return JSONResponse({**piece(m["content"] or "", **extra), **stats(res, t0)})
 
-        parts = AnswerParts(tools, think) if chat else None
+        parts = AnswerParts(tools, think, service.tool_format()) if chat else None
 
         def as_lines(found: list[tuple[str, Any]]) -> bytes:
             out = bytearray()

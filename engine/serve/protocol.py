@@ -383,9 +383,12 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
-    def tool_names(self) -> list[str]:
-        """The tools the model may call (none with tool_choice "none")."""
-        return [t.function.name for t in self.tools or ()] if self.tool_choice != "none" else []
+    def tool_names(self) -> dict[str, dict[str, Any]]:
+        """The tools the model may call (none with tool_choice "none"), by name, with their parameters' JSON
+        schema (the XML call formats type the arguments by it)."""
+        if self.tool_choice == "none":
+            return {}
+        return {t.function.name: t.function.parameters or {} for t in self.tools or ()}
 
     @property
     def logprob_top(self) -> int | None:

@@ -6,10 +6,10 @@ Where the chat template opens the `<think>` itself at the end of the prompt (Dee
 2507 models), the answer begins inside it; otherwise a `<think>` at the very start of the answer opens it. An
 answer cut before `</think>` is reasoning only."""
 
-from collections.abc import Sequence
+from collections.abc import Collection
 from typing import Any, Literal
 
-from engine.serve.tool_calls import CallStream, partial_tag
+from engine.serve.tool_calls import CallFormat, HermesCalls, partial_tag
 
 OPEN, CLOSE = "<think>", "</think>"
 Piece = tuple[Literal["reasoning", "text"], str]
@@ -94,11 +94,14 @@ class ThinkStream:
 class AnswerParts:
     """A streamed chat answer as its parts, in order: ("reasoning", str), ("text", str) and ("call", ToolCall);
     the reasoning split first (`think` as in `ThinkStream`, None: no split), then the tool calls read from the
-    answer (`tools`: the names the request declared; none: no calls read)."""
+    answer (`tools`: the names the request declared, or a mapping of them to their parameters' schemas; none: no
+    calls read) in the format the model's template teaches (`fmt`, default Hermes). A channel format (harmony)
+    gives the reasoning, the text and the calls at once, tools or not."""
 
-    def __init__(self, tools: Sequence[str], think: bool | None) -> None:
-        self.thinking = ThinkStream(think) if think is not None else None
-        self.calls = CallStream(tools) if tools else None
+    def __init__(self, tools: Collection[str], think: bool | None, fmt: CallFormat | None = None) -> None:
+        fmt = fmt or HermesCalls()
+        self.thinking = ThinkStream(think) if think is not None and not fmt.channels else None
+        self.calls = fmt.stream(tools) if tools or fmt.channels else None
 
     @property
     def passing(self) -> bool:

@@ -15,7 +15,7 @@ from pydantic import ConfigDict, Field, model_validator
 from engine.serve.jobs import ClientGone, Result
 from engine.serve.protocol import ChatCompletionRequest, FieldError, _Strict, new_id, reasoning_effort
 from engine.serve.reasoning import AnswerParts
-from engine.serve.tool_calls import ToolCall
+from engine.serve.tool_calls import CallFormat, ToolCall
 
 if TYPE_CHECKING:
     from engine.serve.serving import EngineService
@@ -193,10 +193,13 @@ class EventStream:
     progress, then per output item its added / delta / done events (reasoning text, output text, function call
     arguments), then the completed response with every item and the usage."""
 
-    def __init__(self, r: ResponsesRequest, model: str, tools: Sequence[str], think: bool | None) -> None:
+    def __init__(
+        self, r: ResponsesRequest, model: str, tools: Sequence[str], think: bool | None,
+        fmt: CallFormat | None = None,
+    ) -> None:  # fmt: skip
         self.r, self.model = r, model
         self.id, self.created = new_id("resp"), time.time()
-        self.parts = AnswerParts(tools, think)
+        self.parts = AnswerParts(tools, think, fmt)
         self.seq = 0
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the message or reasoning item being written
@@ -302,7 +305,7 @@ def add_responses_routes(
                 output.append(_call(ToolCall(c["function"]["name"], c["function"]["arguments"]), c["id"]))
             return JSONResponse(response_object(r, service.model_name, new_id("resp"), created, output,
                                                 "completed", res.done.finish_reason, usage_of(res)))  # fmt: skip
-        enc = EventStream(r, service.model_name, chat.tool_names, think)
+        enc = EventStream(r, service.model_name, chat.tool_names, think, service.tool_format())
         service.submit(job)
 
         async def body() -> AsyncIterator[bytes]:

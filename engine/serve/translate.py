@@ -11,7 +11,7 @@ from engine.pipeline.sampling import SamplingError, SamplingParams
 from engine.serve.errors import APIError
 from engine.serve.options import ServeOptions
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, template_message
-from engine.serve.tool_calls import parser_for
+from engine.serve.tool_calls import HermesCalls, parser_for
 from engine.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -173,11 +173,13 @@ class RequestTranslation:
         """tool_choice required (any declared tool, one call or more unless parallel_tool_calls is false) or a
         named function (that one, once), in the call format the model's template teaches."""
         assert self.lm is not None and r.tools
-        if parser_for(self.lm.chat.template) is None:
+        fmt = parser_for(self.lm.chat.template)
+        if not isinstance(fmt, HermesCalls):  # the grammar writes Hermes calls
+            taught = f"teaches the {fmt.name} format" if fmt is not None else "teaches no tool-call format"
             raise APIError(
                 400,
-                "tool_choice required or a named function needs a model whose chat template teaches a tool-call "
-                "format this server reads (Hermes/Qwen <tool_call>); this one's does not: use tool_choice auto",
+                "tool_choice required or a named function is forced in the Hermes/Qwen format (<tool_call>{json}"
+                f"</tool_call>), and this model's chat template {taught}: use tool_choice auto",
                 code="invalid_value",
                 param="tool_choice",
             )
