@@ -298,6 +298,23 @@ class HeldCalls:
         return out + [("call", c) for c in parsed.calls]
 
 
+class _Pieces:
+    """A reader of an answer piece by piece: `feed` each text piece, then `end`; each gives the items that are
+    ready (`_drain` reads what is held so far)."""
+
+    held = ""
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        self.held += text
+        return self._drain(final=False)
+
+    def end(self) -> list[tuple[str, Any]]:
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> list[tuple[str, Any]]:
+        raise NotImplementedError
+
+
 class HarmonyCalls(CallFormat):
     """gpt-oss's harmony channels: the answer is messages, each a header (`<|channel|>NAME`, a recipient
     `to=functions.NAME`, a content type) then `<|message|>` and a body up to `<|end|>` (or the end: `<|call|>` and
@@ -323,7 +340,7 @@ class HarmonyCalls(CallFormat):
         return HarmonyStream(names)
 
 
-class HarmonyStream:
+class HarmonyStream(_Pieces):
     """HarmonyCalls for a streamed answer: `feed` each text piece, then `end`; gives ("reasoning", str),
     ("text", str) and ("call", ToolCall) items in order. A body streams as it comes (but a call's, held whole);
     only a partial marker at the end of what came so far waits for the next piece."""
@@ -340,13 +357,6 @@ class HarmonyStream:
         self.kind = "text"  # what the current body is: reasoning, text, or call
         self.call = ""  # the function a call's body goes to
         self.body = ""  # a call's body, held whole
-
-    def feed(self, text: str) -> list[tuple[str, Any]]:
-        self.held += text
-        return self._drain(final=False)
-
-    def end(self) -> list[tuple[str, Any]]:
-        return self._drain(final=True)
 
     def _drain(self, final: bool) -> list[tuple[str, Any]]:
         out: list[tuple[str, Any]] = []
@@ -444,7 +454,7 @@ def openai_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
 OPEN, CLOSE, FENCE = "<tool_call>", "</tool_call>", "```json"
 
 
-class CallStream:
+class CallStream(_Pieces):
     """A streamed answer with its tool calls taken out as they complete (Hermes format): `feed` each text piece,
     then `end`; each gives ("text", str) and ("call", ToolCall) items in answer order. Text streams as it comes,
     except what may begin a call: a partial `<tool_call>` (or, where the request declared tools, "```json") at the
@@ -458,13 +468,6 @@ class CallStream:
         self.held = ""
         self.sent = False  # any text other than whitespace given out
         self.whole = False  # holding the whole answer (a bare JSON call, perhaps)
-
-    def feed(self, text: str) -> list[tuple[str, Any]]:
-        self.held += text
-        return self._drain(final=False)
-
-    def end(self) -> list[tuple[str, Any]]:
-        return self._drain(final=True)
 
     def _drain(self, final: bool) -> list[tuple[str, Any]]:
         out: list[tuple[str, Any]] = []
