@@ -55,12 +55,24 @@ setup() {
     extras=${STRATA_EXTRAS:-}
     spec="."
     [ -n "$extras" ] && spec=".[$extras]"
+    # The stamp holds pyproject.toml's hash and the extras installed: fewer extras than installed (./start.sh after
+    # ./test.sh) need nothing new, so nothing is reinstalled (offline too).
     stamp="$VENV/.polystrata-installed"
-    want_stamp="$(sha256sum pyproject.toml | cut -d' ' -f1) $extras"
-    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want_stamp" ]; then
+    hash=$(sha256sum pyproject.toml | cut -d' ' -f1)
+    read -r had_hash had_extras < "$stamp" 2>/dev/null || { had_hash=; had_extras=; }
+    need=0
+    [ "$had_hash" = "$hash" ] || need=1
+    for x in ${extras//,/ }; do
+        case ",$had_extras," in *",$x,"*) ;; *) need=1 ;; esac
+    done
+    if [ "$need" = 1 ]; then
+        for x in ${had_extras//,/ }; do  # keep the extras already there
+            case ",$extras," in *",$x,"*) ;; *) extras="${extras:+$extras,}$x" ;; esac
+        done
+        [ -n "$extras" ] && spec=".[$extras]"
         say "installing PolyStrata and its dependencies ($spec)"
         "$PY" -m pip install -q -e "$spec"
-        echo "$want_stamp" > "$stamp"
+        echo "$hash $extras" > "$stamp"
     fi
 }
 
@@ -84,5 +96,8 @@ setup
 case "$mode" in
     setup) say "set-up complete"; exit 0 ;;
     headless) exec "$VENV/bin/strata-engine" serve "${args[@]}" ;;
-    app) exec "$VENV/bin/strata" "${args[@]}" ;;
+    app)
+        # a display and Qt's system libraries, or a message that says what to do (no abort inside Qt)
+        "$VENV/bin/python" -m installer.qt_libs || exit $?
+        exec "$VENV/bin/strata" "${args[@]}" ;;
 esac

@@ -3,6 +3,7 @@
 import argparse
 import sys
 
+from installer import qt_libs
 from installer.version import __version__
 
 PROG = "strata"
@@ -23,6 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="no window: run `strata-engine serve` with the remaining arguments",
     )
     p.add_argument(
+        "--check-system",
+        action="store_true",
+        help="check that the window can open here (a display, Qt's system libraries) and exit",
+    )
+    p.add_argument(
         "--quit-after", type=float, default=0.0, help=argparse.SUPPRESS
     )  # seconds; for smoke tests
     return p
@@ -36,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         return run_headless(([f"--model={args.model}"] if args.model else []) + rest)
     if rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    code, message = qt_libs.report()  # before Qt: it would abort on a missing library, naming only one
+    if code:
+        print(f"{PROG}: {message}", file=sys.stderr)
+        return code
+    if args.check_system:
+        return 0
     from app.application import run
 
     return run(args)

@@ -200,6 +200,21 @@ case ":${PATH:-}:" in
 esac
 [ "$DESKTOP" = 1 ] && say "PolyStrata is in your applications menu"
 
+# Can the window open here? Qt's X11 plugin needs system libraries a minimal desktop may lack: say which, and the
+# command that installs them (shown in a dialog too where the installer was double-clicked).
+if [ "$DESKTOP" = 1 ] && [ -n "${DISPLAY:-}" ]; then
+    if ! check=$("$APP_DIR/strata" --check-system 2>&1); then
+        printf '%s\n' "$check" >&2
+        if [ ! -t 1 ]; then
+            if command -v zenity >/dev/null 2>&1; then zenity --warning --title PolyStrata --text "$check" || true
+            elif command -v kdialog >/dev/null 2>&1; then kdialog --title PolyStrata --sorry "$check" || true
+            elif command -v notify-send >/dev/null 2>&1; then notify-send PolyStrata "$check" || true
+            fi
+        fi
+        LAUNCH=0
+    fi
+fi
+
 if [ "$LAUNCH" = auto ]; then
     LAUNCH=0
     if [ ! -t 0 ] && [ "$DESKTOP" = 1 ] && { [ -n "${DISPLAY:-}" ] || [ -n "${WAYLAND_DISPLAY:-}" ]; }; then LAUNCH=1; fi
