@@ -95,7 +95,7 @@ esac
 setup
 case "$mode" in
     setup) say "set-up complete"; exit 0 ;;
-    headless) exec "$VENV/bin/strata-engine" serve "${args[@]}" ;;
+    headless) exec "$VENV/bin/strata" --headless "${args[@]}" ;;  # the configured model unless told another
     app)
         # a display and Qt's system libraries, or a message that says what to do (no abort inside Qt)
         "$VENV/bin/python" -m installer.qt_libs || exit $?

@@ -278,18 +278,27 @@ def list_configs(directory: Path | None = None) -> list[Path]:
     return sorted(folder.glob("strata-*.json")) if folder.is_dir() else []
 
 
-def write_config(cfg: StrataConfig, path: Path | None = None) -> Path:
-    """Validate (its "args" as the engine's option parser reads them), then replace the file atomically (a crash
-    never leaves half a config)."""
+def check_writable(cfg: StrataConfig, path: Path) -> StrataConfig:
+    """The config as write_config would write it to `path`, checked without writing it: ConfigError for what it
+    refuses (its "args" as the engine's option parser reads them), OSError where the folder cannot be made or
+    written."""
     from installer.engine_options import OptionsError, check_args
 
-    target = path or config_path(cfg.model)
-    cfg = cfg.validate(target.name)
+    cfg = cfg.validate(path.name)
     try:
-        check_args(cfg.args, "serve", target.name)
+        check_args(cfg.args, "serve", path.name)
     except OptionsError as e:
         raise ConfigError(str(e)) from None
-    target.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(path.parent, os.W_OK):
+        raise OSError(f"{path.parent} is not writable")
+    return cfg
+
+
+def write_config(cfg: StrataConfig, path: Path | None = None) -> Path:
+    """check_writable, then replace the file atomically (a crash never leaves half a config)."""
+    target = path or config_path(cfg.model)
+    cfg = check_writable(cfg, target)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -300,6 +309,28 @@ def write_config(cfg: StrataConfig, path: Path | None = None) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+DEFAULT_FILE = "default-config.txt"  # names the config of the model this PC serves when nothing else is said
+
+
+def set_default_config(path: Path, directory: Path | None = None) -> Path:
+    """Make `path` the configured model's config (strata-setup, once the model is in place): what `strata
+    --headless` and `./start.sh --headless` serve, and the app uses where its own settings name none."""
+    folder = directory or config_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = folder / DEFAULT_FILE
+    marker.write_text(str(Path(path).resolve()) + "\n", encoding="utf-8")
+    return marker
+
+
+def default_config(directory: Path | None = None) -> Path | None:
+    """The configured model's config (set_default_config), None where none is set or its file is gone."""
+    try:
+        text = ((directory or config_dir()) / DEFAULT_FILE).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    return Path(text) if text and Path(text).is_file() else None
 
 
 def read_config(path: Path, layers: int | None = None) -> StrataConfig:

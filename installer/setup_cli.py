@@ -367,20 +367,30 @@ def run(
         kv=args.kv,
     )
     directory = args.config_dir.expanduser() if args.config_dir else None
+    target = cfgmod.config_path(name, directory)
     try:
-        path = cfgmod.write_config(config, cfgmod.config_path(name, directory))
+        cfgmod.check_writable(config, target)  # a config that cannot be written fails before any download
+    except (cfgmod.ConfigError, OSError) as exc:
+        raise SetupAbort(f"cannot write the config: {exc}") from exc
+    fetched = not isinstance(model, LocalModel) and not args.no_download
+    if fetched:  # the model first: a failed download leaves no config behind that names a missing file
+        got = _fetch(model, models_dir, args.models_dir is not None, io, make_downloader)
+        config = replace(config, model=str(got))  # the config must name the file that is there
+        io.say(f"  Model ready: {got}")
+    try:
+        path = cfgmod.write_config(config, target)
+        if fetched or isinstance(model, LocalModel):
+            cfgmod.set_default_config(path, directory)
     except (cfgmod.ConfigError, OSError) as exc:
         raise SetupAbort(f"cannot write the config: {exc}") from exc
     io.say()
     io.say(f"  Saved {path}")
-    if isinstance(model, LocalModel) or args.no_download:
-        if args.no_download and not isinstance(model, LocalModel):
-            io.say(f"  Not downloaded (--no-download); the config expects the model at {model_path}")
+    if args.no_download and not isinstance(model, LocalModel):
+        io.say(f"  Not downloaded (--no-download); the config expects the model at {model_path}")
     else:
-        got = _fetch(model, models_dir, args.models_dir is not None, io, make_downloader)
-        if got != model_path:  # the config must name the file that is there
-            cfgmod.write_config(replace(config, model=str(got)), path)
-        io.say(f"  Model ready: {got}")
+        io.say(
+            "  This PC's configured model now: ./start.sh --headless (or strata --headless) and the app serve it"
+        )
     io.say(f"  Start it with: strata-engine serve --config {path}")
     return 0
 

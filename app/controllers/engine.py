@@ -17,6 +17,7 @@ from PySide6.QtCore import QObject, QProcess, QTimer, Signal
 from app.clients.engine_client import EngineClient, EventStream
 from app.engine_process import engine_command
 from app.settings import AppSettings
+from installer.config import default_config
 
 LOG_LINES = 2000
 CRASH_TAIL = 40
@@ -129,7 +130,12 @@ class EngineController(QObject):
         )
 
     def command(self) -> list[str]:
-        return [*(self._command or engine_command()), "serve", *self.settings.serve_args()]
+        args = self.settings.serve_args()
+        if not self.settings.model and not self.settings.config:  # the model strata-setup configured, if any
+            found = default_config()
+            if found is not None:
+                args += ["--config", str(found)]
+        return [*(self._command or engine_command()), "serve", *args]
 
     def log_tail(self, n: int = CRASH_TAIL) -> list[str]:
         return list(self._log)[-n:]

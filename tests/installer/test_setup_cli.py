@@ -9,6 +9,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
+from installer.config import default_config
 from installer.download import Downloader, DownloadOptions
 from installer.gpus import ProbeResult, probe
 from installer.setup_cli import main
@@ -132,6 +133,8 @@ def test_seed_dialogue_writes_the_config_and_downloads(setup_env: dict) -> None:
     assert (
         f"Start it with: strata-engine serve --config {setup_env['cfg'] / 'strata-tiny-moe-q4.json'}" in out
     )
+    # the model is in place, so it is this PC's configured model (what --headless serves)
+    assert default_config(setup_env["cfg"]) == (setup_env["cfg"] / "strata-tiny-moe-q4.json").resolve()
 
 
 def test_choosing_the_second_option_after_a_wrong_answer(setup_env: dict) -> None:
@@ -211,13 +214,16 @@ def test_hub_repo_and_file(setup_env: dict) -> None:
     assert config["gpu"] == [2] and config["model"] == str(folder / "tiny-00001-of-00002.gguf")
 
 
-def test_failed_download_keeps_the_choices_and_says_how_to_resume(setup_env: dict, hub: Hub) -> None:
+def test_failed_download_writes_no_config_and_says_how_to_resume(setup_env: dict, hub: Hub) -> None:
+    """The config is written once the model is in place: a failed download leaves none (and no configured model)
+    that names a file that is not there."""
     hub.files[f"{REPO}/Q4/tiny-00002-of-00002.gguf"].corrupt_offset = 5
     hub.files[f"{REPO}/Q4/tiny-00002-of-00002.gguf"].corrupt_times = 100
     code, out, err = run([*setup_env["argv"], "--yes"], "", seed_pc(), setup_env)
     assert code == 1
     assert "download failed: the sha256 of Q4/tiny-00002-of-00002.gguf is" in err
-    assert (setup_env["cfg"] / "strata-tiny-moe-q4.json").exists()
+    assert not (setup_env["cfg"] / "strata-tiny-moe-q4.json").exists()
+    assert default_config(setup_env["cfg"]) is None
     assert not (setup_env["models"] / "tiny--Tiny-MoE-GGUF" / "tiny-00002-of-00002.gguf").exists()
     assert " failed - " in out
 
