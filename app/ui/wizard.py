@@ -3,7 +3,7 @@
 import html
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QFontDatabase
+from PySide6.QtGui import QFontDatabase, QKeyEvent
 from PySide6.QtWidgets import (
     QButtonGroup,
     QCheckBox,
@@ -94,6 +94,16 @@ class GpuPage(QWizardPage):
             self.ctl.choose_gpus(n if n < len(self.ctl.choices) else None)
 
 
+class EnterField(QLineEdit):
+    """A line edit whose Enter acts on the field (returnPressed) and goes no further: in a wizard it would also
+    press Next, which on the model page starts a download."""
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        super().keyPressEvent(event)
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
+            event.accept()
+
+
 class ModelPage(QWizardPage):
     def __init__(self, ctl: WizardController) -> None:
         super().__init__()
@@ -103,15 +113,8 @@ class ModelPage(QWizardPage):
             "Choose a model from the catalog, a GGUF file on this PC, or a Hugging Face repo and file."
         )
         self.list = QListWidget()
-        for e in ctl.catalog:
-            experts = f"{e.experts_used} of {e.experts} experts" if e.experts else "dense"
-            item = QListWidgetItem(
-                f"{e.display_name}  ·  {size_text(e.size_bytes)}  ·  {e.layers} layers, {experts}"
-            )
-            item.setData(Qt.ItemDataRole.UserRole, e.id)
-            self.list.addItem(item)
         self.list.currentItemChanged.connect(self._on_item)
-        self.other = QLineEdit()
+        self.other = EnterField()
         self.other.setPlaceholderText("or: /path/to/model.gguf, or owner/repo:file.gguf")
         self.other.returnPressed.connect(self._use_other)
         browse = QPushButton("Choose file…")
@@ -144,9 +147,29 @@ class ModelPage(QWizardPage):
         ctl.modelChanged.connect(self._show_fit)
 
     def initializePage(self) -> None:
+        self._fill()
         if self.ctl.model is None and self.list.count():
-            self.list.setCurrentRow(0)
+            self.list.setCurrentRow(0)  # those that fit this PC come first
         self._show_fit()
+
+    def _fill(self) -> None:
+        """The catalog with each model's fit on this PC and the chosen cards (they may have changed)."""
+        chosen = self.ctl.model.id if isinstance(self.ctl.model, CatalogEntry) else None
+        self.list.blockSignals(True)
+        self.list.clear()
+        for e, fit in self.ctl.catalog_fits():
+            experts = f"{e.experts_used} of {e.experts} experts" if e.experts else "dense"
+            item = QListWidgetItem(
+                f"{e.display_name}  ·  {size_text(e.size_bytes)}  ·  {e.layers} layers, {experts}  ·  {fit.label}"
+            )
+            item.setData(Qt.ItemDataRole.UserRole, e.id)
+            item.setToolTip("\n".join(fit.lines))
+            if not fit.fits:
+                item.setForeground(Qt.GlobalColor.gray)
+            self.list.addItem(item)
+            if e.id == chosen:
+                self.list.setCurrentItem(item)
+        self.list.blockSignals(False)
 
     def isComplete(self) -> bool:
         return self.ctl.model is not None

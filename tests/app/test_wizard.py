@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QWizard
 from pytestqt.qtbot import QtBot
 
@@ -82,6 +83,15 @@ FAST = DownloadOptions(
 )
 
 
+def _opened(qtbot: QtBot, ctl: WizardController) -> SetupWizard:
+    """The wizard shown, its cards probed (the GPU page complete)."""
+    wizard = SetupWizard(ctl)
+    qtbot.addWidget(wizard)
+    wizard.show()
+    qtbot.waitUntil(lambda: wizard.gpu_page.isComplete(), timeout=3000)
+    return wizard
+
+
 @pytest.fixture
 def hub() -> Iterator[Hub]:
     server = Hub()
@@ -97,6 +107,7 @@ def make_ctl(tmp_path: Path, hub: Hub, probe: ProbeResult = SEED_PC, sha: bool =
         make_downloader=lambda dest: Downloader(dest, endpoint=hub.url, options=FAST),
         models_dir=lambda: tmp_path / "models",
         config_dir=tmp_path / "config",
+        ram_bytes=lambda: 32 << 30,  # a PC of 32 GiB, whatever runs the tests
     )
 
 
@@ -119,7 +130,8 @@ def test_controller_gpus_model_fit(qtbot: QtBot, tmp_path: Path, hub: Hub) -> No
     lines = ctl.fit_lines()
     assert lines[-1].startswith("fits fully") and any("room for experts" in ln for ln in lines)
     ctl.choose_gpus(None)
-    assert ctl.fit() is None and ctl.fit_lines()[0].startswith("CPU mode: the whole model (0.6 MB")
+    assert ctl.fit() is None and ctl.fit_lines()[0] == "CPU only: Tiny MoE Q4_K_M at 8192 tokens of context"
+    assert ctl.fit_lines()[1].startswith("CPU mode, RAM: weights ") and "RAM 32.0 GiB" in ctl.fit_lines()[1]
 
 
 def test_no_driver_offers_the_cpu(qtbot: QtBot, tmp_path: Path, hub: Hub) -> None:
@@ -143,10 +155,7 @@ def test_no_driver_offers_the_cpu(qtbot: QtBot, tmp_path: Path, hub: Hub) -> Non
 def test_wizard_end_to_end_with_download(qtbot: QtBot, tmp_path: Path, hub: Hub) -> None:
     hub.add(REPO, FILE, DATA, drops=[100 * KIB])  # the first connection is cut: the download resumes
     ctl = make_ctl(tmp_path, hub)
-    wizard = SetupWizard(ctl)
-    qtbot.addWidget(wizard)
-    wizard.show()
-    qtbot.waitUntil(lambda: wizard.gpu_page.isComplete(), timeout=3000)
+    wizard = _opened(qtbot, ctl)
     assert "✖" in wizard.gpu_page.listing.text() and "GTX 1080 Ti" in wizard.gpu_page.listing.text()
     assert wizard.gpu_page.group.buttons()[0].text().endswith("(recommended)")
     wizard.next()
@@ -175,10 +184,7 @@ def test_wizard_end_to_end_with_download(qtbot: QtBot, tmp_path: Path, hub: Hub)
 def test_download_failure_is_shown_with_retry(qtbot: QtBot, tmp_path: Path, hub: Hub) -> None:
     hub.add(REPO, FILE, DATA, corrupt_offset=5000, corrupt_times=1000)  # never the right bytes
     ctl = make_ctl(tmp_path, hub)
-    wizard = SetupWizard(ctl)
-    qtbot.addWidget(wizard)
-    wizard.show()
-    qtbot.waitUntil(lambda: wizard.gpu_page.isComplete(), timeout=3000)
+    wizard = _opened(qtbot, ctl)
     wizard.next()
     wizard.next()
     qtbot.waitUntil(lambda: bool(wizard.download_page.error.text()), timeout=10000)
@@ -194,10 +200,7 @@ def test_local_file_needs_no_download(qtbot: QtBot, tmp_path: Path, hub: Hub) ->
     model = tmp_path / "mine.gguf"
     model.write_bytes(b"GGUF....")
     ctl = make_ctl(tmp_path, hub)
-    wizard = SetupWizard(ctl)
-    qtbot.addWidget(wizard)
-    wizard.show()
-    qtbot.waitUntil(lambda: wizard.gpu_page.isComplete(), timeout=3000)
+    wizard = _opened(qtbot, ctl)
     wizard.next()
     wizard.model_page.other.setText(str(model))
     wizard.model_page.other.returnPressed.emit()
@@ -208,3 +211,53 @@ def test_local_file_needs_no_download(qtbot: QtBot, tmp_path: Path, hub: Hub) ->
     wizard.next()
     assert wizard.split_page.picture.segments == []
     assert "when it loads" in wizard.split_page.lines.text()
+
+
+def test_the_model_list_labels_each_fit_and_offers_one_that_fits_first(
+    qtbot: QtBot, tmp_path: Path, hub: Hub
+) -> None:
+    """A CPU-only PC of 2 GiB: the 0.6 MB model runs, one of 84 GB does not, and the list says so, fitting first."""
+    catalog = json.loads(write_catalog(tmp_path, None).read_text())
+    huge = json.loads(json.dumps(catalog["models"][0]))
+    huge["family"], huge["display_name"] = "huge-moe", "Huge MoE"
+    var = huge["variants"][0]
+    var["id"], var["size_bytes"], var["files"][0]["size_bytes"] = (
+        "huge-moe-q8",
+        84_800_000_000,
+        84_800_000_000,
+    )
+    catalog["models"].insert(0, huge)  # first in the catalog's own order
+    (tmp_path / "catalog.json").write_text(json.dumps(catalog))
+    ctl = WizardController(
+        probe_fn=lambda: ProbeResult(kind="no_nvml", message="No NVIDIA driver found."),
+        catalog=load_catalog(tmp_path / "catalog.json"),
+        models_dir=lambda: tmp_path / "models",
+        config_dir=tmp_path / "config",
+        ram_bytes=lambda: 4 << 30,
+    )
+    wizard = _opened(qtbot, ctl)
+    wizard.next()
+    items = [wizard.model_page.list.item(i).text() for i in range(wizard.model_page.list.count())]
+    assert items[0].startswith("Tiny MoE") and items[0].endswith("CPU only")
+    assert items[1].startswith("Huge MoE") and "does not fit" in items[1]
+    assert ctl.model is not None and ctl.model.id == "tiny-moe-q4_k_m"  # the first offered fits
+
+
+def test_enter_in_the_model_field_does_not_press_next_and_a_bad_name_leaves_nothing_chosen(
+    qtbot: QtBot, tmp_path: Path, hub: Hub
+) -> None:
+    ctl = make_ctl(tmp_path, hub)
+    wizard = _opened(qtbot, ctl)
+    wizard.next()
+    page = wizard.model_page
+    assert ctl.model is not None and page.isComplete()
+    mine = tmp_path / "mine.gguf"
+    mine.write_bytes(b"GGUF....")
+    page.other.setText(str(mine))
+    qtbot.keyClick(page.other, Qt.Key.Key_Return)
+    assert ctl.model is not None and ctl.model.path == mine  # Enter used the field ...
+    assert wizard.currentPage() is page  # ... and did not press Next as well
+    page.other.setText("owner/no-such-repo")  # not owner/repo:file
+    qtbot.keyClick(page.other, Qt.Key.Key_Return)
+    assert page.error.text()  # what is wrong with it
+    assert ctl.model is None and not page.isComplete()  # not the model chosen before

@@ -9,6 +9,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
+from installer import setup_cli
 from installer.config import default_config
 from installer.download import Downloader, DownloadOptions
 from installer.gpus import ProbeResult, probe
@@ -71,6 +72,7 @@ def setup_env(
     cat_path.write_text(json.dumps(catalog))
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    monkeypatch.setattr(setup_cli, "ram_bytes", lambda: 32 << 30)  # a PC of 32 GiB, whatever runs the tests
     return {
         "argv": [
             "--catalog",
@@ -184,7 +186,8 @@ def test_no_driver_offers_cpu_mode(setup_env: dict) -> None:
     assert code == 0
     assert "The NVIDIA driver is installed but not loaded" in out
     assert "Continue in CPU mode (slow)? [Y/n]: " in out
-    assert "CPU mode: the whole model" in out
+    assert "Fit of Tiny MoE Q4_K_M at 4096 tokens of context (estimate): CPU only" in out
+    assert "CPU mode, RAM: weights " in out and "of 30.0 GiB (RAM 32.0 GiB less 2.0 GiB for the PC)" in out
     assert json.loads((setup_env["cfg"] / "strata-tiny-moe-q4.json").read_text())["gpu"] == []
     code, _, err = run([*setup_env["argv"], "--model", "tiny-moe-q4"], "n\n", no_driver, setup_env)
     assert code == 1 and "CPU mode was declined" in err
