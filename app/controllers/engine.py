@@ -5,9 +5,13 @@ States: stopped -> starting (process up, no answer yet) -> loading (/health: loa
 restart); stop() -> stopping -> stopped. While ready it polls /stats and keeps the /events stream open.
 """
 
+import os
+import re
+import signal
 import socket
 import time
 from collections import deque
+from collections.abc import Iterable
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,30 @@ from installer.config import default_config
 LOG_LINES = 2000
 CRASH_TAIL = 40
 STOP_GRACE_MS = 5000
+
+
+_ERROR = re.compile(r"\b(error|exception|traceback|failed|fatal|abort(ed)?|out of memory|killed)\b", re.I)
+
+
+def ended_how(code: int, crashed: bool) -> str:
+    """How the process ended, in words: its exit code, or the signal that ended it (Qt gives the signal's number
+    as the code of a crash on Unix; Windows gives an NTSTATUS such as 0xC0000005)."""
+    if not crashed:
+        return f"exited with code {code}"
+    if os.name != "nt":
+        try:
+            return f"was ended by signal {code} ({signal.Signals(code).name})"
+        except ValueError:
+            return f"crashed (code {code})"
+    return f"crashed (code 0x{code & 0xFFFFFFFF:08X})"
+
+
+def last_error(log: Iterable[str]) -> str:
+    """The last line of the engine's log that reports an error (not the app's own lines), or ""."""
+    for line in reversed(list(log)):
+        if not line.startswith("[app]") and _ERROR.search(line):
+            return line.strip()
+    return ""
 
 
 class EngineState(StrEnum):
@@ -253,9 +281,11 @@ class EngineController(QObject):
                 self._restart_after_stop = False
                 self.start()
             return
-        how = "crashed" if status == QProcess.ExitStatus.CrashExit else f"exited with code {code}"
-        last = next((ln for ln in reversed(self._log) if ln.strip() and not ln.startswith("[app]")), "")
-        self.message = f"the engine {how}" + (f": {last.strip()}" if last else "")
+        how = ended_how(code, status == QProcess.ExitStatus.CrashExit)
+        last = last_error(self._log)
+        self.message = f"the engine {how}" + (
+            f": {last}" if last else " (no error in its log: see its last lines)"
+        )
         self._append_log(f"[app] {self.message}")
         self._set_state(EngineState.CRASHED)
         self.crashed.emit(self.message)

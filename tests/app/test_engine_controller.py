@@ -1,5 +1,7 @@
 """EngineController with a real QProcess running tests/app/fake_engine.py (HTTP on a free port)."""
 
+import os
+import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,3 +132,31 @@ def test_health_error_is_shown(qtbot: QtBot, make_engine, monkeypatch: pytest.Mo
     assert engine.running  # the process lives: stop or restart is the user's call
     with qtbot.waitSignal(engine.stateChanged, check_params_cb=lambda s: s == "stopped", timeout=8000):
         engine.stop()
+
+
+@pytest.mark.skipif(os.name == "nt", reason="signals are Unix's")
+def test_a_killed_engine_says_which_signal_and_not_a_ready_line(qtbot: QtBot, make_engine) -> None:
+    """The reported case: after `kill -9` the dialog gave "model ... ready in 3.9 s" (the last log line) as the
+    reason. Now: the signal, and the last line that reports an error, or that there is none."""
+    engine = make_engine()
+    engine.start()
+    qtbot.waitUntil(lambda: engine.state == EngineState.READY, timeout=10000)
+    with qtbot.waitSignal(engine.crashed, timeout=10000) as got:
+        os.kill(engine._proc.processId(), signal.SIGKILL)
+    assert (
+        got.args[0] == "the engine was ended by signal 9 (SIGKILL) (no error in its log: see its last lines)"
+    )
+
+
+def test_the_reason_is_the_last_error_line() -> None:
+    from app.controllers.engine import ended_how, last_error
+
+    log = [
+        "loading",
+        "engine: error: CUDA out of memory while loading layer 7",
+        "model x ready in 3.9 s",
+        "[app] x",
+    ]
+    assert last_error(log) == "engine: error: CUDA out of memory while loading layer 7"
+    assert last_error(["model x ready in 3.9 s"]) == ""
+    assert ended_how(3, False) == "exited with code 3"
