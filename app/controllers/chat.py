@@ -193,5 +193,15 @@ class ChatController(QObject):
         self._end(conv, stats)
 
     def _on_failed(self, conv: Conversation, message: str) -> None:
-        self._end(conv, f"error: {message}")
+        """An answer that failed before any text came is not kept as a reply (the error goes to the status line;
+        the question stays, to send again); one cut short keeps its text, marked with the error."""
+        if conv.messages and conv.messages[-1].role == "assistant" and not conv.messages[-1].content:
+            conv.messages.pop()
+            self._stream = None
+            self.busyChanged.emit(False)
+            if conv is self.current:
+                self.conversationChanged.emit()
+            self._save_if_started()
+        else:
+            self._end(conv, f"error: {message}")
         self.error.emit(message)

@@ -300,12 +300,14 @@ class ChatWindow(QMainWindow):
         chat.listChanged.connect(self._on_list)
         chat.busyChanged.connect(lambda _b: self._update_buttons())
         chat.error.connect(self.status.setText)
-        engine.stateChanged.connect(lambda _s: self._update_banner())
+        engine.stateChanged.connect(lambda _s: (self._update_banner(), self._update_buttons()))
         chat.refresh_list()
         self._on_conversation()
         self._update_banner()
 
     def send(self) -> None:
+        if not self.send_button.isEnabled():  # Enter in the input while the engine cannot answer
+            return
         if self.chat.send(self.input.toPlainText()):
             self.input.clear()
             self.status.clear()
@@ -358,9 +360,11 @@ class ChatWindow(QMainWindow):
     def _update_buttons(self) -> None:
         busy = self.chat.busy
         has_messages = bool(self.chat.current.messages)
-        self.send_button.setEnabled(not busy)
+        # only an engine that answers takes a question (the banner says why not and offers to start it)
+        answers = self.engine.state in (EngineState.READY, EngineState.DEGRADED)
+        self.send_button.setEnabled(not busy and answers)
         self.stop_button.setEnabled(busy)
-        self.regen_button.setEnabled(not busy and has_messages)
+        self.regen_button.setEnabled(not busy and has_messages and answers)
         self.copy_button.setEnabled(has_messages)
         self.copy_all_button.setEnabled(has_messages)
 

@@ -164,6 +164,12 @@ def test_chat_window_streams_stops_regenerates(qtbot: QtBot, make_app: Make) -> 
     try:
         chat = app.open_chat()
         assert chat.start_button.isVisible() and "not running" in chat.banner.text()
+        assert not chat.send_button.isEnabled()  # nothing to answer: the banner offers to start the engine
+        chat.input.setPlainText("Hi there")
+        qtbot.keyClick(chat.input, Qt.Key.Key_Return)
+        assert chat.input.toPlainText() == "Hi there" and not app.chat.current.messages  # Enter sends nothing
+        app.engine._set_state(EngineState.READY)  # as after a start: the engine answers
+        assert chat.send_button.isEnabled()
         chat.settings_toggle.click()
         chat.sampling.temperature.setValue(0.25)
         chat.sampling.system.setPlainText("Answer briefly.")
