@@ -148,6 +148,7 @@ class StrataApp(QObject):
                 f"the settings could not be saved ({e}): check the config folder's permissions"
             )
         self.engine.apply_settings(settings)
+        self.window.refresh()  # the top bar: the new address and model, or that a restart applies them
 
     def quit(self) -> None:
         self.shutdown()

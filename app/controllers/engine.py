@@ -115,6 +115,7 @@ class EngineController(QObject):
         super().__init__(parent)
         self.client = client
         self.settings = settings
+        self._serving: AppSettings | None = None
         self._command = command
         self._poll_ms = poll_ms
         self.state = EngineState.STOPPED
@@ -148,13 +149,23 @@ class EngineController(QObject):
         return self.state in RUNNING_STATES
 
     @property
+    def serving(self) -> AppSettings:
+        """The settings the running engine was started with (the saved ones apply at its next start)."""
+        return self._serving if self.running and self._serving is not None else self.settings
+
+    @property
+    def pending(self) -> bool:
+        """Saved launch options the running engine does not have yet (a restart applies them)."""
+        return self.running and self.serving.serve_args() != self.settings.serve_args()
+
+    @property
     def api_url(self) -> str:
-        return self.settings.api_url
+        return self.serving.api_url
 
     @property
     def model_name(self) -> str:
         return str(
-            self.health.get("model") or self.stats.get("model") or self.settings.model or "default model"
+            self.health.get("model") or self.stats.get("model") or self.serving.model or "default model"
         )
 
     def command(self) -> list[str]:
@@ -200,6 +211,7 @@ class EngineController(QObject):
         proc.finished.connect(self._on_finished)
         proc.errorOccurred.connect(self._on_error)
         self._proc = proc
+        self._serving = self.settings
         self.started_at = time.monotonic()
         self._set_state(EngineState.STARTING)
         proc.start(cmd[0], cmd[1:])

@@ -124,6 +124,11 @@ class MainWindow(QMainWindow):
         self.restart_button.setEnabled(e.running or state == EngineState.CRASHED)
         if state in (EngineState.ERROR, EngineState.CRASHED, EngineState.DEGRADED) and e.message:
             self.show_message(e.message)
+        elif e.pending:
+            self.show_message(
+                f"Saved. The engine still serves at {e.api_url} with its earlier options: restart it to apply "
+                "the new ones."
+            )
         elif state in (EngineState.STARTING, EngineState.LOADING, EngineState.READY):
             self.message.hide()
 

@@ -232,6 +232,21 @@ def test_settings_page_validates_and_saves(qtbot: QtBot, make_app: Make, tmp_pat
     saved = app.saved[-1]  # type: ignore[attr-defined]
     assert (saved.model, saved.host, saved.api_key, saved.port) == (str(model), "0.0.0.0", "k1", 9123)
     assert app.engine.settings == saved and app.engine.api_url == "http://127.0.0.1:9123/v1"
+    assert app.window.url_label.text() == "http://127.0.0.1:9123/v1"  # the top bar follows the save
+    assert app.window.model_label.text() == f"Model: {model}"
+
+
+def test_a_save_while_the_engine_runs_says_a_restart_applies_it(qtbot: QtBot, make_app: Make) -> None:
+    app = make_app()
+    app.start()
+    qtbot.waitUntil(lambda: app.engine.state == EngineState.READY, timeout=10000)
+    served = app.engine.api_url
+    page = app.window.settings_page
+    page.port.setValue(app.settings.port + 1)
+    assert page.save()
+    assert app.engine.pending and app.window.url_label.text() == served  # what still answers
+    qtbot.wait(600)  # health polls refresh the bar: the note stays
+    assert "restart it to apply the new ones" in app.window.message.text() and app.window.message.isVisible()
 
 
 def test_refused_start_points_at_settings(qtbot: QtBot, make_app: Make, tmp_path: Path) -> None:
