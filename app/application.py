@@ -93,7 +93,7 @@ class StrataApp(QObject):
         if show:
             self.window.show()
         self.sampler.start()
-        self.nodes.refresh()
+        self.nodes.refresh(discover=False)  # the LAN is browsed when the worker PCs page opens
         if first_run:
             self.open_wizard()
         elif self.settings.autostart_engine:

@@ -307,13 +307,17 @@ class NodeClient(QObject):
             _, on_failed = self._calls.pop(proc)
             on_failed(self._cannot_start(proc))
 
-    def refresh_agents(self, discover_s: float = 2.0) -> None:
-        """Paired PCs with their health, and agents advertised on the LAN; `agentsChanged` when both answered."""
+    def refresh_agents(self, discover_s: float | None = 2.0) -> None:
+        """Paired PCs with their health, and (unless `discover_s` is None) agents advertised on the LAN: an mDNS
+        query on the local network; `agentsChanged` when both answered."""
         if self.refreshing:
             return
         self.refreshing = True
-        self._refresh = {}
-        for key, args in (("status", ["status"]), ("discover", ["discover", "--timeout", str(discover_s)])):
+        self._refresh = {} if discover_s is not None else {"discover": {}}
+        asks = [("status", ["status"])]
+        if discover_s is not None:
+            asks.append(("discover", ["discover", "--timeout", str(discover_s)]))
+        for key, args in asks:
             self.run_json(
                 args,
                 lambda data, key=key: self._refresh_part(key, data),

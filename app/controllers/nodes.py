@@ -89,10 +89,12 @@ class NodesController(QObject):
     def set_included(self, agent: AgentInfo, included: bool) -> None:
         self.client.set_included(agent.fingerprint or agent.name, included)
 
-    def refresh(self) -> None:
+    def refresh(self, discover: bool = True) -> None:
+        """This PC's cards and agent, the paired PCs, and (`discover`) the agents advertised on the LAN: an mDNS
+        query, sent only when the user opens the worker PCs page or asks again, not at every start."""
         self.problem = ""
         self.client.check_serve_support()
-        self.client.refresh_agents()
+        self.client.refresh_agents(2.0 if discover else None)
         run_in_thread(self._probe_fn, self._on_probe, self._on_probe_failed)
 
     def add_this_pc(self) -> bool:

@@ -36,6 +36,7 @@ class MainWindow(QMainWindow):
     ) -> None:
         super().__init__(parent)
         self.engine = engine
+        self.nodes = nodes
         self.tray_reason = tray_reason
         self.setWindowTitle(f"PolyStrata {__version__}")
         self.setWindowIcon(app_icon())
@@ -93,6 +94,8 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.charts_page, "Charts")
         self.tabs.addTab(self.workers_page, "Worker PCs")
         self.tabs.addTab(self.settings_page, "Settings")
+        self._browsed = False  # the LAN is browsed (mDNS) the first time the worker PCs page opens
+        self.tabs.currentChanged.connect(self._on_tab)
 
         body = QWidget()
         layout = QVBoxLayout(body)
@@ -131,6 +134,11 @@ class MainWindow(QMainWindow):
             )
         elif state in (EngineState.STARTING, EngineState.LOADING, EngineState.READY):
             self.message.hide()
+
+    def _on_tab(self, _index: int) -> None:
+        if self.tabs.currentWidget() is self.workers_page and not self._browsed:
+            self._browsed = True
+            self.nodes.refresh(discover=True)
 
     def show_message(self, text: str) -> None:
         self.message.setText(text[:1].upper() + text[1:])

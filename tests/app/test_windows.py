@@ -400,3 +400,22 @@ def test_skipping_the_wizard_starts_the_default_engine(qtbot: QtBot, make_app: M
     app.wizard.reject()
     assert app.saved[-1].wizard_done  # type: ignore[attr-defined]
     ready(qtbot, app)
+
+
+def test_the_lan_is_browsed_only_when_the_worker_pcs_page_opens(
+    qtbot: QtBot, make_app: Make, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """No mDNS query at start: `strata-node discover` runs the first time the user opens the page (or asks)."""
+    log = tmp_path / "node.log"
+    monkeypatch.setenv("FAKE_NODE_LOG", str(log))
+    app = make_app(autostart=False)
+    app.start()
+    qtbot.waitUntil(lambda: log.exists() and "status" in log.read_text(), timeout=10000)
+    qtbot.waitUntil(lambda: not app.nodes.refreshing, timeout=10000)
+    assert "discover" not in log.read_text()
+    app.window.tabs.setCurrentWidget(app.window.workers_page)
+    qtbot.waitUntil(lambda: "discover" in log.read_text(), timeout=10000)
+    qtbot.waitUntil(lambda: not app.nodes.refreshing, timeout=10000)
+    app.window.tabs.setCurrentWidget(app.window.settings_page)
+    app.window.tabs.setCurrentWidget(app.window.workers_page)
+    assert log.read_text().count("discover") == 1  # once, then when asked ("Look again")
