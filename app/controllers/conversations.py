@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -57,8 +58,13 @@ class Conversation:
         )
 
 
+_MARKS = re.compile(r"(\*\*|__|`+|~~|^#+\s*|^>\s*|^[-*+]\s+)", re.MULTILINE)
+
+
 def title_from(text: str) -> str:
-    line = " ".join(text.split())
+    """A conversation's title from its first message: one line, without markdown marks (bold, code, headings,
+    quotes, bullets), cut to TITLE_CHARS."""
+    line = " ".join(_MARKS.sub("", text).split())
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
 
 

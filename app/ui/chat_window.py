@@ -3,9 +3,10 @@ system prompt and sampling settings. All state is in `ChatController`; this is t
 
 import html
 
-from PySide6.QtCore import QEvent, QObject, Qt, QTimer
+from PySide6.QtCore import QEvent, QObject, Qt, QTimer, QUrl
 from PySide6.QtGui import (
     QColor,
+    QDesktopServices,
     QFont,
     QGuiApplication,
     QKeyEvent,
@@ -16,6 +17,7 @@ from PySide6.QtGui import (
 from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QFormLayout,
+    QGridLayout,
     QGroupBox,
     QHBoxLayout,
     QLabel,
@@ -38,6 +40,7 @@ from app.controllers.conversations import Message
 from app.controllers.engine import EngineController, EngineState
 from app.settings import Sampling
 from app.ui.icons import app_icon
+from app.ui.markdown import code_html, hard_breaks, segments
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 ROLE_COLORS = {"user": "#3b6fb6", "assistant": "#2a7a3a", "system": "#777777"}
@@ -66,12 +69,23 @@ class Transcript(QTextBrowser):
 
     def __init__(self) -> None:
         super().__init__()
-        self.setOpenExternalLinks(True)
+        self.setOpenLinks(False)  # links open in the browser; "copy:N" copies code block N
+        self.anchorClicked.connect(self._on_link)
         self._starts: list[int] = []
+        self.codes: list[str] = []  # the code blocks shown, in order: what their "Copy code" links copy
+
+    def _on_link(self, url: QUrl) -> None:
+        if url.scheme() == "copy":
+            n = int(url.path() or -1)
+            if 0 <= n < len(self.codes):
+                QGuiApplication.clipboard().setText(self.codes[n])
+            return
+        QDesktopServices.openUrl(url)
 
     def render_all(self, messages: list[Message]) -> None:
         self.clear()
         self._starts = []
+        self.codes = []
         self._append(messages, 0)
 
     def render_from(self, messages: list[Message], index: int) -> None:
@@ -106,7 +120,7 @@ class Transcript(QTextBrowser):
             cur.insertText(ROLE_NAMES.get(m.role, m.role), head)
             cur.insertBlock(QTextBlockFormat(), QTextCharFormat())
             if m.content:
-                cur.insertMarkdown(m.content)
+                self._insert_answer(cur, m.content)
             elif not m.stats:
                 cur.insertText("…", QTextCharFormat())
             if m.stats:
@@ -116,6 +130,19 @@ class Transcript(QTextBrowser):
                 note.setFontItalic(True)
                 cur.insertText(m.stats, note)
         self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
+
+    def _insert_answer(self, cur: QTextCursor, content: str) -> None:
+        """Markdown with its line breaks kept; each fenced code block highlighted, with a "Copy code" link."""
+        for n, (kind, language, body) in enumerate(segments(content)):
+            if n:
+                cur.insertBlock(QTextBlockFormat(), QTextCharFormat())
+            if kind == "text":
+                cur.insertMarkdown(hard_breaks(body))
+                continue
+            cur.insertHtml(code_html(body, language))
+            cur.insertBlock(QTextBlockFormat(), QTextCharFormat())
+            cur.insertHtml(f'<a href="copy:{len(self.codes)}" style="font-size:small">Copy code</a>')
+            self.codes.append(body)
 
 
 class SamplingBox(QGroupBox):
@@ -127,7 +154,7 @@ class SamplingBox(QGroupBox):
         self.system.setPlaceholderText("System prompt (optional), e.g. “Answer briefly.”")
         self.system.setMaximumHeight(70)
         form.addRow("System prompt:", self.system)
-        row = QHBoxLayout()
+        grid = QGridLayout()  # two rows of three: one long row made the window squeeze the conversation list
         self.temperature = self._dspin(0.0, 2.0, 0.05)
         self.top_p = self._dspin(0.0, 1.0, 0.01)
         self.min_p = self._dspin(0.0, 1.0, 0.01)
@@ -138,18 +165,20 @@ class SamplingBox(QGroupBox):
         self.seed = QLineEdit()
         self.seed.setPlaceholderText("random")
         self.seed.setFixedWidth(80)
-        for label, w in (
-            ("temperature", self.temperature),
-            ("top-p", self.top_p),
-            ("top-k", self.top_k),
-            ("min-p", self.min_p),
-            ("max tokens", self.max_tokens),
-            ("seed", self.seed),
+        for n, (label, w) in enumerate(
+            (
+                ("temperature", self.temperature),
+                ("top-p", self.top_p),
+                ("top-k", self.top_k),
+                ("min-p", self.min_p),
+                ("max tokens", self.max_tokens),
+                ("seed", self.seed),
+            )
         ):
-            row.addWidget(QLabel(label))
-            row.addWidget(w)
-        row.addStretch(1)
-        form.addRow("Sampling:", row)
+            grid.addWidget(QLabel(label), n // 3, 2 * (n % 3))
+            grid.addWidget(w, n // 3, 2 * (n % 3) + 1)
+        grid.setColumnStretch(6, 1)
+        form.addRow("Sampling:", grid)
         self.load()
         self.system.textChanged.connect(lambda: chat.set_system_prompt(self.system.toPlainText()))
         for w in (self.temperature, self.top_p, self.min_p, self.top_k, self.max_tokens):
@@ -280,9 +309,11 @@ class ChatWindow(QMainWindow):
         rl.addLayout(buttons)
         rl.addWidget(self.status)
 
+        left.setMinimumWidth(170)
         splitter = QSplitter()
         splitter.addWidget(left)
         splitter.addWidget(right)
+        splitter.setCollapsible(0, False)
         splitter.setStretchFactor(1, 1)
         splitter.setSizes([220, 680])
         body = QWidget()

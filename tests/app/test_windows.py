@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import QApplication
 from pytestqt.qtbot import QtBot
 
 from app.application import StrataApp
@@ -171,6 +172,9 @@ def test_chat_window_streams_stops_regenerates(qtbot: QtBot, make_app: Make) -> 
         app.engine._set_state(EngineState.READY)  # as after a start: the engine answers
         assert chat.send_button.isEnabled()
         chat.settings_toggle.click()
+        qtbot.waitUntil(lambda: chat.sampling.isVisible(), timeout=2000)
+        QApplication.processEvents()
+        assert chat.conv_list.width() >= 150  # the panel's fields no longer squeeze the conversation list
         chat.sampling.temperature.setValue(0.25)
         chat.sampling.system.setPlainText("Answer briefly.")
         chat.input.setPlainText("Hi there")
