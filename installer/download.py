@@ -67,6 +67,25 @@ class DownloadEvent:
     message: str = ""
 
 
+def no_such_host(exc: BaseException) -> bool:
+    """Whether a request failed because the server's name does not resolve (offline, or no DNS)."""
+    text = repr(exc)
+    return (
+        "NameResolutionError" in text or "Name or service not known" in text or "getaddrinfo failed" in text
+    )
+
+
+def plain_reason(exc: BaseException) -> str:
+    """A failed request's reason in words, not urllib3's text."""
+    if no_such_host(exc):
+        return "the server's name does not resolve (no network, or no DNS)"
+    if isinstance(exc, requests.Timeout):
+        return "the connection timed out"
+    if isinstance(exc, requests.ConnectionError):
+        return "the connection failed (refused, reset or no route)"
+    return str(exc)
+
+
 class DownloadError(Exception):
     """A download that cannot go on; the message says what happened and what to do."""
 
@@ -341,12 +360,22 @@ class Downloader:
                 return self._head(session, remote)
             except requests.RequestException as exc:
                 attempt += 1
-                if attempt > self.options.max_retries:
+                host = urlsplit(remote.url).netloc
+                offline = no_such_host(
+                    exc
+                )  # no name service: waiting ~100 s for retries would change nothing
+                if offline or attempt > self.options.max_retries:
+                    tries = "" if offline else f" after {self.options.max_retries} retries"
+                    mirror = (
+                        f" (or the mirror in HF_ENDPOINT, {host})"
+                        if host != urlsplit(DEFAULT_ENDPOINT).netloc
+                        else ""
+                    )
                     raise DownloadError(
-                        f"cannot reach {urlsplit(remote.url).netloc} for {remote.label or remote.name} after "
-                        f"{self.options.max_retries} retries ({exc}); check the network or HF_ENDPOINT"
+                        f"cannot reach {host} for {remote.label or remote.name}{tries}: {plain_reason(exc)}. "
+                        f"Check this PC's network connection{mirror}, then try again; what is on disk is kept"
                     ) from exc
-                self._backoff(remote, attempt, f"cannot reach the server: {exc}")
+                self._backoff(remote, attempt, f"cannot reach the server: {plain_reason(exc)}")
 
     def _head(self, session: requests.Session, remote: RemoteFile) -> _Meta:
         url = remote.url

@@ -7,7 +7,7 @@ split as a picture. Slow work (probe, download) runs off the GUI thread.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
@@ -152,7 +152,7 @@ class WizardController(QObject):
         self.model = ref
         if isinstance(ref, CatalogEntry):
             self.context = min(ref.context, DEFAULT_CONTEXT)
-        self.downloaded = isinstance(ref, LocalModel)
+        self.downloaded = False  # a file on this PC is "downloaded" (and its config written) on the next page
         self.modelChanged.emit()
         return None
 
@@ -208,22 +208,47 @@ class WizardController(QObject):
         assert isinstance(m, LocalModel)
         return m.path.name, m.path
 
-    def write_config(self) -> Path:
-        """Write strata-<model>.json (validated by the installer); raises ConfigError/OSError with the reason."""
+    def _config(self, model_path: Path) -> tuple[cfgmod.StrataConfig, Path]:
+        """The config of the chosen model and cards, and where it goes (strata-<model>.json)."""
         if self.model is None:
             raise cfgmod.ConfigError("choose a model first")
-        name, path = self._target()
+        name, _ = self._target()
         cfg = cfgmod.StrataConfig(
-            model=str(path),
+            model=str(model_path),
             gpu=tuple(g.index for g in self.gpus),
             layer_split="auto",
             gpu_order="auto",
             max_context=self.context if isinstance(self.model, CatalogEntry) else None,
             args=() if self.gpus else ("--device", "cpu"),
         )
-        self.config_path = cfgmod.write_config(cfg, cfgmod.config_path(name, self._config_dir))
-        self.model_path = path
+        return cfg, cfgmod.config_path(name, self._config_dir)
+
+    def check_config(self) -> None:
+        """What writing the config will refuse (ConfigError) or cannot do (OSError), found before the download; the
+        config itself is written once the model is in place (write_config), so a failed download leaves none."""
+        _, target = self._target()
+        cfg, path = self._config(target)
+        cfgmod.check_writable(cfg, path)
+        self.model_path = target
+
+    def write_config(self) -> Path:
+        """Write strata-<model>.json naming the model file that is there; raises ConfigError/OSError."""
+        path = self.model_path or self._target()[1]
+        cfg, where = self._config(path)
+        self.config_path = cfgmod.write_config(cfg, where)
         return self.config_path
+
+    @property
+    def is_embedded(self) -> bool:
+        return isinstance(self.model, CatalogEntry) and self.model.package == default_model.CHAT.package
+
+    def use_embedded(self) -> str | None:
+        """Choose the chat model that comes with PolyStrata (nothing to download): the way on where a download
+        cannot be made. None, or what is wrong."""
+        entry = next((e for e in self.catalog if e.package == default_model.CHAT.package), None)
+        if entry is None:
+            return "the catalog has no entry for the embedded chat model"
+        return self.choose_model(entry.id)
 
     @property
     def downloading(self) -> bool:
@@ -235,8 +260,7 @@ class WizardController(QObject):
         if self.downloading or m is None:
             return
         if isinstance(m, LocalModel):
-            self.downloaded = True
-            self.downloadFinished.emit(str(m.path))
+            self._on_downloaded(m.path)
             return
         _, target = self._target()
         dest = target.parent
@@ -271,14 +295,16 @@ class WizardController(QObject):
 
     def _on_downloaded(self, path: object) -> None:
         self._job = self._downloader = None
-        got = Path(str(path))
+        self.model_path = Path(
+            str(path)
+        )  # the file that is there (the embedded model lives in its own place)
+        try:
+            self.write_config()  # only now: a download that fails leaves no config behind
+        except (cfgmod.ConfigError, OSError) as e:
+            self.downloadFailed.emit(f"the model is in place but its config could not be written: {e}")
+            return
         self.downloaded = True
-        if self.config_path is not None and got != self.model_path:
-            # the config must name the file that is there (the embedded model lives in its own place)
-            cfg = cfgmod.read_config(self.config_path)
-            cfgmod.write_config(replace(cfg, model=str(got)), self.config_path)
-        self.model_path = got
-        self.downloadFinished.emit(str(got))
+        self.downloadFinished.emit(str(self.model_path))
 
     def _on_download_failed(self, message: str) -> None:
         self._job = self._downloader = None

@@ -176,7 +176,7 @@ class ModelPage(QWizardPage):
 
     def validatePage(self) -> bool:
         try:
-            self.ctl.write_config()
+            self.ctl.check_config()  # written once the model is in place
         except (ConfigError, OSError) as e:
             self.error.setText(f"The config could not be written: {e}")
             return False
@@ -228,9 +228,14 @@ class DownloadPage(QWizardPage):
         self.retry = QPushButton("Try again")
         self.retry.clicked.connect(self._start)
         self.retry.hide()
+        self.embedded = QPushButton("Use the model that comes with PolyStrata")
+        self.embedded.setToolTip("Qwen2.5-Coder 0.5B Instruct: small, nothing to download")
+        self.embedded.clicked.connect(self._use_embedded)
+        self.embedded.hide()
         buttons = QHBoxLayout()
         buttons.addWidget(self.cancel)
         buttons.addWidget(self.retry)
+        buttons.addWidget(self.embedded)
         buttons.addStretch(1)
         layout = QVBoxLayout(self)
         layout.addWidget(self.what)
@@ -292,8 +297,17 @@ class DownloadPage(QWizardPage):
     def _on_failed(self, message: str) -> None:
         self.cancel.hide()
         self.retry.show()
+        self.embedded.setVisible(not self.ctl.is_embedded)
         self.error.setText(f"{message[:1].upper()}{message[1:]}")
         self.completeChanged.emit()
+
+    def _use_embedded(self) -> None:
+        problem = self.ctl.use_embedded()
+        if problem:
+            self.error.setText(problem)
+            return
+        self.embedded.hide()
+        self.initializePage()
 
 
 class SplitPage(QWizardPage):

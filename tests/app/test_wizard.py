@@ -161,9 +161,10 @@ def test_wizard_end_to_end_with_download(qtbot: QtBot, tmp_path: Path, hub: Hub)
     wizard.next()
     assert wizard.currentPage() is wizard.model_page and ctl.model is not None
     assert "fits fully" in wizard.model_page.fit.text()
-    wizard.next()  # writes the config, starts the download
-    assert ctl.config_path is not None and ctl.config_path.name == "strata-tiny-moe-q4_k_m.json"
+    wizard.next()  # checks the config can be written, starts the download
+    assert ctl.config_path is None  # written once the model is in place
     qtbot.waitUntil(lambda: wizard.download_page.isComplete(), timeout=10000)
+    assert ctl.config_path is not None and ctl.config_path.name == "strata-tiny-moe-q4_k_m.json"
     got = tmp_path / "models" / "test--tiny-moe-GGUF" / FILE
     assert got.read_bytes() == DATA
     assert wizard.download_page.bar.value() == 1000 and str(got) in wizard.download_page.status.text()
@@ -191,6 +192,8 @@ def test_download_failure_is_shown_with_retry(qtbot: QtBot, tmp_path: Path, hub:
     assert "sha256" in wizard.download_page.error.text()
     assert not wizard.download_page.retry.isHidden() and not wizard.download_page.isComplete()
     assert not (tmp_path / "models" / "test--tiny-moe-GGUF" / FILE).exists()  # nothing half-done at the name
+    assert ctl.config_path is None and not list((tmp_path / "config").glob("strata-*.json"))  # no config left
+    assert not wizard.download_page.embedded.isHidden()  # a way on: the model that comes with PolyStrata
     hub.files[f"{REPO}/{FILE}"].corrupt_times = 0
     wizard.download_page.retry.click()
     qtbot.waitUntil(lambda: wizard.download_page.isComplete(), timeout=10000)
@@ -261,3 +264,27 @@ def test_enter_in_the_model_field_does_not_press_next_and_a_bad_name_leaves_noth
     qtbot.keyClick(page.other, Qt.Key.Key_Return)
     assert page.error.text()  # what is wrong with it
     assert ctl.model is None and not page.isComplete()  # not the model chosen before
+
+
+def test_a_failed_download_can_go_on_with_the_embedded_model(
+    qtbot: QtBot, tmp_path: Path, hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from installer import default_model
+
+    embedded = tmp_path / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    embedded.write_bytes(b"GGUF")
+    monkeypatch.setattr(default_model.Embedded, "path", lambda self, assemble=True: embedded)
+    hub.add(REPO, FILE, DATA, corrupt_offset=5000, corrupt_times=1000)
+    ctl = make_ctl(tmp_path, hub)
+    ctl.catalog = load_catalog()  # the real catalog: it has the embedded chat model
+    assert ctl.choose_model("tiny-moe-q4_k_m") is not None  # not in the real catalog ...
+    ctl.catalog = load_catalog(write_catalog(tmp_path, hashlib.sha256(DATA).hexdigest()))
+    wizard = _opened(qtbot, ctl)
+    wizard.next()
+    wizard.next()
+    qtbot.waitUntil(lambda: bool(wizard.download_page.error.text()), timeout=10000)
+    ctl.catalog = load_catalog()
+    wizard.download_page.embedded.click()
+    qtbot.waitUntil(lambda: wizard.download_page.isComplete(), timeout=10000)
+    assert ctl.is_embedded and ctl.model_path == embedded
+    assert read_config(ctl.config_path).model == str(embedded)
