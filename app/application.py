@@ -2,6 +2,7 @@
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer
@@ -14,6 +15,7 @@ from app.controllers.chat import ChatController
 from app.controllers.conversations import ConversationStore
 from app.controllers.engine import EngineController, EngineState
 from app.controllers.gpu_sampler import GpuSampler
+from app.controllers.library import LibraryController
 from app.controllers.nodes import NodesController
 from app.controllers.remote_gpus import RemoteGpus
 from app.controllers.wizard import WizardController
@@ -23,6 +25,8 @@ from app.ui.icons import app_icon
 from app.ui.main_window import MainWindow
 from app.ui.tray import Tray, tray_unavailable_reason
 from app.ui.wizard import SetupWizard
+from installer import default_model
+from installer.config import ConfigError, default_config, read_config
 from installer.gpus import ProbeResult, probe
 
 
@@ -54,6 +58,7 @@ class StrataApp(QObject):
         self.sampler = GpuSampler(nvml=nvml)
         self.node_client = NodeClient(node_command)
         self.nodes = NodesController(self.node_client, probe_fn)
+        self.library = LibraryController(self._served_model, probe_fn)
         self.remote_gpus = RemoteGpus(self.node_client)
         self.chat = ChatController(
             self.client, ConversationStore(), settings.system_prompt, settings.sampling
@@ -61,7 +66,7 @@ class StrataApp(QObject):
         # tray_reason False: ask the desktop; None: a tray exists; a string: why there is none.
         reason = tray_unavailable_reason() if tray_reason is False else tray_reason
         self.tray: Tray | None = None if reason else Tray(self.engine, available=True)
-        self.window = MainWindow(self.engine, self.charts, self.nodes, settings, reason or None)
+        self.window = MainWindow(self.engine, self.charts, self.nodes, settings, reason or None, self.library)
         self.chat_window: ChatWindow | None = None
         self._told_tray = False
         self.exit_app: Callable[[], None] = QApplication.quit
@@ -83,7 +88,10 @@ class StrataApp(QObject):
         self.window.hiddenToTray.connect(self._on_hidden)
         self.window.settings_page.saved.connect(self.apply_settings)
         self.window.settings_page.wizardRequested.connect(self.open_wizard)
+        self.window.library_page.wizardRequested.connect(self.open_wizard)
+        self.library.serveRequested.connect(self.serve_model)
         if self.tray is not None:
+            self.tray.set_library(self.library)
             self.tray.openChatRequested.connect(self.open_chat)
             self.tray.openWindowRequested.connect(self.open_window)
             self.tray.quitRequested.connect(self.quit)
@@ -94,6 +102,7 @@ class StrataApp(QObject):
             self.window.show()
         self.sampler.start()
         self.nodes.refresh(discover=False)  # the LAN is browsed when the worker PCs page opens
+        self.library.refresh()
         if first_run:
             self.open_wizard()
         elif self.settings.autostart_engine:
@@ -133,7 +142,7 @@ class StrataApp(QObject):
 
     def open_chat(self) -> ChatWindow:
         if self.chat_window is None:
-            self.chat_window = ChatWindow(self.chat, self.engine)
+            self.chat_window = ChatWindow(self.chat, self.engine, self.library)
         self.chat_window.showNormal()
         self.chat_window.raise_()
         self.chat_window.activateWindow()
@@ -149,6 +158,33 @@ class StrataApp(QObject):
             )
         self.engine.apply_settings(settings)
         self.window.refresh()  # the top bar: the new address and model, or that a restart applies them
+
+    def _served_model(self) -> str:
+        """The model file the engine serves or will serve: the settings' model, their config's, strata-setup's,
+        else the embedded chat model ("" where none of these can be told)."""
+        s = self.settings
+        if s.model:
+            return s.model
+        cfg = s.config or str(default_config() or "")
+        if cfg:
+            try:
+                return read_config(Path(cfg)).model
+            except (ConfigError, OSError):
+                return ""
+        try:
+            return str(default_model.CHAT.path(assemble=False))
+        except default_model.DefaultModelMissing:
+            return ""
+
+    def serve_model(self, path: str) -> None:
+        """Serve `path` from now on (saved as the model; a config's split no longer applies): the engine restarts
+        on it, or starts."""
+        self.apply_settings(self.settings.with_changes(model=path, config=""))
+        if self.engine.running:
+            self.engine.restart()
+        else:
+            self.engine.start()
+        self.library.changed.emit()
 
     def quit(self) -> None:
         self.shutdown()

@@ -15,6 +15,7 @@ from PySide6.QtGui import (
     QTextCursor,
 )
 from PySide6.QtWidgets import (
+    QComboBox,
     QDoubleSpinBox,
     QFormLayout,
     QGridLayout,
@@ -38,6 +39,7 @@ from PySide6.QtWidgets import (
 from app.controllers.chat import ChatController
 from app.controllers.conversations import Message
 from app.controllers.engine import EngineController, EngineState
+from app.controllers.library import LibraryController
 from app.settings import Sampling
 from app.ui.icons import app_icon
 from app.ui.markdown import code_html, hard_breaks, segments
@@ -235,7 +237,13 @@ class SamplingBox(QGroupBox):
 
 
 class ChatWindow(QMainWindow):
-    def __init__(self, chat: ChatController, engine: EngineController, parent: QWidget | None = None) -> None:
+    def __init__(
+        self,
+        chat: ChatController,
+        engine: EngineController,
+        library: LibraryController | None = None,
+        parent: QWidget | None = None,
+    ) -> None:
         super().__init__(parent)
         self.chat = chat
         self.engine = engine
@@ -267,6 +275,15 @@ class ChatWindow(QMainWindow):
         self.start_button.clicked.connect(engine.start)
         banner_row.addWidget(self.banner, 1)
         banner_row.addWidget(self.start_button)
+        # the model picker: the models on this PC; choosing one restarts the engine on it
+        self.library = library
+        self.model_picker = QComboBox()
+        self.model_picker.setToolTip("The model to chat with: the engine restarts on the one chosen")
+        self.model_picker.activated.connect(self._pick_model)
+        banner_row.addWidget(self.model_picker)
+        if library is not None:
+            library.changed.connect(self._fill_models)
+        self._fill_models()
         self.transcript = Transcript()
         self.settings_toggle = QToolButton()
         self.settings_toggle.setText("System prompt and sampling")
@@ -335,6 +352,26 @@ class ChatWindow(QMainWindow):
         chat.refresh_list()
         self._on_conversation()
         self._update_banner()
+
+    def _fill_models(self) -> None:
+        lib = self.library
+        self.model_picker.blockSignals(True)
+        self.model_picker.clear()
+        models = lib.models if lib is not None else []
+        for m in models:
+            self.model_picker.addItem(m.name, str(m.path))
+            if lib is not None and lib.served is not None and m.path == lib.served:
+                self.model_picker.setCurrentIndex(self.model_picker.count() - 1)
+        self.model_picker.setVisible(bool(models))
+        self.model_picker.blockSignals(False)
+
+    def _pick_model(self, index: int) -> None:
+        lib = self.library
+        if lib is None or not 0 <= index < len(lib.models):
+            return
+        m = lib.models[index]
+        if lib.served is None or m.path != lib.served:
+            lib.serve(m)
 
     def send(self) -> None:
         if not self.send_button.isEnabled():  # Enter in the input while the engine cannot answer

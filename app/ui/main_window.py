@@ -9,12 +9,14 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QMainWindow, QPushButton, QTa
 
 from app.controllers.charts import ChartsController
 from app.controllers.engine import STATE_TEXT, EngineController, EngineState
+from app.controllers.library import LibraryController
 from app.controllers.nodes import NodesController
 from app.settings import AppSettings
 from app.ui.charts_page import ChartsPage
 from app.ui.crash_dialog import CrashDialog
 from app.ui.engine_page import EnginePage
 from app.ui.icons import app_icon, dot_pixmap
+from app.ui.library_page import LibraryPage
 from app.ui.settings_page import SettingsPage
 from app.ui.workers_page import WorkersPage
 from installer.version import __version__
@@ -32,6 +34,7 @@ class MainWindow(QMainWindow):
         nodes: NodesController,
         settings: AppSettings,
         tray_reason: str | None,
+        library: LibraryController | None = None,
         parent: QWidget | None = None,
     ) -> None:
         super().__init__(parent)
@@ -90,7 +93,10 @@ class MainWindow(QMainWindow):
         self.charts_page = ChartsPage(charts)
         self.workers_page = WorkersPage(nodes)
         self.settings_page = SettingsPage(settings)
+        self.library = library or LibraryController(lambda: settings.model)
+        self.library_page = LibraryPage(self.library)
         self.tabs.addTab(self.engine_page, "Engine")
+        self.tabs.addTab(self.library_page, "Models")
         self.tabs.addTab(self.charts_page, "Charts")
         self.tabs.addTab(self.workers_page, "Worker PCs")
         self.tabs.addTab(self.settings_page, "Settings")

@@ -13,6 +13,7 @@ from PySide6.QtGui import QAction, QGuiApplication
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon
 
 from app.controllers.engine import STATE_TEXT, EngineController, EngineState
+from app.controllers.library import LibraryController
 from app.ui.icons import state_icon
 
 
@@ -53,6 +54,11 @@ class Tray(QObject):
         self.chat_action = QAction("Open chat", self.menu)
         self.copy_action = QAction("Copy API URL", self.menu)
         self.window_action = QAction("Open window", self.menu)
+        self.model_menu = QMenu(
+            "Model"
+        )  # the models on this PC (set_library): choosing one restarts the engine
+        self.model_menu.menuAction().setVisible(False)
+        self._library: LibraryController | None = None
         self.quit_action = QAction("Quit PolyStrata", self.menu)
         for a in (
             self.state_action,
@@ -61,6 +67,7 @@ class Tray(QObject):
             self.stop_action,
             None,
             self.chat_action,
+            self.model_menu.menuAction(),
             self.copy_action,
             self.window_action,
             None,
@@ -94,6 +101,23 @@ class Tray(QObject):
         self.stop_action.setEnabled(self.engine.running)
         self.icon.setIcon(state_icon(state.value))
         self.icon.setToolTip(f"PolyStrata: {text[len('Engine: ') :]}")
+
+    def set_library(self, library: LibraryController) -> None:
+        self._library = library
+        library.changed.connect(self._fill_models)
+        self._fill_models()
+
+    def _fill_models(self) -> None:
+        lib = self._library
+        self.model_menu.clear()
+        models = lib.models if lib is not None else []
+        served = lib.served if lib is not None else None
+        for m in models:
+            a = self.model_menu.addAction(m.name)
+            a.setCheckable(True)
+            a.setChecked(served is not None and m.path == served)
+            a.triggered.connect(lambda _c=False, m=m: lib.serve(m))  # type: ignore[union-attr]
+        self.model_menu.menuAction().setVisible(bool(models))
 
     def copy_api_url(self) -> None:
         self._clipboard_set(self.engine.api_url)
