@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         command = [sys.executable, str(Path(__file__).with_name("fake_engine.py"))]
         settings = AppSettings(model="", port=_free_port())
-    settings = settings.with_changes(sampling=Sampling(temperature=0.0, max_tokens=12))
+    settings = settings.with_changes(sampling=Sampling(temperature=0.0, max_tokens=72))
     gib = 1024**3
     cards = (
         GpuInfo(
@@ -122,15 +122,21 @@ def main(argv: list[str] | None = None) -> int:
     strata.chat.set_system_prompt("Answer briefly.")
     chat.sampling.load()
     chat.settings_toggle.setChecked(True)
-    chat.input.setPlainText("Write a short poem about layers of rock.")
+    chat.input.setPlainText("What is a GPU? Answer in **one** sentence.")
     chat.send()
     wait(240, lambda: not strata.chat.busy)
     wait(0.3)
-    chat.input.setPlainText("What is a GPU? Answer in **one** sentence.")
+    chat.input.setPlainText("Write a Python function that adds two numbers.")
     chat.send()
     wait(240, lambda: not strata.chat.busy)
     wait(0.5)
     chat.grab().save(str(args.out / "chat.png"))
+    win = strata.window
+    win.tabs.setCurrentWidget(win.library_page)
+    strata.library.refresh()
+    wait(30, lambda: not strata.library.scanning and bool(strata.library.models))
+    wait(0.5)
+    win.grab().save(str(args.out / "main-models.png"))
 
     # Synthetic stage timings on top of the engine's own events: a split over two cards of this PC and a worker PC,
     # reading a prompt, decoding, pausing, and again. The worker PC's card drops its clocks while idle.
