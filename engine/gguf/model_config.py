@@ -115,7 +115,7 @@ def rope_from_meta(m: Meta, head_dim: int, neox: bool, default_base: float = 100
     if scaling != "none" and factor <= 0:
         raise ModelConfigError(f"RoPE scaling factor {factor} must be positive")
     return RopeConfig(
-        dim=m.int(Keys.Rope.DIMENSION_COUNT, head_dim),
+        dim=bounded(m, Keys.Rope.DIMENSION_COUNT, m.int(Keys.Rope.DIMENSION_COUNT, head_dim)),
         base=m.float(Keys.Rope.FREQ_BASE, default_base),
         neox=neox,
         scaling=scaling,
@@ -128,25 +128,58 @@ def rope_from_meta(m: Meta, head_dim: int, neox: bool, default_base: float = 100
     )
 
 
+# Bounds on the sizes read from metadata, checked before anything is sized from them (a RoPE table, a KV cache, a
+# buffer): each well beyond every released model, so that only a damaged or hostile file meets one.
+BOUNDS: dict[str, tuple[int, int]] = {
+    "embedding_length": (1, 1 << 17),
+    "block_count": (1, 1 << 10),
+    "attention.head_count": (1, 1 << 10),
+    "attention.head_count_kv": (1, 1 << 10),
+    "attention.key_length": (1, 1 << 12),
+    "attention.value_length": (1, 1 << 12),
+    "feed_forward_length": (0, 1 << 20),
+    "context_length": (1, 1 << 24),
+    "expert_count": (0, 1 << 13),
+    "expert_feed_forward_length": (0, 1 << 18),
+    "rope.dimension_count": (0, 1 << 12),
+}
+
+
+def bounded(m: Meta, template: str, value: int) -> int:
+    """`value`, read from `template`'s key, within BOUNDS; a ModelConfigError naming the key otherwise."""
+    name = template.split("{arch}.", 1)[-1]
+    lo, hi = BOUNDS.get(name, (0, 1 << 62))
+    if not lo <= value <= hi:
+        raise ModelConfigError(
+            f"metadata {m.key(template)} = {value} is outside {lo}..{hi}: the file is damaged or not a model "
+            "this engine reads"
+        )
+    return value
+
+
 def common_fields(m: Meta, n_vocab: int) -> dict[str, Any]:
-    """The keys every decoder family carries."""
-    n_embd = m.int(Keys.LLM.EMBEDDING_LENGTH)
-    n_head = m.int(Keys.Attention.HEAD_COUNT)
-    n_head_kv = m.int(Keys.Attention.HEAD_COUNT_KV, n_head)
-    if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv:
+    """The keys every decoder family carries, each within its bounds (BOUNDS)."""
+
+    def size(template: str, default: int | None = None) -> int:
+        return bounded(m, template, m.int(template, default))
+
+    n_embd = size(Keys.LLM.EMBEDDING_LENGTH)
+    n_head = size(Keys.Attention.HEAD_COUNT)
+    n_head_kv = size(Keys.Attention.HEAD_COUNT_KV, n_head)
+    if n_head % n_head_kv:
         raise ModelConfigError(f"head counts {n_head} / {n_head_kv} (query / key-value) are inconsistent")
-    head_k = m.int(Keys.Attention.KEY_LENGTH, n_embd // n_head)
-    head_v = m.int(Keys.Attention.VALUE_LENGTH, head_k)
+    head_k = size(Keys.Attention.KEY_LENGTH, max(n_embd // n_head, 1))
+    head_v = size(Keys.Attention.VALUE_LENGTH, head_k)
     return {
-        "n_layer": m.int(Keys.LLM.BLOCK_COUNT),
+        "n_layer": size(Keys.LLM.BLOCK_COUNT),
         "n_embd": n_embd,
         "n_head": n_head,
         "n_head_kv": n_head_kv,
         "head_dim_k": head_k,
         "head_dim_v": head_v,
-        "n_ff": m.int(Keys.LLM.FEED_FORWARD_LENGTH, 0),
+        "n_ff": size(Keys.LLM.FEED_FORWARD_LENGTH, 0),
         "n_vocab": n_vocab,
-        "n_ctx_train": m.int(Keys.LLM.CONTEXT_LENGTH, 4096),
+        "n_ctx_train": size(Keys.LLM.CONTEXT_LENGTH, 4096),
         "rms_eps": m.float(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6),
         "attn_scale": head_k**-0.5,
         "final_softcap": m.float(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0),
@@ -156,9 +189,9 @@ def common_fields(m: Meta, n_vocab: int) -> dict[str, Any]:
 
 def moe_fields(m: Meta, norm_default: bool, required: bool = False) -> dict[str, Any]:
     """The routed-expert keys; `required` for families that are MoE by definition."""
-    n_expert = m.int(Keys.LLM.EXPERT_COUNT, 0)
+    n_expert = bounded(m, Keys.LLM.EXPERT_COUNT, m.int(Keys.LLM.EXPERT_COUNT, 0))
     used = m.int(Keys.LLM.EXPERT_USED_COUNT, 0)
-    n_ff_exp = m.int(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, 0)
+    n_ff_exp = bounded(m, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, m.int(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, 0))
     if required and (not n_expert or not n_ff_exp):
         raise ModelConfigError(f"{m.arch} needs expert_count and expert_feed_forward_length in the metadata")
     if n_expert and not 0 < used <= n_expert:

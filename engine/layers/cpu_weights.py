@@ -5,18 +5,17 @@ import logging
 import psutil
 
 from engine.layers.qtensor import FloatCache, QTensor
+from installer.engine_options import cpu_float_budget
 
 log = logging.getLogger("strata.engine")
 MiB = 1 << 20
-# Default budget: a quarter of the RAM, at most 8 GiB (a small default model fits whole; a big one partly).
-AUTO_FRACTION, AUTO_CAP = 0.25, 8 << 30
 
 
 def budget_bytes(mib: int | None) -> int:
     """`--cpu-weights-mib`: None for the automatic budget, 0 to keep every weight in blocks."""
     if mib is not None:
         return max(0, mib) * MiB
-    return int(min(AUTO_CAP, psutil.virtual_memory().total * AUTO_FRACTION))
+    return cpu_float_budget(psutil.virtual_memory().total)
 
 
 def attach(model: object, mib: int | None) -> FloatCache | None:

@@ -58,7 +58,9 @@ class Weights:
         if info.qtype not in SUPPORTED_TYPES:
             supported = ", ".join(t.name for t in SUPPORTED_TYPES)
             raise GGUFError(
-                f"{self.gf.path}: tensor {name} has block type {info.qtype.name}, supported: {supported}"
+                self.gf.path,
+                f"tensor {name} has block type {info.qtype.name}",
+                f"this engine reads {supported}: use a file quantized to one of them",
             )
         if shape is not None and _squeezed(info.shape) != _squeezed(shape):
             raise GGUFError(
