@@ -14,7 +14,10 @@ markers as plain text, so a model imitating the format writes `<|im_end|>` as te
 """
 
 import json
-from collections.abc import Mapping, Sequence
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from types import TracebackType
@@ -25,7 +28,7 @@ from gguf import Keys
 from jinja2 import nodes
 from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 if TYPE_CHECKING:
     from jinja2.parser import Parser
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     from engine.tokenizer.gguf_tokenizer import Tokenizer
 
 K = Keys.Tokenizer
+log = logging.getLogger("strata.engine")
 
 # ChatML: each message as <|im_start|>ROLE\nCONTENT<|im_end|>\n, then <|im_start|>assistant\n to prompt a reply.
 # Content given as a list of parts keeps its text parts.
@@ -95,9 +99,65 @@ class _GenerationBlock(Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+# The work one render may do, whatever the template (it comes from the model file, so a damaged or hostile file can
+# hold anything): the text it writes, the numbers and sequences it builds, the loop steps over range() and the time.
+MAX_OUTPUT_CHARS = 32 << 20
+MAX_VALUE_ITEMS = 1 << 22  # characters or items of one string or list built by *, +
+MAX_POWER_BITS = 1 << 16  # bits of an integer built by **
+MAX_RANGE_STEPS = 1 << 20  # steps of every range() of one render together
+MAX_RENDER_S = 2.0
+_budget = threading.local()
+
+
+class _Overrun(Exception):
+    """A render went past its budget."""
+
+
+def _spend(steps: int = 1) -> None:
+    b = getattr(_budget, "left", None)
+    if b is None:
+        return
+    _budget.left = b - steps
+    if _budget.left < 0:
+        raise _Overrun(f"its loops ran more than {MAX_RANGE_STEPS} steps")
+    if time.monotonic() > _budget.deadline:
+        raise _Overrun(f"it ran more than {MAX_RENDER_S:g} s")
+
+
+def _range(*args: int) -> Iterator[int]:
+    """range() as the sandbox allows it, each step counted against the render's budget."""
+    for i in safe_range(*args):
+        _spend()
+        yield i
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, and bounded work: `**`, `*` and `+` are not folded while the template compiles (Jinja
+    would compute `10 ** 100000000` there, holding the GIL for minutes) and are refused where their result would
+    exceed the budget; range() counts its steps; lipsum() is gone."""
+
+    intercepted_binops = frozenset({"**", "*", "+"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+            if right * max(abs(left).bit_length(), 1) > MAX_POWER_BITS:
+                raise _Overrun(f"{left} ** {right} is too large")
+        elif operator == "*":
+            seq, n = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(seq, str | list | tuple) and isinstance(n, int) and len(seq) * n > MAX_VALUE_ITEMS:
+                raise _Overrun(f"a sequence of {len(seq)} repeated {n} times is too long")
+        elif (
+            operator == "+" and isinstance(left, str | list | tuple) and isinstance(right, str | list | tuple)
+        ):
+            if len(left) + len(right) > MAX_VALUE_ITEMS:
+                raise _Overrun("a string or list built by + is too long")
+        _spend(0)
+        return super().call_binop(context, operator, left, right)
+
+
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=["jinja2.ext.loopcontrols", _GenerationBlock],
@@ -105,6 +165,8 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["range"] = _range
+    env.globals.pop("lipsum", None)
     return env
 
 
@@ -123,6 +185,10 @@ def _compile(template: str, source: str | None) -> jinja2.Template:
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(
             f"{_where(source)}: syntax error at line {e.lineno}: {_one_line(e.message)}"
+        ) from None
+    except (RecursionError, MemoryError, ValueError, TypeError) as e:  # nested too deep, too large, odd input
+        raise ChatTemplateError(
+            f"{_where(source)} cannot be compiled: {type(e).__name__}: {_one_line(e)}"
         ) from None
 
 
@@ -157,8 +223,21 @@ def render_chat(
         bos_token=bos_token,
         eos_token=eos_token,
     )
+    _budget.left, _budget.deadline = MAX_RANGE_STEPS, time.monotonic() + MAX_RENDER_S
     try:
-        return compiled.render(**context)
+        out: list[str] = []
+        size = 0
+        for piece in compiled.generate(**context):
+            size += len(piece)
+            if size > MAX_OUTPUT_CHARS:
+                raise _Overrun(f"it wrote more than {MAX_OUTPUT_CHARS} characters")
+            _spend(0)
+            out.append(piece)
+        return "".join(out)
+    except _Overrun as e:
+        raise ChatTemplateError(
+            f"{_where(source)} was stopped: {e} (a chat template may not; check the file's template)"
+        ) from None
     except _Raised as e:
         raise ChatTemplateError(f"{_where(source)} refused the conversation: {_one_line(e)}") from None
     except SecurityError as e:
@@ -171,6 +250,8 @@ def render_chat(
         raise ChatTemplateError(
             f"{_where(source)} failed{at}: {type(e).__name__}: {_one_line(e)}; check the template or the messages"
         ) from None
+    finally:
+        _budget.left = None
 
 
 class ChatFormatter:
@@ -230,15 +311,15 @@ class ChatFormatter:
         else:
             bos, eos = text(meta.get(K.BOS_ID)), text(meta.get(K.EOS_ID))
             add_bos, add_eos = bool(meta.get(K.ADD_BOS, False)), bool(meta.get(K.ADD_EOS, False))
-        return cls(
-            str(template) if template else FALLBACK_TEMPLATE,
-            is_fallback=is_fallback,
-            bos_token=bos,
-            eos_token=eos,
-            strip_bos=add_bos and bool(bos),
-            strip_eos=add_eos and bool(eos),
-            source=source,
-        )
+        marks = {"bos_token": bos, "eos_token": eos, "strip_bos": add_bos and bool(bos),
+                 "strip_eos": add_eos and bool(eos), "source": source}  # fmt: skip
+        if is_fallback:
+            return cls(FALLBACK_TEMPLATE, is_fallback=True, **marks)  # type: ignore[arg-type]
+        try:
+            return cls(str(template), **marks)  # type: ignore[arg-type]
+        except ChatTemplateError as e:  # a template that cannot compile: chat as ChatML, completions as ever
+            log.warning("%s: using the ChatML fallback template", e)
+            return cls(FALLBACK_TEMPLATE, is_fallback=True, **marks)  # type: ignore[arg-type]
 
     def render(
         self,
