@@ -510,8 +510,26 @@ class Downloader:
             "parts": parts,
         }
         tmp = run.state_path.with_name(run.state_path.name + ".tmp")
-        tmp.write_text(json.dumps(data), encoding="utf-8")
-        os.replace(tmp, run.state_path)
+        try:
+            tmp.write_text(json.dumps(data), encoding="utf-8")
+            os.replace(tmp, run.state_path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno == errno.ENOSPC:
+                free = shutil.disk_usage(run.state_path.parent).free
+                raise DiskFullError(
+                    f"the disk is full ({free} bytes free in {self.dest_dir}; {run.remote.name} needs "
+                    f"{run.meta.size} bytes in all): free up space there, then start the download again (it "
+                    "resumes where it stopped)"
+                ) from None
+            raise DownloadError(f"cannot write {run.state_path}: {exc.strerror or exc}") from None
+
+    def _keep_state(self, run: _Run) -> None:
+        """_save_state while the parts download: a failure stops them (the run's error), it does not escape."""
+        try:
+            self._save_state(run)
+        except DownloadError as exc:
+            self._fail(run, exc)
 
     def _prepare(self, remote: RemoteFile, meta: _Meta) -> _Run:
         final = self._final(remote)
@@ -548,7 +566,7 @@ class Downloader:
                 pass
             now = time.monotonic()
             if now - last_save >= self.options.save_interval_s:
-                self._save_state(run)
+                self._keep_state(run)
                 last_save = now
             if now - last_event >= self.options.event_interval_s:
                 done = run.done_bytes()
@@ -561,7 +579,7 @@ class Downloader:
         while not run.events.empty():
             st, msg, attempt = run.events.get_nowait()
             self._emit(st, run.remote, run.done_bytes(), run.meta.size, attempt, msg)
-        self._save_state(run)
+        self._keep_state(run)
         if run.error is not None:
             self._emit(
                 DownloadState.FAILED, run.remote, run.done_bytes(), run.meta.size, message=str(run.error)

@@ -373,3 +373,36 @@ def test_a_stale_part_without_its_state_is_started_over(
     (path,) = make(tmp_path, hub, fast_options).download(hub_files(REPO, ["m.gguf"], endpoint=hub.url))
     assert path.read_bytes() == data and hub.served_bytes == len(data)
     assert sorted(os.listdir(dest)) == ["m.gguf"]
+
+
+def test_a_disk_that_fills_while_the_state_is_saved_is_a_disk_full_error(
+    tmp_path: Path, hub: Hub, fast_options: DownloadOptions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reported case: the progress record's write hit ENOSPC and escaped as a raw OSError, the part threads
+    kept running and a .part.json.tmp stayed. Now: DiskFullError with the free space and the size, the threads
+    stopped, no stray file."""
+    import threading
+
+    data = blob(1024 * KIB, 9)
+    hub.add(REPO, "m.gguf", data, throttle_s=0.002)
+    real = Path.write_text
+    writes = []
+
+    def full_disk(self: Path, text: str, *a: object, **k: object) -> int:
+        if self.name.endswith(".part.json.tmp"):
+            writes.append(self)
+            if len(writes) > 1:  # the first record is written, the disk fills during the download
+                real(self, text[: len(text) // 2], encoding="utf-8")
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, text, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    before = threading.active_count()
+    with pytest.raises(DiskFullError, match=r"the disk is full \(\d+ bytes free .* needs 1048576 bytes"):
+        make(tmp_path, hub, fast_options).download(hub_files(REPO, ["m.gguf"], endpoint=hub.url))
+    assert not list((tmp_path / "models").rglob("*.part.json.tmp"))
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before  # the part threads ended
+    assert not (tmp_path / "models" / "m.gguf").exists()
