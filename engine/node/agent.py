@@ -43,7 +43,12 @@ from installer.version import __version__
 
 log = logging.getLogger("strata.node")
 ZAP_DOMAIN = "strata-node"
-CODE_ATTEMPTS = 5  # wrong codes before the code is replaced by a new one
+# Wrong pairing codes: the first FREE_TRIES are answered at once; after them each pair request waits (is refused
+# until) twice as long as the one before, from PAIR_BACKOFF_S to PAIR_BACKOFF_MAX_S. The code itself never changes
+# (a guessing peer on the LAN would otherwise make the code the user reads useless): 8 base32 characters, ~10^12.
+FREE_TRIES = 3
+PAIR_BACKOFF_S = 1.0
+PAIR_BACKOFF_MAX_S = 60.0
 SAMPLE_KEEP = 600  # GPU samples kept per card (60 s at 100 ms)
 
 
@@ -98,7 +103,8 @@ class Agent:
         self._paired_mtime: float | None = None
         self.paired: dict[str, Any] | None = None
         self.code: str | None = None
-        self.attempts_left = CODE_ATTEMPTS
+        self.wrong_codes = 0
+        self.pair_after = 0.0  # monotonic time before which pair requests are refused (wrong codes)
         self.control: zmq.Socket | None = None
         self._load_pairing()
         self.store = ModelStore(self.dir / "models", opts.model_dirs, opts.reserve_bytes)
@@ -142,7 +148,7 @@ class Agent:
 
     def _new_code(self) -> None:
         self.code = new_pairing_code()
-        self.attempts_left = CODE_ATTEMPTS
+        self.wrong_codes, self.pair_after = 0, 0.0
         if self.control is not None:  # the first code is part of the "ready" event
             self._event("code", code=self.code, fingerprint=self.keys.fingerprint)
 
@@ -507,18 +513,26 @@ class Agent:
         if self.code is None:
             self._new_code()
         assert self.code is not None
+        now = time.monotonic()
+        if (
+            now < self.pair_after
+        ):  # refused unchecked: a guess costs the guesser the wait, not the user the code
+            raise wire.WireError(
+                f"too many wrong pairing codes: try again in {self.pair_after - now:.0f} s (the code this agent "
+                "shows stays valid)",
+                "slow_down",
+            )
         if not codes_equal(self.code, args.code):
-            self.attempts_left -= 1
-            if self.attempts_left <= 0:
-                self._new_code()  # a guessing main gets a fresh code to guess; the user reads it on this PC
+            self.wrong_codes += 1
+            extra = self.wrong_codes - FREE_TRIES
+            if extra >= 0:
+                wait = min(PAIR_BACKOFF_S * 2**extra, PAIR_BACKOFF_MAX_S)
+                self.pair_after = now + wait
                 raise wire.WireError(
-                    "wrong pairing code; too many wrong codes, so this agent made a new one: read it on the worker PC",
+                    f"wrong pairing code: check the code this agent shows (the next try in {wait:.0f} s)",
                     "wrong_code",
                 )
-            raise wire.WireError(
-                f"wrong pairing code: check the code this agent shows ({self.attempts_left} tries left)",
-                "wrong_code",
-            )
+            raise wire.WireError("wrong pairing code: check the code this agent shows", "wrong_code")
         self.paired = {
             "main_key": user,
             "main_name": args.main_name[:128],

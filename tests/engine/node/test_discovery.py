@@ -73,7 +73,7 @@ def test_two_agents_found_and_a_spoofed_advert_gets_nothing(make_agent: Callable
             NodeRegistry(),
             id_port=fs.id_port,
         )
-    assert err.value.code == "fingerprint_mismatch" and impostor.code == code and impostor.attempts_left == 5
+    assert err.value.code == "fingerprint_mismatch" and impostor.code == code and impostor.wrong_codes == 0
     # The paired main, pointed at the spoofed address, keeps pc-a's pinned key: the handshake fails.
     with NodeClient("127.0.0.1", fs.port, p.record.public_key, p.keys, timeout=1.5) as c:
         with pytest.raises(NodeError) as err:

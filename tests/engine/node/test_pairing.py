@@ -85,21 +85,31 @@ def test_before_pairing_only_identity_is_answered(make_agent: Callable[..., Agen
     assert agent.paired is None and not (agent.dir / "paired.json").exists()
 
 
-def test_wrong_codes_then_right_code(make_agent: Callable[..., Agent]) -> None:
+def test_wrong_codes_slow_down_and_never_change_the_code(
+    make_agent: Callable[..., Agent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reported case: five wrong codes (0.3 ms each) made the agent replace its code, so the user's correct code
+    was refused. Now 20 wrong codes leave the shown code valid; after the first few each waits longer (refused
+    unchecked meanwhile), and the right code pairs once the wait is over."""
+    from engine.node import agent as agent_mod
+
+    monkeypatch.setattr(agent_mod, "PAIR_BACKOFF_S", 0.02)
+    monkeypatch.setattr(agent_mod, "PAIR_BACKOFF_MAX_S", 0.1)
     agent = make_agent()
     ident = identify("127.0.0.1", agent.port, id_port=agent.id_port)
     keys, reg = KeyPair.generate(), NodeRegistry()
     first = agent.code
-    for left in (4, 3, 2, 1):
-        with pytest.raises(NodeError, match=f"{left} tries left") as err:
+    codes = []
+    for _ in range(20):
+        with pytest.raises(NodeError) as err:
             pair("127.0.0.1", agent.port, "ZZZZ-ZZZZ", ident.fingerprint, keys, reg, id_port=agent.id_port)
-        assert err.value.code == "wrong_code"
-    with pytest.raises(NodeError, match="made a new one"):
-        pair("127.0.0.1", agent.port, "ZZZZ-ZZZZ", ident.fingerprint, keys, reg, id_port=agent.id_port)
-    assert agent.code != first and agent.paired is None
-    with pytest.raises(NodeError, match="wrong pairing code"):
-        pair("127.0.0.1", agent.port, first, ident.fingerprint, keys, reg, id_port=agent.id_port)  # burned
-    code = agent.code.lower().replace("-", " ")  # case and separators do not matter
+        codes.append(err.value.code)
+    assert agent.code == first and agent.paired is None  # the shown code stays valid
+    assert codes[:3] == ["wrong_code"] * 3 and "slow_down" in codes  # then refused unchecked while waiting
+    with pytest.raises(NodeError, match="try again in"):
+        pair("127.0.0.1", agent.port, first, ident.fingerprint, keys, reg, id_port=agent.id_port)
+    time.sleep(0.15)
+    code = first.lower().replace("-", " ")  # case and separators do not matter
     rec = pair(
         "127.0.0.1", agent.port, code, ident.fingerprint.lower(), keys, reg, "main-pc", id_port=agent.id_port
     )
@@ -117,7 +127,7 @@ def test_fingerprint_mismatch_sends_nothing(make_agent: Callable[..., Agent]) ->
     with pytest.raises(NodeError, match="not the PC you meant") as err:
         pair("127.0.0.1", agent.port, code, other, KeyPair.generate(), NodeRegistry(), id_port=agent.id_port)
     assert err.value.code == "fingerprint_mismatch"
-    assert agent.attempts_left == 5 and agent.code == code and NodeRegistry().load() == []
+    assert agent.wrong_codes == 0 and agent.code == code and NodeRegistry().load() == []
 
 
 def test_after_pairing_only_the_paired_key(paired: Paired) -> None:
