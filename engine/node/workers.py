@@ -249,6 +249,11 @@ class WorkerManager:
             ipaddress.ip_address(bind)
         except ValueError:
             raise WorkerError(f"bind address {bind!r} is not an IP address") from None
+        if self.bind_host not in ("0.0.0.0", "::", "") and bind != self.bind_host:
+            # an agent on one address (loopback, one LAN card) keeps its workers there: no wider exposure
+            raise WorkerError(
+                f"bind address {bind}: this agent listens on {self.bind_host} only, and its workers bind there too"
+            )
         if bind not in local_addresses():
             raise WorkerError(f"bind address {bind} is not an address of this PC")
         return bind

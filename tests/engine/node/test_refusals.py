@@ -202,7 +202,9 @@ def test_non_whitelisted_flags_are_refused(
     "args,match",
     [
         ({"model": "absent.gguf", "begin": 1}, "not on this PC"),
-        ({"model": "m.gguf", "begin": 1, "bind": "203.0.113.9"}, "not an address of this PC"),
+        ({"model": "m.gguf", "begin": 1, "bind": "203.0.113.9"}, "listens on 127.0.0.1 only"),
+        # an agent on loopback used to start a worker on every address when asked
+        ({"model": "m.gguf", "begin": 1, "bind": "0.0.0.0"}, "listens on 127.0.0.1 only"),
         ({"model": "m.gguf", "begin": 1, "bind": "localhost; id"}, "not an IP address"),
         ({"model": "m.gguf", "begin": 1, "port": 1}, "outside the agent's worker ports"),
         ({"model": "m.gguf", "begin": 4, "end": 4}, "must be after begin"),
@@ -309,3 +311,17 @@ def test_keys_that_begin_with_a_dash_reach_the_worker_intact(
     assert args.stage_next_key == dashed.public and args.stage_allow == (dashed.public,)
     assert (args.stage_begin, args.stage_end, args.stage_worker) == (2, 3, w["port"])
     p.client.close()
+
+
+def test_a_worker_binds_only_where_its_agent_listens() -> None:
+    from engine.node.workers import WorkerError, WorkerManager
+
+    wm = object.__new__(WorkerManager)  # only the bind rule, no store or ports
+    wm.bind_host = "0.0.0.0"  # an agent on every address: its workers may take any address of this PC
+    assert wm._check_bind("127.0.0.1") == "127.0.0.1"
+    with pytest.raises(WorkerError, match="not an address of this PC"):
+        wm._check_bind("203.0.113.9")
+    wm.bind_host = "127.0.0.1"
+    assert wm._check_bind(None) == "127.0.0.1" and wm._check_bind("127.0.0.1") == "127.0.0.1"
+    with pytest.raises(WorkerError, match="listens on 127.0.0.1 only"):
+        wm._check_bind("0.0.0.0")
