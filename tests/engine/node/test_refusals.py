@@ -323,5 +323,5 @@ def test_a_worker_binds_only_where_its_agent_listens() -> None:
         wm._check_bind("203.0.113.9")
     wm.bind_host = "127.0.0.1"
     assert wm._check_bind(None) == "127.0.0.1" and wm._check_bind("127.0.0.1") == "127.0.0.1"
-    with pytest.raises(WorkerError, match="listens on 127.0.0.1 only"):
+    with pytest.raises(WorkerError, match=r"listens on 127\.0\.0\.1 only"):
         wm._check_bind("0.0.0.0")
