@@ -391,6 +391,8 @@ class Downloader:
             if r.status_code in (301, 302, 303, 307, 308) and "Location" in r.headers:
                 url = urljoin(url, r.headers["Location"])
                 continue
+            if r.status_code >= 500 or r.status_code == 429:  # the server's trouble: retried, as a GET's is
+                raise requests.HTTPError(f"the server answered HTTP {r.status_code}")
             if r.status_code >= 400:
                 raise _http_error(r.status_code, remote, url)
             break

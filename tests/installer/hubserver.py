@@ -31,6 +31,8 @@ class HostedFile:
     ranges: bool = True
     throttle_s: float = 0.0
     """Sleep this long after each 16 KiB written."""
+    head_errors: list[int] = field(default_factory=list)
+    """Each HEAD of the resolve URL takes the next status (a 5xx, say) and answers only that."""
 
     @property
     def sha256(self) -> str:
@@ -133,6 +135,8 @@ class Hub:
                 hosted = hub.files.get(key)
                 if hosted is None:
                     return self._empty(404)
+                if self.command == "HEAD" and hosted.head_errors:
+                    return self._empty(hosted.head_errors.pop(0))
                 self._empty(
                     302,
                     {

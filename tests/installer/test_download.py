@@ -406,3 +406,22 @@ def test_a_disk_that_fills_while_the_state_is_saved_is_a_disk_full_error(
         time.sleep(0.05)
     assert threading.active_count() <= before  # the part threads ended
     assert not (tmp_path / "models" / "m.gguf").exists()
+
+
+def test_a_head_that_gets_a_5xx_is_retried_like_a_get(
+    tmp_path: Path, hub: Hub, fast_options: DownloadOptions
+) -> None:
+    """A HEAD answered 503 (a busy hub, a CDN hiccup) failed the download at once; now it is retried with the
+    GET's backoff, and the download goes on."""
+    data = blob(64 * KIB, 11)
+    hub.add(REPO, "m.gguf", data, head_errors=[503, 502])
+    events: list[DownloadEvent] = []
+    (path,) = make(tmp_path, hub, fast_options, events).download(
+        hub_files(REPO, ["m.gguf"], endpoint=hub.url)
+    )
+    assert sha(path.read_bytes()) == sha(data)
+    retries = [e.message for e in events if e.state == DownloadState.RETRYING]
+    assert [m.split(";")[0] for m in retries[:2]] == [
+        "cannot reach the server: the server answered HTTP 503",
+        "cannot reach the server: the server answered HTTP 502",
+    ]
