@@ -85,9 +85,11 @@ class AppSettings:
             args += ["--model", self.model]
         if self.device != "auto":
             args += ["--device", self.device]
-        if self.api_key:
-            args += ["--api-key", self.api_key]
-        return args + list(self.extra_args)
+        return args + list(self.extra_args)  # the API key goes in the environment (engine_env): not in `ps`
+
+    def engine_env(self) -> dict[str, str]:
+        """Environment for the engine process: the API key, which on the command line would show in `ps`."""
+        return {"STRATA_API_KEY": self.api_key} if self.api_key else {}
 
     def validate(self) -> list[str]:
         """What is wrong, one line each, with what to do; empty when the settings can be used."""

@@ -85,6 +85,7 @@ class EngineOptions:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
+    api_key_file: str | None = None
     alias: tuple[str, ...] = ()
     max_queue: int = 64
     parallel: int | None = None  # None: auto (installer.placement.auto_parallel)
@@ -304,8 +305,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help=f"TCP port (default {D.port}; 0 = any free port)")
     p.add_argument(
         "--api-key",
-        help="require this key (Authorization: Bearer KEY); needed off 127.0.0.1; also read from $STRATA_API_KEY",
+        help="require this key (Authorization: Bearer KEY); needed off 127.0.0.1; also read from $STRATA_API_KEY "
+        "or --api-key-file, which keep it out of the process list",
     )
+    p.add_argument("--api-key-file", help="read the API key from this file (its first line)")
     p.add_argument("--alias", action="append", help="another model name to answer to (repeatable)")
     p.add_argument(
         "--max-queue", type=int, help=f"requests that may wait for the model (default {D.max_queue})"
@@ -703,7 +706,23 @@ def resolve(
     opts, notes = merge(command, given, config_values, env_values, config_name)
     for line in notes:
         (logger or log).info("%s", line)
+    if opts.api_key_file:
+        opts = replace(opts, api_key=read_key_file(opts.api_key_file))
     return opts
+
+
+def read_key_file(path: str) -> str:
+    """The API key in a file (its first line, without spaces): a key on the command line shows in `ps`."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise OptionsError(
+            f"--api-key-file {path} cannot be read ({e.strerror or e}): give a file that holds the key"
+        ) from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise OptionsError(f"--api-key-file {path} is empty: write the key on its first line")
+    return key
 
 
 def check_args(args: Sequence[str], command: str = "serve", source: str = "the config") -> None:

@@ -16,7 +16,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QObject, QProcess, QTimer, Signal
+from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
 from app.clients.engine_client import EngineClient, EventStream
 from app.engine_process import engine_command
@@ -207,6 +207,11 @@ class EngineController(QObject):
         self._append_log("[app] $ " + " ".join([Path(cmd[0]).name, *cmd[1:]]))
         proc = QProcess(self)
         proc.setProcessChannelMode(QProcess.ProcessChannelMode.MergedChannels)
+        env = QProcessEnvironment.systemEnvironment()
+        env.remove("STRATA_API_KEY")  # this app's key only (none: the engine requires none)
+        for k, v in self.settings.engine_env().items():
+            env.insert(k, v)
+        proc.setProcessEnvironment(env)
         proc.readyReadStandardOutput.connect(self._read_output)
         proc.finished.connect(self._on_finished)
         proc.errorOccurred.connect(self._on_error)

@@ -43,9 +43,8 @@ def test_serve_args_follow_settings(tmp_path: Path) -> None:
         str(model),
         "--device",
         "cpu",
-        "--api-key",
-        "k",
-    ]
+    ]  # the key is not on the command line, where `ps` shows it: in the engine's environment
+    assert s.engine_env() == {"STRATA_API_KEY": "k"} and AppSettings().engine_env() == {}
     assert AppSettings().serve_args() == ["--host", "127.0.0.1", "--port", "8080"]
     assert s.api_url == "http://127.0.0.1:9001/v1"
     assert AppSettings(host="0.0.0.0", port=5).base_url == "http://127.0.0.1:5"

@@ -224,3 +224,16 @@ def test_runtime_switches() -> None:
     s = runtime_switches({"STRATA_ACTIVATIONS": "float", "STRATA_NORM_ROUTE": "0", "STRATA_PROMPT_GRAPHS": "0",
                           "STRATA_GEMV_TUNED": "/x.json"})  # fmt: skip
     assert (s.activations, s.norm_route, s.prompt_graphs, s.gemv_tuned) == ("float", False, False, "/x.json")
+
+
+def test_the_api_key_can_come_from_a_file_and_stays_out_of_the_command_line(tmp_path: Path) -> None:
+    from installer.engine_options import OptionsError, resolve
+
+    key = tmp_path / "key.txt"
+    key.write_text("s3cret-key\n")
+    assert resolve(["serve", "--api-key-file", str(key)], env={}).api_key == "s3cret-key"
+    key.write_text("\n")
+    with pytest.raises(OptionsError, match="is empty"):
+        resolve(["serve", "--api-key-file", str(key)], env={})
+    with pytest.raises(OptionsError, match="cannot be read"):
+        resolve(["serve", "--api-key-file", str(tmp_path / "none")], env={})
