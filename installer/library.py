@@ -3,7 +3,8 @@ size, architecture, quantization and catalog entry; deleting one removes all its
 
 A file the catalog knows (by its file name) is described from the catalog. Another is read with gguf's reader,
 which parses the whole metadata (a 0.5 GB file's tokenizer took 6.6 s on two cores), so what it finds is kept in
-an index beside the models (`library-index.json`, keyed by path, size and modification time)."""
+an index (`library-index.json` in the data folder, not among the models: keyed by path, size and modification
+time)."""
 
 from __future__ import annotations
 
@@ -100,9 +101,10 @@ def _read(path: Path) -> dict[str, str]:
     }
 
 
-def scan(folders: Sequence[Path], catalog: Catalog, extra: Iterable[Path] = ()) -> list[ModelFile]:
-    """Every model on this PC, described (describe), the index of files read kept in the first folder."""
-    index_path = folders[0] / INDEX if folders else None
+def scan(
+    folders: Sequence[Path], catalog: Catalog, extra: Iterable[Path] = (), index_path: Path | None = None
+) -> list[ModelFile]:
+    """Every model on this PC, described (describe); what files were read gives is kept at `index_path`."""
     try:
         index = json.loads(index_path.read_text()) if index_path is not None and index_path.exists() else {}
     except (OSError, ValueError):

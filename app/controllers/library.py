@@ -11,7 +11,7 @@ from app.controllers.background import run_in_thread
 from installer import library, recommend, rules
 from installer.catalog import Catalog, geometry, load_catalog
 from installer.gpus import GpuInfo, ProbeResult, probe
-from installer.paths import models_dir
+from installer.paths import data_dir, models_dir
 
 FIT_CONTEXT = 8192  # the context the fit labels assume
 
@@ -61,7 +61,7 @@ class LibraryController(QObject):
         result = self._probe_fn()
         choices = recommend.choices(rules.assess(result.gpus)) if result.ok else []
         gpus = choices[0].gpus if choices else ()
-        return library.scan(self._folders(), self.catalog, extra), gpus
+        return library.scan(self._folders(), self.catalog, extra, data_dir() / library.INDEX), gpus
 
     def _on_scan(self, got: object) -> None:
         self.scanning = False

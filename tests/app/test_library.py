@@ -36,7 +36,8 @@ def shelf(tmp_path: Path) -> Path:
 def test_the_models_on_this_pc_are_found_described_and_deleted(
     shelf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    got = library.scan([shelf], CATALOG)
+    index = shelf.parent / library.INDEX
+    got = library.scan([shelf], CATALOG, index_path=index)
     by_name = {m.path.name: m for m in got}
     assert set(by_name) == {KNOWN.main_file.name.rsplit("/", 1)[-1], "big-00001-of-00002.gguf", "tiny.gguf"}
     known = by_name[KNOWN.main_file.name.rsplit("/", 1)[-1]]
@@ -45,13 +46,13 @@ def test_the_models_on_this_pc_are_found_described_and_deleted(
     assert len(split.parts) == 2 and split.size == 14 + 24  # both parts counted, listed once
     tiny = by_name["tiny.gguf"]
     assert tiny.architecture == "qwen3moe" and tiny.catalog_id is None
-    assert (shelf / library.INDEX).exists()
+    assert index.exists() and not (shelf / library.INDEX).exists()  # beside the models, not among them
 
     def unread(path: Path) -> dict:
         raise AssertionError(f"{path} was read again: the index should have it")
 
     monkeypatch.setattr(library, "_read", unread)
-    assert {m.path.name for m in library.scan([shelf], CATALOG)} == set(by_name)
+    assert {m.path.name for m in library.scan([shelf], CATALOG, index_path=index)} == set(by_name)
     library.delete(split)
     assert not (shelf / "split").exists()  # both parts, and the folder they leave empty
 
