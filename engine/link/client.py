@@ -88,6 +88,7 @@ class StageClient:
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_CONNECT_RETRIED
         )
 
     def close(self) -> None:
@@ -130,6 +131,12 @@ class StageClient:
                 f"worker this side expects ({fingerprint(self.keys.server)}); check the address, STRATA_STAGE_TOKEN "
                 "or --remote-stage-key",
                 "refused",
+            )
+        if what == zmq.EVENT_CONNECT_RETRIED and not self.ok:
+            # the port refused (ZeroMQ would retry it quietly until the handshake's deadline: 10 s a request)
+            raise self._fail(
+                f"{self.label} refused the connection at {self.endpoint}: nothing listens there (is the worker "
+                f"running: strata-engine worker --stage-worker {self.endpoint.port}?)"
             )
         if what == zmq.EVENT_DISCONNECTED and (self.in_flight or self.ok):
             raise self._fail(f"{self.label} disconnected (the worker stopped, froze or its link was cut)")

@@ -4,6 +4,7 @@ remote stage, and the fingerprints the handshake compares."""
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -102,6 +103,10 @@ class ModelCompute:
 # The main process's view of a remote stage
 
 
+DOWN_HOLD_S = 2.0  # how long one handshake that timed out answers for the requests behind it
+SLOW_FAIL_S = 0.5  # a failure that took this long waited out a deadline (a silent worker), not a refusal
+
+
 class RemoteStage:
     """Layers [begin, end) of the chain behind one link, as a pipeline stage of the main process. Hidden states go
     out and come back as float32 on the host; `pipe` keeps up to `window` prompt pieces in flight."""
@@ -126,17 +131,28 @@ class RemoteStage:
         self.last_timing: list[dict[str, object]] = []
         self.last_rtt_ms = 0.0
         self.status = "not connected"
+        self._down: tuple[float, StageError] | None = None  # (until, why): the last handshake failed
 
     @property
     def max_tokens(self) -> int:
         return self.expect.max_tokens
 
     def connect(self) -> None:
+        """A new handshake. One that failed by waiting out its deadline (a silent worker) is the answer for
+        DOWN_HOLD_S: the requests queued behind it fail at once with its reason, not each after a wait of its own.
+        A refusal takes milliseconds to find again, so it holds nothing (a worker back a moment later serves)."""
+        held = self._down
+        if held is not None and time.monotonic() < held[0]:
+            raise StageError(str(held[1]), held[1].code)
+        t0 = time.monotonic()
         try:
             chain = self.client.connect(self.expect)
         except StageError as e:
             self.status = f"down: {e}"
+            if time.monotonic() - t0 >= SLOW_FAIL_S:
+                self._down = (time.monotonic() + DOWN_HOLD_S, e)
             raise
+        self._down = None
         try:
             self.verify(chain)
         except StageError as e:

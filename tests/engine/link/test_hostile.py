@@ -312,3 +312,46 @@ def test_half_open_connections_and_a_slow_drip_are_closed(server: StageServer, l
         s.close()
     assert time.monotonic() - t0 < 10  # closed after the handshake limit (shortened here)
     _roundtrip(legit, 4)
+
+
+def _port_with_nothing() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_requests_queued_behind_a_dead_worker_fail_fast() -> None:
+    """The reported case: five queued requests behind a worker whose port refused failed at 10, 20, 30, 40 and
+    50 s (a full hello each). Now a refused port fails at once, and one failed handshake answers for the requests
+    behind it."""
+    from engine.link.remote import RemoteStage
+
+    client = StageClient(
+        Endpoint("127.0.0.1", _port_with_nothing()), client_keys(None, None, ENV), 64 * 16 * 4
+    )
+    stage = RemoteStage(client, EXPECT, verify=lambda chain: None)
+    t0 = time.monotonic()
+    for _ in range(5):
+        with pytest.raises(StageError, match="nothing listens there"):
+            stage.ensure()
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_a_silent_worker_costs_one_hello_for_the_whole_queue() -> None:
+    """A port that accepts and never answers (a frozen worker): the first request waits its hello, the queued ones
+    get its reason at once."""
+    from engine.link.remote import RemoteStage
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections complete in the backlog; nothing ever answers
+        port = silent.getsockname()[1]
+        client = StageClient(
+            Endpoint("127.0.0.1", port), client_keys(None, None, ENV), 64 * 16 * 4, hello_s=1.0
+        )
+        stage = RemoteStage(client, EXPECT, verify=lambda chain: None)
+        t0 = time.monotonic()
+        for _ in range(5):
+            with pytest.raises(StageError, match="handshake"):
+                stage.ensure()
+        assert time.monotonic() - t0 < 2.0
