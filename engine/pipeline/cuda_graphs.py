@@ -35,9 +35,7 @@ StepBody = Callable[[torch.Tensor, KVCache, torch.Tensor, int], torch.Tensor]
 
 
 @contextmanager
-def capturing(
-    graph: torch.cuda.CUDAGraph, pool: tuple | None, stream: torch.cuda.Stream | None = None
-) -> Iterator[None]:
+def capturing(graph: torch.cuda.CUDAGraph, pool: tuple | None, stream: torch.cuda.Stream) -> Iterator[None]:
     """A capture on `stream` (a stream of the stage's own card; torch's default capture stream belongs to the card
     current when it was first made) into `pool`. Not `torch.cuda.graph`: that empties the allocator's device and
     pinned-host caches at every capture, which made a prompt chunk's set of ~50 captures take ~8 s in a serving
@@ -45,11 +43,10 @@ def capturing(
     handle: without torch's emptying, a pool whose graphs are all gone cannot be captured into again (torch
     asserts). Garbage collection stays off during the capture: a dead model in a reference cycle (an earlier load)
     would otherwise free its pinned host memory in the middle of it, a CUDA call that a capturing stream forbids."""
-    s = stream if stream is not None else _capture_stream()
     gc.disable()
     try:
-        torch.cuda.synchronize(s.device)
-        with torch.cuda.stream(s):
+        torch.cuda.synchronize(stream.device)
+        with torch.cuda.stream(stream):
             graph.capture_begin(pool) if pool is not None else graph.capture_begin()
             try:
                 yield
@@ -57,16 +54,6 @@ def capturing(
                 graph.capture_end()
     finally:
         gc.enable()
-
-
-_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _capture_stream() -> torch.cuda.Stream:
-    dev = torch.cuda.current_device()
-    if dev not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[dev] = torch.cuda.Stream(dev)
-    return _CAPTURE_STREAMS[dev]
 
 
 class GraphTable(Generic[G]):
