@@ -14,7 +14,7 @@ other is read as JSON (its text where that fails); without a schema a value is r
 import json
 import re
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,19 +87,25 @@ class HermesCalls(CallFormat):
         return Parsed("".join(kept).strip() or None, calls)
 
     def _tagged(self, text: str) -> Parsed:
-        calls: list[ToolCall] = []
-        kept: list[str] = []
-        at = 0
-        for m in self._BLOCK.finditer(text):
-            call = _call(m.group(1))
-            if call is None:
-                continue  # not a call: the block stays in the text
-            kept.append(text[at : m.start()])
-            at = m.end()
-            calls.append(call)
-        kept.append(text[at:])
-        content = "".join(kept).strip() if calls else text
-        return Parsed(content or None, calls)
+        return cut_blocks(text, self._BLOCK, lambda m: _call(m.group(1)))
+
+
+def cut_blocks(text: str, block: re.Pattern[str], read: Callable[[re.Match[str]], ToolCall | None]) -> Parsed:
+    """The calls `read` makes of the blocks `block` finds in `text`, and the text around them; a block `read`
+    makes nothing of (not a call) stays in the text."""
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    at = 0
+    for m in block.finditer(text):
+        call = read(m)
+        if call is None:
+            continue
+        kept.append(text[at : m.start()])
+        at = m.end()
+        calls.append(call)
+    kept.append(text[at:])
+    content = "".join(kept).strip() if calls else text
+    return Parsed(content or None, calls)
 
 
 def _calls(body: str, names: set[str]) -> list[ToolCall] | None:
@@ -143,19 +149,7 @@ class _Blocks(CallFormat):
 
     def parse(self, text: str, names: Collection[str] | None = None) -> Parsed:
         schemas = names if isinstance(names, Mapping) else {}
-        calls: list[ToolCall] = []
-        kept: list[str] = []
-        at = 0
-        for m in self._BLOCK.finditer(text):
-            call = self._read(m, schemas)
-            if call is None:
-                continue
-            kept.append(text[at : m.start()])
-            at = m.end()
-            calls.append(call)
-        kept.append(text[at:])
-        content = "".join(kept).strip() if calls else text
-        return Parsed(content or None, calls)
+        return cut_blocks(text, self._BLOCK, lambda m: self._read(m, schemas))
 
     def _read(self, m: re.Match[str], schemas: Mapping[str, Any]) -> ToolCall | None:
         raise NotImplementedError
