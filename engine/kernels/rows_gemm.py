@@ -31,6 +31,7 @@ def _rows_gemm_kernel(
     N,
     K,
     QTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     Q8: tl.constexpr,
     HAS_RES: tl.constexpr,
@@ -96,7 +97,7 @@ def rows_gemm(
     res = residual.contiguous() if residual is not None else y
     _rows_gemm_kernel[(triton.cdiv(n, block_n),)](
         raw, raw.shape[-1], x, y, res, t, n, k,
-        QTYPE=tile_variant(qtype), BLOCK_N=block_n, Q8=q8, HAS_RES=residual is not None,
+        QTYPE=tile_variant(qtype), BLOCK_M=BLOCK_M, BLOCK_N=block_n, Q8=q8, HAS_RES=residual is not None,
         IEEE=not q8 and x.dtype == torch.float32, num_warps=num_warps,
     )  # fmt: skip
     return y
