@@ -19,6 +19,8 @@ from app.controllers.library import LibraryController
 from app.controllers.nodes import NodesController
 from app.controllers.remote_gpus import RemoteGpus
 from app.controllers.wizard import WizardController
+from app.controllers.worker_plan import WorkerPlanController
+from app.controllers.worker_stages import WorkerStages
 from app.settings import AppSettings, SettingsError, load_settings, save_settings
 from app.ui.chat_window import ChatWindow
 from app.ui.icons import app_icon
@@ -53,11 +55,21 @@ class StrataApp(QObject):
         self.wizard: SetupWizard | None = None
         self._quitting = False
         self.client = EngineClient(settings.base_url, settings.api_key)
-        self.engine = EngineController(self.client, settings, engine_command, poll_ms=poll_ms)
+        self.node_client = NodeClient(node_command)
+        self.engine = EngineController(
+            self.client, settings, engine_command, poll_ms=poll_ms, stages=WorkerStages(self.node_client)
+        )
         self.charts = ChartsController()
         self.sampler = GpuSampler(nvml=nvml)
-        self.node_client = NodeClient(node_command)
         self.nodes = NodesController(self.node_client, probe_fn)
+        self.plan = WorkerPlanController(
+            self.nodes,
+            self.node_client,
+            self._served_model,
+            lambda: self.settings.config,
+            lambda: self.settings.max_context,
+            lambda: self.settings.device == "cpu",
+        )
         self.library = LibraryController(self._served_model, probe_fn)
         self.remote_gpus = RemoteGpus(self.node_client)
         self.chat = ChatController(
@@ -66,7 +78,9 @@ class StrataApp(QObject):
         # tray_reason False: ask the desktop; None: a tray exists; a string: why there is none.
         reason = tray_unavailable_reason() if tray_reason is False else tray_reason
         self.tray: Tray | None = None if reason else Tray(self.engine, available=True)
-        self.window = MainWindow(self.engine, self.charts, self.nodes, settings, reason or None, self.library)
+        self.window = MainWindow(
+            self.engine, self.charts, self.nodes, settings, reason or None, self.library, plan=self.plan
+        )
         self.chat_window: ChatWindow | None = None
         self._told_tray = False
         self.exit_app: Callable[[], None] = QApplication.quit
@@ -90,6 +104,7 @@ class StrataApp(QObject):
         self.window.settings_page.wizardRequested.connect(self.open_wizard)
         self.window.library_page.wizardRequested.connect(self.open_wizard)
         self.library.serveRequested.connect(self.serve_model)
+        self.plan.applied.connect(self.serve_config)
         if self.tray is not None:
             self.tray.set_library(self.library)
             self.tray.openChatRequested.connect(self.open_chat)
@@ -185,6 +200,16 @@ class StrataApp(QObject):
         else:
             self.engine.start()
         self.library.changed.emit()
+
+    def serve_config(self, path: str) -> None:
+        """Serve the config at `path` from now on (written by the worker PCs' plan): the engine restarts on it."""
+        self.apply_settings(self.settings.with_changes(config=path, model=""))
+        self.window.settings_page.load(self.settings)
+        self.plan.changed.emit()  # "Stop using worker PCs" follows the config now served
+        if self.engine.running:
+            self.engine.restart()
+        else:
+            self.engine.start()
 
     def quit(self) -> None:
         self.shutdown()

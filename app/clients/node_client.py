@@ -52,6 +52,11 @@ class AgentInfo:
     """Why it is not usable, with the exact address that failed."""
     gpus: tuple[str, ...] = field(default=())
     included: bool = True
+    host: str = ""
+    port: int = 0
+    """The agent's control port (its stage workers listen from port + 10)."""
+    cards: tuple[dict, ...] = field(default=())
+    """The agent's GPU entries (`status --json`: index, name, vram_total, vram_free, ...), for planning."""
 
 
 def agents_from(status: dict, discovered: dict) -> list[AgentInfo]:
@@ -72,6 +77,9 @@ def agents_from(status: dict, discovered: dict) -> list[AgentInfo]:
                 problem=str(n.get("problem") or ""),
                 gpus=gpus,
                 included=bool(n.get("included", True)),
+                host=str(n.get("host") or ""),
+                port=int(n.get("port") or 0),
+                cards=tuple(g for g in ((n.get("gpu") or {}).get("gpus") or []) if isinstance(g, dict)),
             )
         )
     for a in discovered.get("agents") or []:
@@ -135,6 +143,7 @@ class NodeClient(QObject):
         self._streams: dict[QProcess, _Stream] = {}
         self._refresh: dict[str, dict] = {}
         self.refreshing = False
+        self._again: tuple[float | None] | None = None
 
     def command(self) -> list[str]:
         return list(self._command or node_command())
@@ -310,7 +319,10 @@ class NodeClient(QObject):
     def refresh_agents(self, discover_s: float | None = 2.0) -> None:
         """Paired PCs with their health, and (unless `discover_s` is None) agents advertised on the LAN: an mDNS
         query on the local network; `agentsChanged` when both answered."""
-        if self.refreshing:
+        if (
+            self.refreshing
+        ):  # asked again meanwhile (a pairing just ended): once this one ends, with fresh answers
+            self._again = (discover_s,)
             return
         self.refreshing = True
         self._refresh = {} if discover_s is not None else {"discover": {}}
@@ -334,6 +346,9 @@ class NodeClient(QObject):
             if part.get("problem"):
                 self.commandFailed.emit(str(part["problem"]))
         self.agentsChanged.emit(list(self.agents))
+        again, self._again = self._again, None
+        if again is not None:
+            self.refresh_agents(*again)
 
     def pair(self, address: str, code: str, fingerprint: str) -> None:
         """Pair with the agent at `address` (HOST or HOST:PORT) using the code and fingerprint its PC shows."""

@@ -19,6 +19,7 @@ from typing import Any
 from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
 from app.clients.engine_client import EngineClient, EventStream
+from app.controllers.worker_stages import WorkerStages, config_workers
 from app.engine_process import engine_command
 from app.settings import AppSettings
 from installer.config import default_config
@@ -26,6 +27,8 @@ from installer.config import default_config
 LOG_LINES = 2000
 CRASH_TAIL = 40
 STOP_GRACE_MS = 5000
+WORKERS_RETRY_MS = 15_000  # a worker PC that was off: its stages are started again this often
+DEGRADED_CHECK_S = 5.0  # while a stage is down: how often its agent is asked whether the worker still runs
 
 
 _ERROR = re.compile(r"\b(error|exception|traceback|failed|fatal|abort(ed)?|out of memory|killed)\b", re.I)
@@ -111,9 +114,12 @@ class EngineController(QObject):
         command: list[str] | None = None,
         poll_ms: int = 500,
         parent: QObject | None = None,
+        stages: WorkerStages | None = None,
     ) -> None:
         super().__init__(parent)
         self.client = client
+        self.stages = stages
+        """Starts and stops the stage workers on worker PCs that the config names (None: no worker PCs)."""
         self.settings = settings
         self._serving: AppSettings | None = None
         self._command = command
@@ -140,6 +146,11 @@ class EngineController(QObject):
         self._events_retry = QTimer(self)
         self._events_retry.setSingleShot(True)
         self._events_retry.timeout.connect(self._open_events)
+        self._workers_retry = QTimer(self)
+        self._workers_retry.setSingleShot(True)
+        self._workers_retry.timeout.connect(self._retry_start)
+        self._last_check = 0.0
+        self._awaiting_workers = False
         client.configure(settings.base_url, settings.api_key)
 
     # -- public ------------------------------------------------------------------------------------------------
@@ -201,8 +212,33 @@ class EngineController(QObject):
             self.startRefused.emit(self.message)
             return
         self.client.configure(self.settings.base_url, self.settings.api_key)
-        cmd = self.command()
+        self._workers_retry.stop()
         self.message = ""
+        self._serving = self.settings
+        if self.stages is not None and config_workers(self.settings.config):
+            self._append_log("[app] starting the stages on the worker PCs (strata-node start-workers)")
+            self._set_state(EngineState.STARTING)
+            self._awaiting_workers = True
+            self.stages.start(self.settings.config, self._workers_ready, self._workers_failed)
+            return
+        self._launch([])
+
+    def _workers_ready(self, flags: list[str]) -> None:
+        if not self._awaiting_workers:  # stopped by the user while the workers started
+            if self.stages is not None:
+                self.stages.stop()
+            return
+        self._awaiting_workers = False
+        self._launch(flags)
+
+    def _launch(self, flags: list[str]) -> None:
+        """Start the engine process (`flags`: what the worker PCs' stages need of it)."""
+        if self.stages is not None:
+            for w in self.stages.started:
+                self._append_log(f"[app] {w.get('node')}: stage worker {w.get('id')} on port {w.get('port')}")
+            for line in self.stages.warnings:
+                self._append_log(f"[app] {line}")
+        cmd = [*self.command(), *flags]
         # the program's name, not its folder: the log is for reading and for bug reports
         self._append_log("[app] $ " + " ".join([Path(cmd[0]).name, *cmd[1:]]))
         proc = QProcess(self)
@@ -216,14 +252,32 @@ class EngineController(QObject):
         proc.finished.connect(self._on_finished)
         proc.errorOccurred.connect(self._on_error)
         self._proc = proc
-        self._serving = self.settings
         self.started_at = time.monotonic()
         self._set_state(EngineState.STARTING)
         proc.start(cmd[0], cmd[1:])
         self._timer.start(self._poll_ms)
 
+    def _workers_failed(self, message: str) -> None:
+        if not self._awaiting_workers:
+            return
+        self._awaiting_workers = False
+        self.message = f"the worker PCs' stages did not start: {message}"
+        self._append_log(f"[app] {self.message}; trying again in {WORKERS_RETRY_MS // 1000} s")
+        self._set_state(EngineState.STOPPED)
+        self.startRefused.emit(self.message)
+        self._workers_retry.start(WORKERS_RETRY_MS)
+
+    def _retry_start(self) -> None:
+        if self.state == EngineState.STOPPED:
+            self.start()
+
     def stop(self) -> None:
         """Ask the engine to end (SIGTERM; killed after 5 s); state goes stopping -> stopped."""
+        self._workers_retry.stop()
+        if self._awaiting_workers:
+            self._awaiting_workers = False
+            self._set_state(EngineState.STOPPED)
+            return
         if self._proc is None:
             if self.state in (EngineState.CRASHED, EngineState.ERROR):
                 self._set_state(EngineState.STOPPED)
@@ -247,13 +301,18 @@ class EngineController(QObject):
     def shutdown(self, wait_ms: int = STOP_GRACE_MS) -> None:
         """Stop and wait (the app is quitting): the engine never outlives the app."""
         proc = self._proc
+        self._workers_retry.stop()
         if proc is None:
+            if self.stages is not None:
+                self.stages.stop(wait_ms=wait_ms)
             return
         self._restart_after_stop = False
         self.stop()
         if not proc.waitForFinished(wait_ms):
             proc.kill()
             proc.waitForFinished(2000)
+        if self.stages is not None:
+            self.stages.stop(wait_ms=wait_ms)
 
     # -- process -----------------------------------------------------------------------------------------------
 
@@ -291,6 +350,8 @@ class EngineController(QObject):
         expected = self.state == EngineState.STOPPING
         self.exit_code = code
         self._cleanup_process()
+        if self.stages is not None:
+            self.stages.stop()  # the workers served this engine only; a new start starts new ones
         if expected:
             self._append_log("[app] the engine stopped")
             self._set_state(EngineState.STOPPED)
@@ -361,9 +422,19 @@ class EngineController(QObject):
         elif status == "degraded":
             self.message = str(data.get("error") or "a stage on another PC does not answer")
             self._set_state(EngineState.DEGRADED)
+            now = time.monotonic()
+            if self.stages is not None and now - self._last_check >= DEGRADED_CHECK_S:
+                self._last_check = now
+                self.stages.check(self._on_workers_gone)
         elif status == "error":
             self.message = str(data.get("error") or "the engine reports an error without a message")
             self._set_state(EngineState.ERROR)
+
+    def _on_workers_gone(self, what: list[str]) -> None:
+        if self.state != EngineState.DEGRADED:
+            return
+        self._append_log(f"[app] {'; '.join(what)}: restarting the engine with new stages")
+        self.restart()
 
     def _on_health_failed(self, _message: str) -> None:
         # Not up yet while starting; once it answered, a failing /health while the process lives means it hangs

@@ -45,6 +45,8 @@ class NodesController(QObject):
         self.autostart_problem = ""
         self.host_name = platform.node() or "this PC"
         self.cards: list[CardLine] = []
+        self.gpus: tuple = ()
+        """This PC's cards (installer.gpus.GpuInfo), for planning a split across PCs."""
         self.cards_message = "Looking for GPUs…"
         self.agents: list[AgentInfo] = []
         self.problem = ""
@@ -144,6 +146,7 @@ class NodesController(QObject):
     def _on_probe(self, result: object) -> None:
         if isinstance(result, ProbeResult):
             self.cards, self.cards_message = card_lines(result)
+            self.gpus = tuple(result.gpus)
             self.changed.emit()
 
     def _on_probe_failed(self, message: str) -> None:

@@ -11,6 +11,7 @@ from app.controllers.charts import ChartsController
 from app.controllers.engine import STATE_TEXT, EngineController, EngineState
 from app.controllers.library import LibraryController
 from app.controllers.nodes import NodesController
+from app.controllers.worker_plan import WorkerPlanController
 from app.settings import AppSettings
 from app.ui.charts_page import ChartsPage
 from app.ui.crash_dialog import CrashDialog
@@ -36,6 +37,7 @@ class MainWindow(QMainWindow):
         tray_reason: str | None,
         library: LibraryController | None = None,
         parent: QWidget | None = None,
+        plan: WorkerPlanController | None = None,
     ) -> None:
         super().__init__(parent)
         self.engine = engine
@@ -91,7 +93,7 @@ class MainWindow(QMainWindow):
         self.tabs = QTabWidget()
         self.engine_page = EnginePage(engine)
         self.charts_page = ChartsPage(charts)
-        self.workers_page = WorkersPage(nodes)
+        self.workers_page = WorkersPage(nodes, plan)
         self.settings_page = SettingsPage(settings)
         self.library = library or LibraryController(lambda: settings.model)
         self.library_page = LibraryPage(self.library)

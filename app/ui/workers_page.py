@@ -14,6 +14,7 @@ from PySide6.QtWidgets import (
     QListWidget,
     QListWidgetItem,
     QPlainTextEdit,
+    QProgressBar,
     QPushButton,
     QVBoxLayout,
     QWidget,
@@ -21,6 +22,8 @@ from PySide6.QtWidgets import (
 
 from app.clients.node_client import AgentInfo
 from app.controllers.nodes import NodesController
+from app.controllers.worker_plan import WorkerPlanController
+from app.ui.split_picture import Segment, SplitPicture
 
 NO_AGENTS = "No agents found yet."
 HOW_AGENTS = (
@@ -44,9 +47,12 @@ def agent_text(a: AgentInfo) -> str:
 
 
 class WorkersPage(QWidget):
-    def __init__(self, nodes: NodesController, parent: QWidget | None = None) -> None:
+    def __init__(
+        self, nodes: NodesController, plan: WorkerPlanController | None = None, parent: QWidget | None = None
+    ) -> None:
         super().__init__(parent)
         self.nodes = nodes
+        self.plan = plan
         here = QGroupBox(f"This PC ({nodes.host_name})")
         here_layout = QVBoxLayout(here)
         self.cards = QLabel(nodes.cards_message)
@@ -88,6 +94,7 @@ class WorkersPage(QWidget):
         others = QGroupBox("Worker PCs")
         others_layout = QVBoxLayout(others)
         self.agent_list = QListWidget()
+        self.agent_list.setMaximumHeight(140)
         self.agent_list.currentRowChanged.connect(lambda _r: self._update_buttons())
         self.empty = QLabel(f"<b>{NO_AGENTS}</b><br>{HOW_AGENTS}")
         self.empty.setWordWrap(True)
@@ -129,10 +136,112 @@ class WorkersPage(QWidget):
         layout = QVBoxLayout(self)
         layout.addWidget(here)
         layout.addWidget(others)
+        if plan is not None:
+            layout.addWidget(self._plan_box(plan))
         layout.addStretch(1)
         nodes.changed.connect(self.refresh)
         nodes.agentOutput.connect(self._on_output)
         self.refresh()
+
+    def _plan_box(self, plan: WorkerPlanController) -> QGroupBox:
+        box = QGroupBox("Run the model across PCs")
+        lay = QVBoxLayout(box)
+        self.plan_model = QLabel()
+        self.plan_model.setWordWrap(True)
+        lay.addWidget(self.plan_model)
+        self.plan_cards = QListWidget()
+        self.plan_cards.setMaximumHeight(120)
+        self.plan_cards.itemChanged.connect(self._on_card_ticked)
+        lay.addWidget(self.plan_cards)
+        self.plan_picture = SplitPicture()
+        self.plan_picture.empty_text = "Tick a card on a worker PC to see the split."
+        lay.addWidget(self.plan_picture)
+        self.plan_lines = QLabel()
+        self.plan_lines.setWordWrap(True)
+        self.plan_lines.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        lay.addWidget(self.plan_lines)
+        self.plan_progress = QProgressBar()
+        self.plan_progress.setRange(0, 100)
+        self.plan_progress.hide()
+        lay.addWidget(self.plan_progress)
+        row = QHBoxLayout()
+        self.apply_button = QPushButton("Apply")
+        self.apply_button.setToolTip(
+            "Sends each worker PC the layers it runs (resumable, checked by SHA-256), writes the config and "
+            "restarts the engine with the worker PCs"
+        )
+        self.apply_button.clicked.connect(plan.apply)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.clicked.connect(plan.cancel)
+        self.unuse_button = QPushButton("Stop using worker PCs")
+        self.unuse_button.setToolTip("Runs the model on this PC alone again (the config without its workers)")
+        self.unuse_button.clicked.connect(plan.stop_using)
+        row.addWidget(self.apply_button)
+        row.addWidget(self.cancel_button)
+        row.addWidget(self.unuse_button)
+        row.addStretch(1)
+        lay.addLayout(row)
+        self.plan_problem = QLabel()
+        self.plan_problem.setWordWrap(True)
+        self.plan_problem.setStyleSheet("color: #b00020;")
+        lay.addWidget(self.plan_problem)
+        plan.changed.connect(self._refresh_plan)
+        self._refresh_plan()
+        return box
+
+    def _on_card_ticked(self, item: QListWidgetItem) -> None:
+        if self.plan is None or self._filling:
+            return
+        choices = self.plan.choices()
+        row = self.plan_cards.row(item)
+        if 0 <= row < len(choices):
+            self.plan.set_chosen(choices[row], item.checkState() == Qt.CheckState.Checked)
+
+    _filling = False
+
+    def _refresh_plan(self) -> None:
+        plan = self.plan
+        if plan is None:
+            return
+        model = plan.model_path()
+        self.plan_model.setText(
+            f"Model: <b>{html.escape(model.replace(chr(92), '/').rsplit('/', 1)[-1]) if model else 'the built-in one'}</b>"
+            " · tick this PC's card and one card on each worker PC that should run the later layers."
+        )
+        self._filling = True
+        self.plan_cards.clear()
+        choices = plan.choices()
+        for c in choices:
+            free = c.card.gpu.vram_free / 2**30
+            item = QListWidgetItem(f"{c.card.label} · {free:.1f} GiB free")
+            item.setFlags(item.flags() | Qt.ItemFlag.ItemIsUserCheckable)
+            item.setCheckState(Qt.CheckState.Checked if c.chosen else Qt.CheckState.Unchecked)
+            self.plan_cards.addItem(item)
+        self._filling = False
+        if not choices:
+            self.plan_lines.setText("No NVIDIA card on this PC: worker PCs extend a card of this PC.")
+        p = plan.plan
+        if p is not None:
+            segs = [
+                Segment(s.begin, s.end, s.card.label, f"{s.fit.experts_in_vram} of {s.fit.experts_total} experts"
+                        if s.fit.experts_total else "", head=i == len(p.stages) - 1)
+                for i, s in enumerate(p.stages)
+            ]  # fmt: skip
+            self.plan_picture.set_split(p.layers, segs)
+            self.plan_lines.setText("<br>".join(html.escape(x) for x in p.lines()))
+        else:
+            self.plan_picture.set_split(0, [])
+            if choices:
+                self.plan_lines.setText("")
+        busy = bool(plan.busy)
+        self.plan_progress.setVisible(busy)
+        self.plan_progress.setValue(max(plan.percent, 0))
+        self.plan_progress.setFormat(f"{plan.busy} %p%")
+        self.apply_button.setEnabled(p is not None and p.fits and not busy)
+        self.cancel_button.setVisible(busy)
+        self.unuse_button.setEnabled(plan.using_workers() and not busy)
+        text = plan.problem
+        self.plan_problem.setText(text[:1].upper() + text[1:] if text else "")
 
     def _on_autostart(self, on: bool) -> None:
         if on != self.nodes.autostart_on:

@@ -65,6 +65,8 @@ class StageClient:
         self.ctx: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
+        self.lost = ""
+        """Why the connection ended while idle (check_idle), for the link's status."""
         self.session = 0
         self.epoch = 0
         self.seq = 0
@@ -289,7 +291,8 @@ class StageClient:
         try:
             while self.monitor.poll(0):
                 self._monitor_event()
-        except StageError:
+        except StageError as e:
+            self.lost = str(e)
             return False
         return self.ok
 

@@ -174,6 +174,12 @@ class RemoteStage:
         self.connect()
         return True
 
+    def check(self) -> None:
+        """Between requests: a worker that left since is marked down (/health names it); the next request
+        reconnects."""
+        if self.status == "ok" and not self.client.check_idle():
+            self.status = f"down: {self.client.lost or 'the connection ended'}"
+
     def close(self) -> None:
         self.client.close()
 

@@ -155,7 +155,12 @@ def cmd_ship(args: argparse.Namespace) -> int:
 
     def progress(done: int, total: int) -> None:
         pct = done * 100 // max(total, 1)
-        if not args.json and pct != last[0] and (pct % 5 == 0 or done == total):
+        if (
+            args.json and pct != last[0]
+        ):  # a JSON line per percent, before the answer (the app's progress bar)
+            last[0] = pct
+            print(json.dumps({"ok": True, "progress": {"done": done, "total": total}}), flush=True)
+        elif not args.json and pct != last[0] and (pct % 5 == 0 or done == total):
             last[0] = pct
             print(
                 f"\r{done / 2**20:.1f} of {total / 2**20:.1f} MiB ({pct}%)",

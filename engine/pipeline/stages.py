@@ -195,6 +195,13 @@ class SplitModel:
         """(stage, status) for the stages in other processes: "ok", or "down: <why>" (the server's /health)."""
         return [(s.label, getattr(s, "status", "ok")) for s in self.stages if hasattr(s, "ensure")]
 
+    def check_links(self) -> None:
+        """Let each stage in another process notice, between requests, a worker that left (its status says so)."""
+        for s in self.stages:
+            check = getattr(s, "check", None)
+            if check is not None:
+                check()
+
     def close(self) -> None:
         for s in self.stages:
             close = getattr(s, "close", None)

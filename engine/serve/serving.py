@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     from engine.pipeline.loader import LoadedModel
 
 log = logging.getLogger("strata.serve")
+LINK_CHECK_S = 1.0  # idle: how often the links to remote stages are checked for a worker that left
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE
 
@@ -356,15 +358,33 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
             if close is not None:
                 close()
 
+    def _idle(self, busy: Callable[[], bool]) -> bool:
+        """Under the lock: wait for work; -> False when LINK_CHECK_S passed without any (check the links then)."""
+        while not busy() and not self._stopping:
+            if not self._cv.wait(LINK_CHECK_S):
+                return busy() or self._stopping
+        return True
+
+    def _check_links(self) -> None:
+        """Between requests, in this thread (which owns the links' sockets): a remote stage whose worker left is
+        marked down, so /health says so before a request fails on it."""
+        check = getattr(self.lm.model, "check_links", None) if self.lm is not None else None
+        if check is not None:
+            check()
+
     def _serve_queue(self) -> None:
         while True:
             with self._cv:
-                while not self._waiting and not self._stopping:
-                    self._cv.wait()
-                if self._stopping:
+                if not self._idle(lambda: bool(self._waiting)):
+                    job = None
+                elif self._stopping:
                     return
-                job = self._waiting.popleft()
-                self.active = job
+                else:
+                    job = self._waiting.popleft()
+                    self.active = job
+            if job is None:
+                self._check_links()
+                continue
             try:
                 self._run(job)
             except Exception:  # never let one request end the worker
@@ -422,13 +442,15 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
         forward over every busy slot; a request whose client left leaves its slot at the next step."""
         while True:
             with self._cv:
-                while not self._waiting and not batch.busy and not self._stopping:
-                    self._cv.wait()
+                idle = not self._idle(lambda: bool(self._waiting or batch.busy))
                 if self._stopping:
                     return
                 admit = []
                 while self._waiting and len(admit) < batch.free:
                     admit.append(self._waiting.popleft())
+            if idle:
+                self._check_links()
+                continue
             for job in admit:
                 self._admit(batch, job)
             try:

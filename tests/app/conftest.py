@@ -50,3 +50,14 @@ def fake_engine() -> Iterator[FakeEngine]:
 def fake_engine_command() -> list[str]:
     """Starts tests/app/fake_engine.py instead of `strata-engine` (the controller appends `serve ...`)."""
     return [sys.executable, str(FAKE_ENGINE)]
+
+
+def chat_once(qtbot: object, app: object, text: str) -> object:
+    """Send `text` from the app's chat window and wait for the answer -> the assistant's message (checked)."""
+    chat = app.open_chat()  # type: ignore[attr-defined]
+    chat.input.setPlainText(text)
+    chat.send_button.click()
+    qtbot.waitUntil(lambda: not app.chat.busy, timeout=60_000)  # type: ignore[attr-defined]
+    answer = app.chat.current.messages[-1]  # type: ignore[attr-defined]
+    assert answer.role == "assistant" and answer.content, answer.stats
+    return answer

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["STRATA_DATA_DIR"] = str(tmp / "data")
     os.environ["XDG_CONFIG_HOME"] = str(tmp / "xdg-config")  # the autostart checkbox never touches this PC's
 
-    from PySide6.QtCore import QEventLoop, QTimer
+    from PySide6.QtCore import QEventLoop, Qt, QTimer
     from PySide6.QtWidgets import QApplication
 
     from app.application import StrataApp
@@ -220,8 +220,19 @@ def main(argv: list[str] | None = None) -> int:
     if win.workers_page.add_button.isEnabled():  # this build's agent can serve: lend this PC
         win.workers_page.add_button.click()
         wait(30.0, lambda: bool(strata.nodes.local_info.get("port")))
+    wp = win.workers_page  # run the model across this PC and gpu-box: tick its card, see the plan
+    wait(
+        20.0,
+        lambda: any(wp.plan_cards.item(i).text().startswith("gpu-box") for i in range(wp.plan_cards.count())),
+    )
+    for i in range(wp.plan_cards.count()):
+        if wp.plan_cards.item(i).text().startswith("gpu-box"):
+            wp.plan_cards.item(i).setCheckState(Qt.CheckState.Checked)
+            break
+    win.resize(1200, 1080)
     wait(0.5)
     win.grab().save(str(args.out / "main-workers.png"))
+    win.resize(1200, 960)
     strata.nodes.stop_this_pc()
     win.tabs.setCurrentWidget(win.settings_page)
     wait(0.3)

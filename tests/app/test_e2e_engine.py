@@ -10,7 +10,7 @@ from pytestqt.qtbot import QtBot
 from app.application import StrataApp
 from app.controllers.engine import EngineState
 from app.settings import AppSettings, Sampling
-from tests.app.conftest import free_port
+from tests.app.conftest import chat_once, free_port
 from tests.app.fake_nvml import FakeNvml
 
 
@@ -37,12 +37,8 @@ def test_real_engine_chat_charts_stop(qtbot: QtBot, tmp_path: Path) -> None:
         assert app.window.state_label.text() == "Ready"
         assert app.engine.model_name == "tiny-qwen3moe"
 
-        chat = app.open_chat()
-        chat.input.setPlainText("Hello")
-        chat.send_button.click()
-        qtbot.waitUntil(lambda: not app.chat.busy, timeout=60_000)
-        answer = app.chat.current.messages[-1]
-        assert answer.role == "assistant" and answer.content, answer.stats
+        answer = chat_once(qtbot, app, "Hello")
+        chat = app.chat_window
         m = re.match(r"(\d+) tokens at [\d.]+ tok/s, prompt \d+ tokens at \d+ tok/s", answer.stats)
         assert m, answer.stats
         n = int(m.group(1))

@@ -130,6 +130,15 @@ def test_worker_pcs_pair_include_exclude(
         client.set_included("AAAA-BBBB", False)
     assert got.args[0][0].included is False
 
+    # A refresh asked while one is under way (a pairing that ended meanwhile) runs after it, with fresh answers
+    lists: list[list] = []
+    client.agentsChanged.connect(lambda agents: lists.append(agents))
+    client.refresh_agents(None)
+    state.write_text(json.dumps({"nodes": [], "agents": []}))  # the second answer differs from the first
+    client.refresh_agents(None)
+    qtbot.waitUntil(lambda: len(lists) == 2, timeout=10000)
+    assert lists[1] == [] and not client.refreshing
+
 
 def test_agents_from_reports_the_failing_address() -> None:
     status = {

@@ -4,6 +4,7 @@ with the single-process server's greedy text; /stats and /events show each stage
 names it and /health says degraded, a restarted one serves again. Also the config keys that become split flags."""
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,12 @@ def test_a_killed_worker_fails_the_request_and_a_restarted_one_serves(servers: S
     want = _chat(servers.plain)
     address = f"127.0.0.1:{servers.worker.port}"
     servers.worker.kill()
+    # noticed between requests (the server checks its idle links each second), before any request fails on it
+    deadline = time.monotonic() + 10
+    while servers.remote.get("/health").json()["status"] != "degraded" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    health = servers.remote.get("/health").json()
+    assert health["status"] == "degraded" and address in health["error"], health
     with pytest.raises(openai.APIStatusError) as err:
         _chat(servers.remote)
     assert err.value.status_code == 502
