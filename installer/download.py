@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import queue
+import re
 import shutil
 import threading
 import time
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urljoin, urlsplit
+from urllib.parse import quote, unquote, urljoin, urlsplit
 
 import requests
 
@@ -221,6 +222,24 @@ class _Run:
 
 class _Retryable(Exception):
     pass
+
+
+UNVERIFIED = "no sha256 was published for it: its size and GGUF structure were checked, not every byte"
+
+
+def gguf_problem(path: Path, name: str) -> str | None:
+    """None when `path` is a whole GGUF file (header readable, every tensor's data inside the file); otherwise
+    what is wrong. The check for a download whose sha256 nobody published."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path, "r")
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        return f"{name} is not a readable GGUF file ({str(e)[:120]})"
+    if end > path.stat().st_size:
+        return f"{name} ends before its last tensor (byte {end} of {path.stat().st_size})"
+    return None
 
 
 def _write_chunk(fh: Any, data: bytes) -> None:
@@ -416,12 +435,42 @@ class Downloader:
             else None
         )
         expected = remote.sha256.lower() if remote.sha256 else hub_sha
+        if (
+            expected is None
+        ):  # no hash in the headers (not an LFS file, or a mirror): the hub's API may know it
+            expected = self._api_sha256(session, remote)
         if remote.sha256 and hub_sha and remote.sha256.lower() != hub_sha:
             raise DownloadError(
                 f"{remote.label or remote.name}: the catalog's sha256 differs from the hub's ({hub_sha}); the file "
                 "changed upstream - update PolyStrata or choose another model"
             )
         return _Meta(size=size, sha256=expected, etag=etag)
+
+    def _api_sha256(self, session: requests.Session, remote: RemoteFile) -> str | None:
+        """The file's sha256 from the hub's paths-info API (its LFS object id), for a hub `resolve` URL; None when
+        the hub does not know one or does not answer (the file is then checked another way: _verify)."""
+        m = re.fullmatch(r"(.*)/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", remote.url)
+        if m is None:
+            return None
+        base, repo, rev, path = m.groups()
+        api = f"{base}/api/models/{repo}/paths-info/{rev}"
+        timeout = (self.options.connect_timeout_s, self.options.stall_timeout_s)
+        try:
+            r = session.post(api, data={"paths": unquote(path)}, headers=_auth_for(api, self.endpoint, self.token),
+                             timeout=timeout)  # fmt: skip
+            rows = r.json() if r.status_code == 200 else []
+        except (requests.RequestException, ValueError):
+            return None
+        for row in rows if isinstance(rows, list) else []:
+            lfs = row.get("lfs") if isinstance(row, dict) else None
+            oid = str(lfs.get("oid") or "") if isinstance(lfs, dict) else ""
+            if (
+                row.get("path") == unquote(path)
+                and len(oid) == _SHA256_LEN
+                and re.fullmatch(r"[0-9a-f]+", oid)
+            ):
+                return oid
+        return None
 
     def _check_disk(self, files: Sequence[RemoteFile], metas: Sequence[_Meta]) -> None:
         need = 0
@@ -454,7 +503,8 @@ class Downloader:
             if problem is None:
                 run.state_path.unlink(missing_ok=True)
                 os.replace(run.part_path, final)
-                self._emit(DownloadState.DONE, remote, meta.size, meta.size, message=f"saved as {final}")
+                how = "" if meta.sha256 else f" ({UNVERIFIED})"
+                self._emit(DownloadState.DONE, remote, meta.size, meta.size, message=f"saved as {final}{how}")
                 return final
             run.part_path.unlink(missing_ok=True)
             run.state_path.unlink(missing_ok=True)
@@ -739,8 +789,8 @@ class Downloader:
         name = run.remote.label or run.remote.name
         if size != run.meta.size:
             return f"{name} has {size} bytes on disk, expected {run.meta.size}"
-        if run.meta.sha256 is None:
-            return None
+        if run.meta.sha256 is None:  # nothing published to compare with: a model file must at least be whole
+            return gguf_problem(run.part_path, name) if run.remote.name.lower().endswith(".gguf") else None
         digest = hashlib.sha256()
         done = 0
         last = 0.0

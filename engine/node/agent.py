@@ -50,6 +50,7 @@ FREE_TRIES = 3
 PAIR_BACKOFF_S = 1.0
 PAIR_BACKOFF_MAX_S = 60.0
 SAMPLE_KEEP = 600  # GPU samples kept per card (60 s at 100 ms)
+IDENT_PER_TURN = 8  # identity answers per loop turn: a flood there leaves the control channel its turns
 
 
 class AgentError(RuntimeError):
@@ -340,8 +341,8 @@ class Agent:
         last_housekeeping = 0.0
         while not self._stop.is_set():
             events = dict(poller.poll(50))
-            if self.ident in events:
-                self._answer_identity()
+            # The control channel first, and each socket a bounded number of messages per turn: a flood on the
+            # open identity port cannot starve the paired main's calls.
             if self.control in events:
                 for _ in range(16):  # a burst of upload chunks without a poll between them
                     try:
@@ -349,6 +350,8 @@ class Agent:
                     except zmq.Again:
                         break
                     self._on_control(frames)
+            if self.ident in events:
+                self._answer_identity(IDENT_PER_TURN)
             now = time.monotonic()
             if now - last_housekeeping > 0.25:
                 last_housekeeping = now
@@ -360,9 +363,9 @@ class Agent:
     def stop(self) -> None:
         self._stop.set()
 
-    def _answer_identity(self) -> None:
+    def _answer_identity(self, at_most: int) -> None:
         assert self.ident is not None
-        while True:
+        for _ in range(at_most):
             try:
                 frames = self.ident.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

@@ -214,6 +214,11 @@ class NodeRegistry:
 
 
 _EVENT_NAMES = {getattr(zmq, n): n for n in dir(zmq) if n.startswith("EVENT_")}
+HANDSHAKE_FAILED = {
+    "EVENT_HANDSHAKE_FAILED_AUTH",
+    "EVENT_HANDSHAKE_FAILED_NO_DETAIL",
+    "EVENT_HANDSHAKE_FAILED_PROTOCOL",
+}
 
 
 class NodeClient:
@@ -284,6 +289,24 @@ class NodeClient:
                 break
             self._events.append(_EVENT_NAMES.get(int(ev["event"]), str(ev["event"])))
 
+    def _wait(self, s: zmq.Socket, left: float) -> bool:
+        """Wait up to `left` s for a reply on `s`; False at once when the handshake failed (a refused or wrong key
+        is known in milliseconds: the caller's diagnose names it without waiting out the timeout)."""
+        poller = zmq.Poller()
+        poller.register(s, zmq.POLLIN)
+        if self._mon is not None:
+            poller.register(self._mon, zmq.POLLIN)
+        deadline = time.monotonic() + left
+        while (left := deadline - time.monotonic()) > 0:
+            events = dict(poller.poll(int(left * 1000) + 1))
+            if s in events:
+                return True
+            if self._mon is not None and self._mon in events:
+                self._drain_monitor()
+                if HANDSHAKE_FAILED & set(self._events):
+                    return False
+        return False
+
     def diagnose(self, waited: float) -> NodeError:
         """Why nothing came back, from what the socket saw."""
         self._drain_monitor()
@@ -329,7 +352,7 @@ class NodeClient:
         deadline = time.monotonic() + limit
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not s.poll(int(max(left, 0) * 1000)):
+            if left <= 0 or not self._wait(s, left):
                 err = self.diagnose(limit)
                 self.close()  # a late reply must not be read as the answer to the next request
                 raise err

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from engine.node.wire import NAME_RE
 
 PART = ".part"
 RESERVE_BYTES = 1 << 30  # keep 1 GiB free for the OS and the worker's logs
+STALE_UPLOAD_S = 600.0  # an upload without a chunk for this long no longer holds room on the disk
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _BINARY = getattr(os, "O_BINARY", 0)
 
@@ -61,6 +63,12 @@ class _Upload:
     sha256: str
     written: int
     hasher: Any  # hashlib sha256 object
+    touched: float = 0.0  # time.monotonic() of its last chunk
+
+    @property
+    def owed(self) -> int:
+        """Bytes still to come, which the disk must keep room for while the upload is alive."""
+        return self.size - self.written if time.monotonic() - self.touched < STALE_UPLOAD_S else 0
 
 
 class ModelStore:
@@ -181,9 +189,11 @@ class ModelStore:
                 offset = min(os.lstat(part).st_size, size)
         need = size - offset
         free = self.free_bytes()
-        if need > free - self.reserve:
+        owed = sum(u.owed for n, u in self._uploads.items() if n != name)  # room promised to other uploads
+        if need > free - self.reserve - owed:
+            others = f", {_gib(owed)} of it promised to uploads in progress" if owed else ""
             raise StoreError(
-                f"{name} needs {_gib(need)} but the disk of the model folder has {_gib(free)} free "
+                f"{name} needs {_gib(need)} but the disk of the model folder has {_gib(free)} free{others} "
                 f"(keeping {_gib(self.reserve)} for the system): free some space or pick a data dir on a bigger disk"
             )
         hasher = hashlib.sha256()
@@ -201,7 +211,7 @@ class ModelStore:
         finally:
             os.close(fd)
         meta.write_text(json.dumps({"size": size, "sha256": sha256}), encoding="utf-8")
-        self._uploads[name] = _Upload(name, size, sha256, offset, hasher)
+        self._uploads[name] = _Upload(name, size, sha256, offset, hasher, time.monotonic())
         return {"offset": offset, "complete": False}
 
     def chunk(self, name: str, offset: int, data: bytes) -> dict[str, Any]:
@@ -225,10 +235,17 @@ class ModelStore:
             while view:
                 n = os.write(fd, view)
                 view = view[n:]
+        except OSError as exc:
+            os.ftruncate(fd, offset)  # the next upload_begin resumes at the last whole chunk
+            raise StoreError(
+                f"{name}: writing at byte {offset} failed ({exc.strerror or exc}); the bytes before it are kept: free "
+                "some space and ship again to resume"
+            ) from None
         finally:
             os.close(fd)
         up.hasher.update(data)
         up.written += len(data)
+        up.touched = time.monotonic()
         return {"offset": up.written}
 
     def end(self, name: str) -> dict[str, Any]:

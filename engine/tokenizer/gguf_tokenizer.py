@@ -139,6 +139,14 @@ def _build_backend(vocab: Vocab) -> HFTokenizer:
     return backend
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # the reader keeps invalid bytes as surrogates
+        return False
+    return True
+
+
 class Tokenizer:
     """Encode/decode with a GGUF file's vocabulary. Build it with `Tokenizer.from_metadata(meta)`."""
 
@@ -157,7 +165,11 @@ class Tokenizer:
             backend = _build_backend(vocab)
         except Exception as e:  # tokenizers reports inconsistent vocabularies as plain Exceptions
             where = f" in {source}" if source else ""
-            raise TokenizerError(f"the tokenizer{where} could not be built: {e}; re-convert the model") from e
+            bad = next((i for i, t in enumerate(vocab.tokens) if not _utf8(t)), None)
+            why = f"token {bad} is not valid UTF-8" if bad is not None else " ".join(str(e).split())[:300]
+            raise TokenizerError(
+                f"the tokenizer{where} could not be built: {why}; re-convert the model"
+            ) from e
         return cls(vocab, backend)
 
     # --- facts -----------------------------------------------------------------------------------------------

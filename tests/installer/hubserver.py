@@ -9,13 +9,14 @@ byte the first K times it is served, ignore ranges, or throttle.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 
 @dataclass
@@ -33,6 +34,10 @@ class HostedFile:
     """Sleep this long after each 16 KiB written."""
     head_errors: list[int] = field(default_factory=list)
     """Each HEAD of the resolve URL takes the next status (a 5xx, say) and answers only that."""
+    linked_etag: bool = True
+    """Send X-Linked-Etag (the sha256 of an LFS file); False: a file whose headers carry no hash."""
+    api_sha: bool = True
+    """The paths-info API reports the file's LFS object id (its sha256); False: it reports none."""
 
     @property
     def sha256(self) -> str:
@@ -102,6 +107,32 @@ class Hub:
             def do_GET(self) -> None:
                 self._handle(head=False)
 
+            def do_POST(
+                self,
+            ) -> None:  # the hub's paths-info API: each path's size and LFS object id (sha256)
+                m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/paths-info/([^/]+)", unquote(self.path))
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode()
+                with hub.lock:
+                    hub.requests.append(
+                        Request(role, "POST", self.path, None, self.headers.get("Authorization"))
+                    )
+                if role != "hub" or not m:
+                    return self._empty(404)
+                rows = []
+                for path in parse_qs(body).get("paths", []):
+                    hosted = hub.files.get(f"{m.group(1)}/{path}")
+                    if hosted is not None:
+                        row: dict[str, object] = {"type": "file", "path": path, "size": len(hosted.data)}
+                        if hosted.api_sha:
+                            row["lfs"] = {"oid": hosted.sha256, "size": len(hosted.data)}
+                        rows.append(row)
+                data = json.dumps(rows).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
             def _handle(self, head: bool) -> None:
                 with hub.lock:
                     hub.requests.append(
@@ -142,7 +173,7 @@ class Hub:
                     {
                         "Location": f"{hub.storage_url}/cdn/{key}",
                         "X-Linked-Size": str(len(hosted.data)),
-                        "X-Linked-Etag": f'"{hosted.sha256}"',
+                        **({"X-Linked-Etag": f'"{hosted.sha256}"'} if hosted.linked_etag else {}),
                         "ETag": '"0123456789abcdef0123456789abcdef01234567"',
                     },
                 )

@@ -425,3 +425,43 @@ def test_a_head_that_gets_a_5xx_is_retried_like_a_get(
         "cannot reach the server: the server answered HTTP 503",
         "cannot reach the server: the server answered HTTP 502",
     ]
+
+
+def test_a_file_without_a_hash_in_its_headers_is_checked_against_the_hubs_api(
+    tmp_path: Path, hub: Hub, fast_options: DownloadOptions
+) -> None:
+    """No X-Linked-Etag (not an LFS file, or a mirror that drops the header): the hub's paths-info API gives the
+    sha256, and a flipped byte is still caught and fetched again."""
+    data = blob(300 * KIB, 8)
+    hub.add(REPO, "m.gguf", data, linked_etag=False, corrupt_offset=5000, corrupt_times=1)
+    events: list[DownloadEvent] = []
+    (path,) = make(tmp_path, hub, fast_options, events).download(
+        hub_files(REPO, ["m.gguf"], endpoint=hub.url)
+    )
+    assert path.read_bytes() == data
+    assert any(e.state == DownloadState.RETRYING and "sha256" in e.message for e in events)
+    assert any(r.method == "POST" and "/paths-info/" in r.path for r in hub.requests)
+
+
+def test_a_model_nobody_published_a_hash_for_is_checked_whole_and_the_user_told(
+    tmp_path: Path, hub: Hub, fast_options: DownloadOptions
+) -> None:
+    from engine.testing.tiny_models import write_tiny_model
+
+    good = write_tiny_model(tmp_path / "src.gguf", "qwen3moe", qtype="Q8_0", n_layer=2, seed=1).read_bytes()
+    hub.add(REPO, "ok.gguf", good, linked_etag=False, api_sha=False)
+    hub.add(
+        REPO, "cut.gguf", good[: len(good) - 4096], linked_etag=False, api_sha=False
+    )  # served whole, but short
+    events: list[DownloadEvent] = []
+    (path,) = make(tmp_path, hub, fast_options, events).download(
+        hub_files(REPO, ["ok.gguf"], endpoint=hub.url)
+    )
+    assert path.read_bytes() == good
+    done = [e for e in events if e.state == DownloadState.DONE]
+    assert "no sha256 was published" in done[-1].message and "not every byte" in done[-1].message
+    with pytest.raises(
+        VerificationError, match=r"cut\.gguf (ends before its last tensor|is not a readable GGUF file)"
+    ):
+        make(tmp_path, hub, fast_options).download(hub_files(REPO, ["cut.gguf"], endpoint=hub.url))
+    assert not (tmp_path / "models" / "cut.gguf").exists()

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import sys
@@ -28,6 +29,7 @@ import pytest
 from engine.node.agent import Agent
 from engine.node.client import NodeError
 from engine.node.keys import KeyPair
+from engine.node.store import ModelStore, StoreError
 from tests.engine.node.conftest import Paired, pair_with
 
 SHA0 = "0" * 64
@@ -101,7 +103,6 @@ def test_hard_link_to_an_outside_file_is_refused(paired: Paired, tmp_path: Path)
 
 
 def test_symlinked_model_folder_is_refused(tmp_path: Path, make_agent: Callable[..., Agent]) -> None:
-    from engine.node.store import ModelStore, StoreError
 
     (tmp_path / "real").mkdir()
     os.symlink(tmp_path / "real", tmp_path / "linked")
@@ -118,6 +119,44 @@ def test_oversize_upload_is_refused_before_writing(make_agent: Callable[..., Age
     assert err.value.code == "refused"
     assert not any(agent.store.root.iterdir())
     p.client.close()
+
+
+def test_uploads_in_progress_keep_their_room_on_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three uploads that each fit the free disk alone must not all start: the later ones count the bytes the
+    earlier ones still have to write (once they end, or go stale, the room is free again)."""
+    store = ModelStore(tmp_path / "models", reserve_bytes=100)
+    monkeypatch.setattr(store, "free_bytes", lambda: 100 + 1500)
+    a, b = os.urandom(1000), os.urandom(1000)
+    store.begin("a.gguf", 1000, hashlib.sha256(a).hexdigest())
+    with pytest.raises(StoreError, match="promised to uploads in progress"):
+        store.begin("b.gguf", 1000, hashlib.sha256(b).hexdigest())
+    store.chunk("a.gguf", 0, a[:600])
+    store.begin("b.gguf", 1000, hashlib.sha256(b).hexdigest())  # a still owes 400: 1000 + 400 fits 1500
+    monkeypatch.setattr("engine.node.store.STALE_UPLOAD_S", 0.0)
+    store.begin("c.gguf", 1400, SHA0)  # the others went stale: they promise nothing
+
+
+def test_a_failed_write_keeps_the_bytes_before_it_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = ModelStore(tmp_path / "models", reserve_bytes=0)
+    data = os.urandom(2000)
+    store.begin("m.gguf", 2000, hashlib.sha256(data).hexdigest())
+    store.chunk("m.gguf", 0, data[:1000])
+    real_write = os.write
+
+    def full(fd: int, view: object) -> int:
+        real_write(fd, bytes(view)[:10])  # type: ignore[call-overload]
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(StoreError, match=r"No space left on device.*ship again to resume"):
+        store.chunk("m.gguf", 1000, data[1000:])
+    monkeypatch.setattr(os, "write", real_write)
+    assert (tmp_path / "models" / "m.gguf.part").stat().st_size == 1000
+    assert store.begin("m.gguf", 2000, hashlib.sha256(data).hexdigest())["offset"] == 1000
 
 
 def test_chunks_must_fit_and_come_in_order_and_hash_must_match(paired: Paired) -> None:
@@ -325,3 +364,54 @@ def test_a_worker_binds_only_where_its_agent_listens() -> None:
     assert wm._check_bind(None) == "127.0.0.1" and wm._check_bind("127.0.0.1") == "127.0.0.1"
     with pytest.raises(WorkerError, match=r"listens on 127\.0\.0\.1 only"):
         wm._check_bind("0.0.0.0")
+
+
+def test_an_identity_flood_leaves_the_paired_main_its_calls(make_agent: Callable[..., Agent]) -> None:
+    """50 peers sending identity requests as fast as they can, without reading the answers: the paired main's
+    calls stay under 50 ms p99 (the agent answers each socket a bounded number of messages per turn)."""
+    import threading
+    import time
+
+    import zmq
+
+    from engine.node import wire
+
+    agent = make_agent()
+    p = pair_with(agent)
+    stop = threading.Event()
+    ctx = zmq.Context()
+
+    def flood() -> None:
+        socks = [ctx.socket(zmq.DEALER) for _ in range(50)]
+        for s in socks:
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(f"tcp://127.0.0.1:{agent.id_port}")
+        msg = wire.pack({"cmd": "identify"})
+        while not stop.is_set():
+            for s in socks:
+                try:
+                    s.send(msg, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+        for s in socks:
+            s.close(0)
+
+    t = threading.Thread(target=flood, daemon=True)
+    t.start()
+    try:
+        time.sleep(1.0)
+        times = []
+        for _ in range(40):
+            t0 = time.perf_counter()
+            p.client.call("hello")
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        assert times[int(len(times) * 0.99) - 1] < 0.05, (
+            f"p99 {times[-1] * 1e3:.1f} ms, median {times[20] * 1e3:.1f}"
+        )
+    finally:
+        stop.set()
+        t.join(10)
+        ctx.term()
+        p.client.close()
