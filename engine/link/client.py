@@ -27,6 +27,7 @@ log = logging.getLogger("strata.link")
 
 STALL_S = 3.0  # silence that fails a request (the worker says `busy` every BUSY_S while it works)
 HELLO_S = 10.0
+BUSY_WAIT_S = 3.0  # a "busy" refusal (the worker still sees our previous connection) is asked again this long
 
 
 class StageError(RuntimeError):
@@ -144,7 +145,19 @@ class StageClient:
             raise self._fail(f"{self.label} disconnected (the worker stopped, froze or its link was cut)")
 
     def connect(self, expect: P.StageInfo) -> list[P.StageInfo]:
-        """Handshake: -> the stages behind this link (the worker's own and those it relays to)."""
+        """Handshake: -> the stages behind this link (the worker's own and those it relays to). A worker that
+        still sees this process's previous connection (closed a moment ago, or cut and not yet timed out by its
+        heartbeats) refuses as busy: asked again for up to BUSY_WAIT_S before that refusal stands."""
+        until = time.monotonic() + BUSY_WAIT_S
+        while True:
+            try:
+                return self._connect_once(expect)
+            except StageError as e:
+                if e.code != "busy" or time.monotonic() >= until:
+                    raise
+            time.sleep(0.2)
+
+    def _connect_once(self, expect: P.StageInfo) -> list[P.StageInfo]:
         self._open()
         assert self.sock is not None and self.monitor is not None
         self.session = secrets.randbits(63)

@@ -192,6 +192,22 @@ class StageServer:
                 "stage %s: a client does not read its replies; one was dropped", self.info.layers_text
             )
 
+    def _connected(self, s: _Session) -> bool:
+        """Whether the session's connection is still there: a `busy` sent to it with ROUTER_MANDATORY fails at once
+        for a peer that left (a dead one that heartbeats have not found yet counts as there, for about a second)."""
+        sock = self.listener.sock
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            sock.send_multipart([s.identity, *P.pack("busy", {"s": s.session, "e": s.epoch, "q": s.last_seq})],
+                                flags=zmq.NOBLOCK)  # fmt: skip
+        except zmq.Again:
+            return True  # there, not reading
+        except zmq.ZMQError:
+            return False  # EHOSTUNREACH: gone
+        finally:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        return True
+
     def _error(self, identity: bytes, session: int, epoch: int, code: str, text: str, seq: int = 0) -> None:
         self._send(identity, P.pack("error", {"s": session, "e": epoch, "q": seq, "code": code, "msg": text}))
 
@@ -293,6 +309,19 @@ class StageServer:
             self.stats.refused_hellos += 1
             log.warning("stage %s: refused a handshake: %s", self.info.layers_text, problem)
             self._error(identity, session, 0, "mismatch", problem)
+            return
+        held = self._session
+        if held is not None and held.identity != identity and self._connected(held):
+            # One main per worker: a second one would take the session (and its KV) from the first at every turn.
+            self.stats.refused_hellos += 1
+            log.warning(
+                "stage %s: refused a second main process while the first is connected", self.info.layers_text
+            )
+            self._error(
+                identity, session, 0, "busy",
+                f"stage {self.info.layers_text} already serves another main process, which is still connected: stop "
+                "that one, or start another worker for this main",
+            )  # fmt: skip
             return
         self._epoch += 1
         self._session = _Session(identity, session, self._epoch, expect.max_ctx)

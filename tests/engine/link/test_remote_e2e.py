@@ -141,3 +141,26 @@ def test_flags_that_cannot_work_are_refused(model: Path, capsys: pytest.CaptureF
     ):
         assert engine_main([*base, *extra]) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_one_main_per_worker_a_second_is_refused_while_the_first_is_connected(
+    model: Path, workers: dict[str, WorkerProc]
+) -> None:
+    """Two mains on one worker would take its session (and KV) from each other at every request; the second is
+    refused, naming why, and gets it once the first has gone."""
+    import time
+
+    base = load_model(model, "cpu", "f32")
+    first = _main(model, 3, workers["last3"].port)
+    want = _greedy(first, base.tokenizer, PIECE)
+    t0 = time.monotonic()
+    with pytest.raises(
+        StageError, match="already serves another main process, which is still connected"
+    ) as err:
+        _main(model, 3, workers["last3"].port)
+    assert err.value.code == "busy" and time.monotonic() - t0 < 8
+    assert _greedy(first, base.tokenizer, PIECE) == want  # the first kept its session
+    first.close()
+    second = _main(model, 3, workers["last3"].port)
+    assert _greedy(second, base.tokenizer, PIECE) == want
+    second.close()
