@@ -214,6 +214,9 @@ class _Run:
     events: queue.Queue[tuple[DownloadState, str, int]] = field(default_factory=queue.Queue)
     error: DownloadError | None = None
     stop: threading.Event = field(default_factory=threading.Event)
+    no_ranges: bool = False
+    """The server ignores Range: one connection from byte 0, and from byte 0 again after a cut."""
+    one_connection: bool = False
 
     def done_bytes(self) -> int:
         with self.lock:
@@ -222,6 +225,10 @@ class _Run:
 
 class _Retryable(Exception):
     pass
+
+
+class _NoRanges(Exception):
+    """The server answered a ranged request with the whole file: the download goes on over one connection."""
 
 
 UNVERIFIED = "no sha256 was published for it: its size and GGUF structure were checked, not every byte"
@@ -628,6 +635,14 @@ class Downloader:
                 last_event = now
         for t in threads:
             t.join()
+        if run.no_ranges and not run.one_connection and run.error is None and not self._cancel.is_set():
+            run.one_connection = True
+            run.parts = [_Part(0, run.meta.size, 0, 0)]
+            run.stop.clear()
+            self._emit(DownloadState.RETRYING, run.remote, 0, run.meta.size, 1,
+                       "the server does not take ranged requests: downloading over one connection from the start")  # fmt: skip
+            self._fetch(run)
+            return
         while not run.events.empty():
             st, msg, attempt = run.events.get_nowait()
             self._emit(st, run.remote, run.done_bytes(), run.meta.size, attempt, msg)
@@ -669,6 +684,10 @@ class Downloader:
                     continue
                 except DownloadError as exc:
                     self._fail(run, exc)
+                    return
+                except _NoRanges:
+                    run.no_ranges = True
+                    run.stop.set()  # every part stops; _fetch goes on over one connection
                     return
                 # Before OSError: requests' exceptions are OSErrors too.
                 except (requests.RequestException, _Retryable) as exc:
@@ -741,10 +760,11 @@ class Downloader:
             timeout=(opts.connect_timeout_s, opts.stall_timeout_s),
         ) as r:
             if r.status_code == 200 and not (start == 0 and end == run.meta.size):
-                raise DownloadError(
-                    f"the server of {run.remote.label or run.remote.name} does not support ranged requests, so the "
-                    "download cannot resume; try again later or use another endpoint"
-                )
+                if not run.no_ranges:
+                    raise _NoRanges()
+                start = 0  # one connection after a cut: the server starts from byte 0 again, so do we
+                with run.lock:
+                    part.pos = part.saved = part.attempt_start = 0
             if r.status_code in (429,) or r.status_code >= 500:
                 raise _Retryable(f"HTTP {r.status_code}")
             if r.status_code not in (200, 206):

@@ -340,11 +340,22 @@ def test_server_without_ranges(tmp_path: Path, hub: Hub, fast_options: DownloadO
     small, big = blob(60 * KIB, 15), blob(600 * KIB, 16)
     hub.add(REPO, "small.gguf", small, ranges=False)
     hub.add(REPO, "big.gguf", big, ranges=False)
+    hub.add(REPO, "cut.gguf", big, ranges=False, drops=[250 * KIB] * 6)  # the parts' first GETs, then two cuts
     (path,) = make(tmp_path, hub, fast_options).download(hub_files(REPO, ["small.gguf"], endpoint=hub.url))
     assert path.read_bytes() == small  # one part from byte 0: a plain 200 is the whole file
-    with pytest.raises(DownloadError, match="does not support ranged requests"):
-        make(tmp_path, hub, fast_options).download(hub_files(REPO, ["big.gguf"], endpoint=hub.url))
-    assert not (tmp_path / "models" / "big.gguf").exists()
+    # a file planned in parts goes on over one connection once the server answers a range with the whole file
+    events: list[DownloadEvent] = []
+    (path,) = make(tmp_path, hub, fast_options, events).download(
+        hub_files(REPO, ["big.gguf"], endpoint=hub.url)
+    )
+    assert path.read_bytes() == big
+    assert any("over one connection from the start" in e.message for e in events)
+    # and a cut on that one connection starts it over from byte 0 (the server cannot resume)
+    hub.reset_counters()
+    (path,) = make(tmp_path, hub, fast_options).download(hub_files(REPO, ["cut.gguf"], endpoint=hub.url))
+    assert path.read_bytes() == big
+    gets = [r for r in hub.requests if r.server == "storage" and r.method == "GET" and "cut.gguf" in r.path]
+    assert len(gets) >= 3 and not hub.files[f"{REPO}/cut.gguf"].drops  # both cuts happened, and were got over
 
 
 def test_a_complete_file_is_not_fetched_again_and_events_iterate(
