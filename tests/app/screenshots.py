@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         poll_ms=200,
     )
     _wizard_shots(args.out, wait, tmp)
+    _cpu_only_shots(args.out, wait, tmp)
     strata.start()
     wait(120, lambda: strata.engine.state == "ready")
     wait(1.0)
@@ -334,6 +335,30 @@ def _wizard_shots(out: Path, wait: Any, tmp: Path) -> None:
     wizard.grab().save(str(out / "wizard-5-done.png"))
     wizard.close()
     hub.close()
+
+
+def _cpu_only_shots(out: Path, wait: Any, tmp: Path) -> None:
+    """What a PC without an NVIDIA card sees: the wizard's first page (the CPU mode offered) and the model list
+    with each model's fit in 24 GiB of RAM, the first offered one that fits."""
+    from app.controllers.wizard import WizardController
+    from app.ui.wizard import SetupWizard
+    from installer.gpus import ProbeResult
+
+    ctl = WizardController(
+        probe_fn=lambda: ProbeResult("no_gpus", message="no NVIDIA GPU found"),
+        models_dir=lambda: tmp / "models-cpu",
+        config_dir=tmp / "config-cpu",
+        ram_bytes=lambda: 24 * 1024**3,
+    )
+    wizard = SetupWizard(ctl)
+    wizard.show()
+    wait(3, lambda: not ctl.probing)
+    wait(0.3)
+    wizard.grab().save(str(out / "wizard-1-gpus-cpu.png"))
+    wizard.next()
+    wait(0.5)
+    wizard.grab().save(str(out / "wizard-2-model-cpu.png"))
+    wizard.close()
 
 
 if __name__ == "__main__":
