@@ -70,6 +70,13 @@ def hermes_calls_grammar(tools: list[dict[str, Any]], several: bool) -> str:
     """A Lark grammar whose every output is a Hermes-format call (`<tool_call>`, a newline, the call's JSON, a
     newline, `</tool_call>`) of one of `tools` (OpenAI tool objects), its arguments valid against the tool's
     parameters; `several`: one call or more, a newline apart."""
+    schema = {"x-guidance": JSON_OPTIONS, **_call_schemas(tools)}
+    more = ' ("\\n" block)*' if several else ""
+    return f'start: block{more}\nblock: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(schema)}\n'
+
+
+def _call_schemas(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """One JSON schema for a call of any of `tools`: {"name": ..., "arguments": ...}."""
     calls = [
         {
             "type": "object",
@@ -82,9 +89,76 @@ def hermes_calls_grammar(tools: list[dict[str, Any]], several: bool) -> str:
         }
         for t in tools
     ]
-    schema = {"x-guidance": JSON_OPTIONS, **({"anyOf": calls} if len(calls) > 1 else calls[0])}
+    return {"anyOf": calls} if len(calls) > 1 else calls[0]
+
+
+def mistral_calls_grammar(tools: list[dict[str, Any]], several: bool) -> str:
+    """Mistral's form: `[TOOL_CALLS]` then a JSON list of calls (one unless `several`)."""
+    schema = {"x-guidance": JSON_OPTIONS, "type": "array", "items": _call_schemas(tools), "minItems": 1}
+    if not several:
+        schema["maxItems"] = 1
+    return f'start: "[TOOL_CALLS]" calls\ncalls: %json {json.dumps(schema)}\n'
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _xml_calls_grammar(tools: list[dict[str, Any]], several: bool, glm: bool) -> str:
+    """Qwen3-Coder's `<function=NAME>` with a `<parameter=KEY>` element per argument, or GLM-4.5's NAME with
+    `<arg_key>`/`<arg_value>` pairs: each tool's required arguments in the order its schema lists them, then its
+    optional ones, each optional. A string argument is text without `<` (within its length bounds); any other is
+    JSON of its schema."""
+    rules = []
+    names = []
+    for i, t in enumerate(tools):
+        f = t["function"]
+        params = f.get("parameters") or {}
+        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+        required = [k for k in props if k in set(params.get("required") or [])]
+        parts = []
+        for j, key in enumerate([*required, *(k for k in props if k not in required)]):
+            schema = props[key] if isinstance(props[key], dict) else {}
+            value = f"v{i}_{j}"
+            enum = schema.get("enum")
+            if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+                rules.append(f"{value}: " + " | ".join(_lit(e) for e in enum))
+            elif schema.get("type") == "string":
+                lo, hi = schema.get("minLength"), schema.get("maxLength")
+                bounded = isinstance(hi, int) or isinstance(lo, int)
+                count = (
+                    f"{{{max(int(lo or 0), 1)},{int(hi) if isinstance(hi, int) else ''}}}" if bounded else "+"
+                )
+                rules.append(f"{value}: /[^<]{count}/")
+            else:
+                rules.append(f"{value}: %json {json.dumps({'x-guidance': JSON_OPTIONS, **schema})}")
+            if glm:
+                element = f'"<arg_key>" {_lit(key)} "</arg_key>\\n<arg_value>" {value} "</arg_value>\\n"'
+            else:
+                element = f'"<parameter=" {_lit(key)} ">\\n" {value} "\\n</parameter>\\n"'
+            parts.append(element if key in required else f"({element})?")
+        body = " ".join(parts)
+        if glm:
+            rules.append(f'f{i}: {_lit(f["name"])} "\\n" {body}')
+        else:
+            rules.append(f'f{i}: "<function=" {_lit(f["name"])} ">\\n" {body} "</function>"')
+        names.append(f"f{i}")
     more = ' ("\\n" block)*' if several else ""
-    return f'start: block{more}\nblock: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(schema)}\n'
+    block = '"<tool_call>" call "</tool_call>"' if glm else '"<tool_call>\\n" call "\\n</tool_call>"'
+    head = [f"start: block{more}", f"block: {block}", "call: " + " | ".join(names)]
+    return "\n".join([*head, *rules]) + "\n"
+
+
+def forced_calls_grammar(fmt: str, tools: list[dict[str, Any]], several: bool) -> str | None:
+    """A grammar whose every output is a call of one of `tools` in the format `fmt` (tool_calls.CallFormat.name)
+    teaches, its arguments valid against the tool's parameters; None for a format with no such grammar here."""
+    if fmt == "hermes":
+        return hermes_calls_grammar(tools, several)
+    if fmt == "mistral":
+        return mistral_calls_grammar(tools, several)
+    if fmt in ("qwen3-coder", "glm-4.5"):
+        return _xml_calls_grammar(tools, several, glm=fmt == "glm-4.5")
+    return None
 
 
 def compile_grammar(kind: Kind, source: Any, tok: Tokenizer) -> str:

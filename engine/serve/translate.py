@@ -5,13 +5,13 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.pipeline.constrain import GrammarError, Kind, compile_grammar, hermes_calls_grammar
+from engine.pipeline.constrain import GrammarError, Kind, compile_grammar, forced_calls_grammar
 from engine.pipeline.generate import GenerationRequest
 from engine.pipeline.sampling import SamplingError, SamplingParams
 from engine.serve.errors import APIError
 from engine.serve.options import ServeOptions
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, template_message
-from engine.serve.tool_calls import HermesCalls, parser_for
+from engine.serve.tool_calls import parser_for
 from engine.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -174,20 +174,22 @@ class RequestTranslation:
         named function (that one, once), in the call format the model's template teaches."""
         assert self.lm is not None and r.tools
         fmt = parser_for(self.lm.chat.template)
-        if not isinstance(fmt, HermesCalls):  # the grammar writes Hermes calls
+        tools = [t.model_dump(exclude_none=True) for t in r.tools]
+        several = r.parallel_tool_calls is not False
+        if isinstance(r.tool_choice, NamedToolChoice):
+            tools = [t for t in tools if t["function"]["name"] == r.tool_choice.function.name]
+            several = False
+        grammar = forced_calls_grammar(fmt.name, tools, several) if fmt is not None else None
+        if grammar is None:
             taught = f"teaches the {fmt.name} format" if fmt is not None else "teaches no tool-call format"
             raise APIError(
                 400,
-                "tool_choice required or a named function is forced in the Hermes/Qwen format (<tool_call>{json}"
-                f"</tool_call>), and this model's chat template {taught}: use tool_choice auto",
+                "tool_choice required or a named function is forced in the Hermes/Qwen, Qwen3-Coder, GLM-4.5 and "
+                f"Mistral formats, and this model's chat template {taught}: use tool_choice auto",
                 code="invalid_value",
                 param="tool_choice",
             )
-        tools = [t.model_dump(exclude_none=True) for t in r.tools]
-        if isinstance(r.tool_choice, NamedToolChoice):
-            tools = [t for t in tools if t["function"]["name"] == r.tool_choice.function.name]
-            return hermes_calls_grammar(tools, several=False)
-        return hermes_calls_grammar(tools, several=r.parallel_tool_calls is not False)
+        return grammar
 
     def prepare_chat(self, r: ChatCompletionRequest) -> "GenerationRequest":
         """Messages through the model's chat template, then tokens (runs in a thread: templates and long

@@ -1,6 +1,6 @@
 """Constrained decoding (engine/pipeline/constrain.py): a random tiny model, sampling at temperature 1, writes
 output that the grammar admits every time - JSON valid against its schema (checked with the jsonschema package),
-Hermes tool calls whose arguments validate, GBNF and regex grammars - through the Runner and the slots; bad
+tool calls in each format whose arguments validate, GBNF and regex grammars - through the Runner and the slots; bad
 grammars are refused with the reason."""
 
 import json
@@ -10,11 +10,16 @@ import jsonschema
 import pytest
 
 from engine.pipeline.batch import BatchRunner
-from engine.pipeline.constrain import GrammarError, compile_grammar, hermes_calls_grammar
+from engine.pipeline.constrain import (
+    GrammarError,
+    compile_grammar,
+    forced_calls_grammar,
+    hermes_calls_grammar,
+)
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import SamplingParams
-from engine.serve.tool_calls import HermesCalls
+from engine.serve.tool_calls import CallFormat, GlmCalls, HermesCalls, MistralCalls, QwenXmlCalls
 from engine.testing.tiny_models import write_tiny_model
 
 SCHEMA = {
@@ -97,6 +102,26 @@ def test_a_forced_tool_call_always_parses_and_its_arguments_validate(tiny: objec
         jsonschema.validate(json.loads(call.arguments), params[call.name])
         names.add(call.name)
     assert names == set(params)
+
+
+@pytest.mark.parametrize("fmt", [MistralCalls(), QwenXmlCalls(), GlmCalls()], ids=lambda f: f.name)
+def test_a_forced_call_in_each_format_parses_with_that_formats_reader(tiny: object, fmt: CallFormat) -> None:
+    """The forced-call grammar of each format a template can teach: what a random model writes under it is read
+    back by that format's parser as one call whose arguments validate against the tool's schema."""
+    grammar = compile_grammar("lark", forced_calls_grammar(fmt.name, TOOLS, several=False), tiny.tokenizer)  # type: ignore[attr-defined]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    names = set()
+    for text in _outputs(tiny, grammar, SEEDS // 4):
+        parsed = fmt.parse(text, params)
+        assert len(parsed.calls) == 1 and not parsed.content, text
+        call = parsed.calls[0]
+        jsonschema.validate(json.loads(call.arguments), params[call.name])
+        names.add(call.name)
+    assert names == set(params)
+
+
+def test_formats_without_a_forced_call_grammar_say_so() -> None:
+    assert forced_calls_grammar("harmony", TOOLS, several=False) is None
 
 
 def test_gbnf_and_regex_grammars(tiny: object) -> None:
