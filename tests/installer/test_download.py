@@ -340,7 +340,9 @@ def test_server_without_ranges(tmp_path: Path, hub: Hub, fast_options: DownloadO
     small, big = blob(60 * KIB, 15), blob(600 * KIB, 16)
     hub.add(REPO, "small.gguf", small, ranges=False)
     hub.add(REPO, "big.gguf", big, ranges=False)
-    hub.add(REPO, "cut.gguf", big, ranges=False, drops=[250 * KIB] * 6)  # the parts' first GETs, then two cuts
+    hub.add(
+        REPO, "cut.gguf", big, ranges=False, drops=[250 * KIB] * 6
+    )  # the parts' first GETs, then two cuts
     (path,) = make(tmp_path, hub, fast_options).download(hub_files(REPO, ["small.gguf"], endpoint=hub.url))
     assert path.read_bytes() == small  # one part from byte 0: a plain 200 is the whole file
     # a file planned in parts goes on over one connection once the server answers a range with the whole file
