@@ -234,9 +234,7 @@ class EngineController(QObject):
     def _launch(self, flags: list[str]) -> None:
         """Start the engine process (`flags`: what the worker PCs' stages need of it)."""
         if self.stages is not None:
-            for w in self.stages.started:
-                self._append_log(f"[app] {w.get('node')}: stage worker {w.get('id')} on port {w.get('port')}")
-            for line in self.stages.warnings:
+            for line in self.stages.lines():
                 self._append_log(f"[app] {line}")
         cmd = [*self.command(), *flags]
         # the program's name, not its folder: the log is for reading and for bug reports

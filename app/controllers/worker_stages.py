@@ -61,6 +61,11 @@ class WorkerStages(QObject):
         else:
             go()
 
+    def lines(self) -> list[str]:
+        """For the engine's log: each worker started (its PC, id and port), then the warnings (clocks not locked)."""
+        out = [f"{w.get('node')}: stage worker {w.get('id')} on port {w.get('port')}" for w in self.started]
+        return out + self.warnings
+
     def stop(self, wait_ms: int = 0) -> None:
         """Stop the workers started for the engine (in the background; with `wait_ms`, wait that long for each)."""
         started, self.started = self.started, []
