@@ -2,6 +2,7 @@
 it creates carries this process's id in its name and is removed on close; nothing else is touched."""
 
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass
 
@@ -38,7 +39,10 @@ class Peer:
         return peer
 
     def shape(self, *netem: str) -> bool:
-        """netem on both ends (e.g. "delay", "2ms", "0.5ms"); False where the kernel has no netem."""
+        """netem on both ends (e.g. "delay", "2ms", "0.5ms"); False where the kernel has no netem or `tc` is not
+        on PATH (iproute2 puts it in /usr/sbin, which a user's PATH may lack)."""
+        if shutil.which("tc") is None:
+            return False
         for args in (["tc", "qdisc", "replace", "dev", self.host_if, "root", "netem", *netem],
                      ["ip", "netns", "exec", self.ns, "tc", "qdisc", "replace", "dev", self.peer_if, "root", "netem",
                       *netem]):  # fmt: skip
@@ -49,6 +53,8 @@ class Peer:
 
     def rate(self, rate: str) -> bool:
         """A rate limit on both ends with tbf (e.g. "1gbit")."""
+        if shutil.which("tc") is None:
+            return False
         for dev, pre in ((self.host_if, []), (self.peer_if, ["ip", "netns", "exec", self.ns])):
             args = [*pre, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb",
                     "latency", "20ms"]  # fmt: skip

@@ -56,7 +56,7 @@ def test_tokens_identical_through_a_shaped_link(
     model: Path, peer: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not peer.shape("delay", "2ms", "0.5ms", "loss", "1%", "reorder", "1%"):  # type: ignore[attr-defined]
-        pytest.skip("netem: this kernel has no sch_netem qdisc")
+        pytest.skip("netem: no tc on PATH, or this kernel has no sch_netem qdisc")
     monkeypatch.setenv("STRATA_STAGE_TOKEN", TOKEN)
     w = _worker_in(peer, model, 3)
     try:
