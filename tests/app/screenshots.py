@@ -310,19 +310,8 @@ def _wizard_shots(out: Path, wait: Any, tmp: Path) -> None:
         models_dir=lambda: tmp / "models",
         config_dir=tmp / "config",
     )
-    from app.ui.wizard import SetupWizard
 
-    wizard = SetupWizard(ctl)
-    wizard.show()
-    wait(3, lambda: not ctl.probing)
-    wait(0.3)
-    wizard.grab().save(str(out / "wizard-1-gpus.png"))
-    wizard.next()
-    for i in range(wizard.model_page.list.count()):
-        if wizard.model_page.list.item(i).data(256) == entry:
-            wizard.model_page.list.setCurrentRow(i)
-    wait(0.3)
-    wizard.grab().save(str(out / "wizard-2-model.png"))
+    wizard = _first_two_pages(ctl, out, wait, "", entry)
     wizard.next()
     wait(2.5)
     wizard.grab().save(str(out / "wizard-3-download.png"))
@@ -341,7 +330,6 @@ def _cpu_only_shots(out: Path, wait: Any, tmp: Path) -> None:
     """What a PC without an NVIDIA card sees: the wizard's first page (the CPU mode offered) and the model list
     with each model's fit in 24 GiB of RAM, the first offered one that fits."""
     from app.controllers.wizard import WizardController
-    from app.ui.wizard import SetupWizard
     from installer.gpus import ProbeResult
 
     ctl = WizardController(
@@ -350,15 +338,26 @@ def _cpu_only_shots(out: Path, wait: Any, tmp: Path) -> None:
         config_dir=tmp / "config-cpu",
         ram_bytes=lambda: 24 * 1024**3,
     )
+    _first_two_pages(ctl, out, wait, "-cpu").close()
+
+
+def _first_two_pages(ctl: Any, out: Path, wait: Any, suffix: str, entry: str | None = None) -> Any:
+    """The wizard's GPU page and model page (with `entry` chosen, else the first offered) as wizard-1-gpus and
+    wizard-2-model (+ `suffix`) -> the wizard, on its model page."""
+    from app.ui.wizard import SetupWizard
+
     wizard = SetupWizard(ctl)
     wizard.show()
     wait(3, lambda: not ctl.probing)
     wait(0.3)
-    wizard.grab().save(str(out / "wizard-1-gpus-cpu.png"))
+    wizard.grab().save(str(out / f"wizard-1-gpus{suffix}.png"))
     wizard.next()
-    wait(0.5)
-    wizard.grab().save(str(out / "wizard-2-model-cpu.png"))
-    wizard.close()
+    for i in range(wizard.model_page.list.count()):
+        if entry is not None and wizard.model_page.list.item(i).data(256) == entry:
+            wizard.model_page.list.setCurrentRow(i)
+    wait(0.3)
+    wizard.grab().save(str(out / f"wizard-2-model{suffix}.png"))
+    return wizard
 
 
 if __name__ == "__main__":
