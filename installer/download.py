@@ -442,9 +442,8 @@ class Downloader:
             else None
         )
         expected = remote.sha256.lower() if remote.sha256 else hub_sha
-        if (
-            expected is None
-        ):  # no hash in the headers (not an LFS file, or a mirror): the hub's API may know it
+        if expected is None:
+            # no hash in the headers (not an LFS file, or a mirror): the hub's API may know it
             expected = self._api_sha256(session, remote)
         if remote.sha256 and hub_sha and remote.sha256.lower() != hub_sha:
             raise DownloadError(

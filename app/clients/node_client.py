@@ -319,9 +319,8 @@ class NodeClient(QObject):
     def refresh_agents(self, discover_s: float | None = 2.0) -> None:
         """Paired PCs with their health, and (unless `discover_s` is None) agents advertised on the LAN: an mDNS
         query on the local network; `agentsChanged` when both answered."""
-        if (
-            self.refreshing
-        ):  # asked again meanwhile (a pairing just ended): once this one ends, with fresh answers
+        if self.refreshing:
+            # asked again meanwhile (a pairing just ended): once this one ends, with fresh answers
             self._again = (discover_s,)
             return
         self.refreshing = True

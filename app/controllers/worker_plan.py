@@ -105,8 +105,10 @@ class WorkerPlanController(QObject):
         self.replan()
 
     def chosen_cards(self) -> list[PcCard]:
-        by_key = {c.key: c.card for c in self.choices()}
-        return [by_key[k] for k in self._chosen_keys(self.choices()) if k in by_key]
+        """The ticked cards in stage order (this PC's first, then the worker PCs as they were ticked)."""
+        choices = self.choices()
+        by_key = {c.key: c.card for c in choices}
+        return [by_key[k] for k in self._chosen_keys(choices)]
 
     # -- the plan ----------------------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 their health, agents found on the LAN, pairing by address + code + fingerprint, include / exclude)."""
 
 import html
+from pathlib import Path
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QFontDatabase
@@ -205,7 +206,7 @@ class WorkersPage(QWidget):
             return
         model = plan.model_path()
         self.plan_model.setText(
-            f"Model: <b>{html.escape(model.replace(chr(92), '/').rsplit('/', 1)[-1]) if model else 'the built-in one'}</b>"
+            f"Model: <b>{html.escape(Path(model).name) if model else 'the built-in one'}</b>"
             " · tick this PC's card and one card on each worker PC that should run the later layers."
         )
         self._filling = True

@@ -517,9 +517,8 @@ class Agent:
             self._new_code()
         assert self.code is not None
         now = time.monotonic()
-        if (
-            now < self.pair_after
-        ):  # refused unchecked: a guess costs the guesser the wait, not the user the code
+        if now < self.pair_after:
+            # refused unchecked: a guess costs the guesser the wait, not the user the code
             raise wire.WireError(
                 f"too many wrong pairing codes: try again in {self.pair_after - now:.0f} s (the code this agent "
                 "shows stays valid)",

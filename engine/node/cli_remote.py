@@ -155,9 +155,8 @@ def cmd_ship(args: argparse.Namespace) -> int:
 
     def progress(done: int, total: int) -> None:
         pct = done * 100 // max(total, 1)
-        if (
-            args.json and pct != last[0]
-        ):  # a JSON line per percent, before the answer (the app's progress bar)
+        if args.json and pct != last[0]:
+            # a JSON line per percent, before the answer (the app's progress bar)
             last[0] = pct
             print(json.dumps({"ok": True, "progress": {"done": done, "total": total}}), flush=True)
         elif not args.json and pct != last[0] and (pct % 5 == 0 or done == total):
