@@ -41,14 +41,16 @@ def start_server(model: Path, args: list[str], log: Path | None = None) -> tuple
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     assert proc.stderr is not None
     sink = log.open("w") if log is not None else None
+    seen: list[str] = []
     for line in proc.stderr:
+        seen = [*seen[-19:], line]
         if sink is not None:
             sink.write(line)
         if "listening on http://" in line:
             url = line.split("listening on ", 1)[1].split()[0]
             break
     else:
-        raise SystemExit("the server did not start")
+        raise SystemExit("the server did not start; its last lines:\n" + "".join(seen))
 
     def drain() -> None:
         for line in proc.stderr:  # type: ignore[union-attr]

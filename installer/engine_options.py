@@ -196,7 +196,7 @@ class RuntimeSwitches:
     norm_route: bool = True
     prompt_graphs: bool = True
     gemv_tuned: str | None = None
-    rows_gemm: bool = False  # off until measured against the GEMV on a card (bench/rows_bench.py)
+    rows_gemm: bool = False  # measured slower than the GEMV at 2-16 rows on an H200 (bench/results/rows-gemm-vs-gemv-h200.json)
 
 
 # --cpu-weights-mib's automatic budget: a quarter of the RAM, at most 8 GiB (a small default model fits whole; a big

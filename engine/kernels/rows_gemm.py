@@ -71,7 +71,7 @@ def _rows_gemm_kernel(
 
 def takes(qtype: QT, k: int, rows: int) -> bool:
     """Whether a product of `rows` activation rows with a weight of this block type and row length runs here:
-    with STRATA_ROWS_GEMM=1 (off by default until bench/rows_bench.py has measured it against the GEMV)."""
+    with STRATA_ROWS_GEMM=1 (off by default: slower than the GEMV at 2-16 rows on an H200, bench/rows_bench.py)."""
     return rows in ROWS and decodes(qtype, k) and runtime_switches().rows_gemm
 
 
