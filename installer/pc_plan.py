@@ -149,3 +149,21 @@ def agent_cards(name: str, host: str, agent_port: int, gpus: Sequence[Mapping[st
             continue  # an entry without its VRAM cannot be planned with
         out.append(PcCard(name, gpu, host, agent_port))
     return out
+
+
+def tune_splits(plan: PcPlan, shifts: int = 2) -> list[tuple[int, ...]]:
+    """The splits the tuner measures for `plan` (strata-node tune --split): the plan's own first, then each
+    boundary moved `shifts` times by a step of about 1/16 of the layers either way, keeping every PC at least one
+    layer. The placement prices memory; the tuner measures speed around it."""
+    own = tuple(s.begin for s in plan.stages[1:])
+    step = max(1, plan.layers // 16)
+    out = [own]
+    for i in range(len(own)):
+        for k in range(1, shifts + 1):
+            for sign in (-1, 1):
+                b = list(own)
+                b[i] += sign * k * step
+                edges = [0, *b, plan.layers]
+                if all(edges[j] < edges[j + 1] for j in range(len(edges) - 1)) and tuple(b) not in out:
+                    out.append(tuple(b))
+    return out

@@ -57,6 +57,8 @@ class AgentInfo:
     """The agent's control port (its stage workers listen from port + 10)."""
     cards: tuple[dict, ...] = field(default=())
     """The agent's GPU entries (`status --json`: index, name, vram_total, vram_free, ...), for planning."""
+    os: str = ""
+    """The worker PC's operating system as its agent reports it ("Windows", "Linux"; "" when unknown)."""
 
 
 def agents_from(status: dict, discovered: dict) -> list[AgentInfo]:
@@ -80,6 +82,7 @@ def agents_from(status: dict, discovered: dict) -> list[AgentInfo]:
                 host=str(n.get("host") or ""),
                 port=int(n.get("port") or 0),
                 cards=tuple(g for g in ((n.get("gpu") or {}).get("gpus") or []) if isinstance(g, dict)),
+                os=str((n.get("pc") or {}).get("os") or ""),
             )
         )
     for a in discovered.get("agents") or []:
@@ -377,7 +380,9 @@ class NodeClient(QObject):
         proc.finished.connect(self._on_stream_finished)
         proc.errorOccurred.connect(self._on_stream_error)
         self._streams[proc] = _Stream(on_line, on_end)
-        proc.start(cmd[0], [*cmd[1:], *args, "--json"])
+        # --json before a "--" (tune's worker flags after it take every word that follows)
+        cut = args.index("--") if "--" in args else len(args)
+        proc.start(cmd[0], [*cmd[1:], *args[:cut], "--json", *args[cut:]])
         return proc
 
     def stop_stream(self, proc: QProcess) -> None:

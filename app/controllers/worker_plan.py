@@ -5,6 +5,10 @@ engine's placement) shows each PC's layers and experts in VRAM. "Apply" ships ea
 (`strata-node ship`, resumable, verified by SHA-256, a progress line per percent), writes the config with its
 "workers", and hands the config to the app, which restarts the engine: the engine controller starts the stages
 on the worker PCs first (app/controllers/worker_stages.py). "Stop using worker PCs" writes the config without them.
+
+With `tune` on, Apply runs the tuner instead of the plain copy (`strata-node tune --json`: it ships each worker PC
+the layers of every split it tries, then measures the plan's split and its neighbours with the tuner's workload),
+shows its progress and log, and keeps its report; the config it writes holds the fastest split.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from app.clients.node_client import AgentInfo, NodeClient
 from app.controllers.nodes import NodesController
 from installer.config import ConfigError, StrataConfig, config_path, read_config, write_config
 from installer.gguf_geometry import GeometryError, file_geometry
-from installer.pc_plan import PcCard, PcPlan, PlanError, agent_cards, plan_pcs
+from installer.pc_plan import PcCard, PcPlan, PlanError, agent_cards, plan_pcs, tune_splits
 from installer.placement import MIN_CC
 from installer.recommend import ModelGeometry
 
@@ -42,6 +46,8 @@ class WorkerPlanController(QObject):
     changed = Signal()
     applied = Signal(str)
     """The config that was written (its path): the engine is to be restarted on it."""
+    tuned = Signal(str)
+    """The tuner's report (its path), once a tuning run has ended."""
 
     def __init__(
         self,
@@ -51,6 +57,7 @@ class WorkerPlanController(QObject):
         config: Callable[[], str],
         context: Callable[[], int] = lambda: 0,
         on_cpu: Callable[[], bool] = lambda: False,
+        tune_args: list[str] | None = None,
         parent: QObject | None = None,
     ) -> None:
         super().__init__(parent)
@@ -71,6 +78,20 @@ class WorkerPlanController(QObject):
         self._ship: QProcess | None = None
         self._ship_ok = False
         self._plan_applied: PcPlan | None = None
+        self.tune = False
+        """Apply measures splits around the plan first (the tuner) and keeps the fastest."""
+        self.tune_args = list(tune_args or [])
+        """More `strata-node tune` flags: its workload (--chunk, --mix, --answer-tokens), then -- and worker flags."""
+        self.tune_shifts = 2
+        """How far each boundary moves either way among the splits measured (installer.pc_plan.tune_splits)."""
+        self.tune_log: list[str] = []
+        self.report = ""
+        """The last tuning run's report (a Markdown file), "" before one."""
+        self.warnings: list[str] = []
+        """The last tuning run's warnings (a Windows worker PC whose clocks are not locked, ...)."""
+        self._tune_result: dict = {}
+        self.clock_notes: dict[tuple[str, int], str] = {}
+        """Per card (host, index): what the last clock lock said."""
         nodes.changed.connect(self.replan)
 
     # -- what can be chosen ------------------------------------------------------------------------------------
@@ -171,8 +192,72 @@ class WorkerPlanController(QObject):
         self._steps = [(agents[(s.card.host, s.card.gpu.index)], s.begin, s.end) for s in plan.stages[1:]]  # type: ignore[misc]
         self._plan_applied = plan
         self.problem = ""
-        self._next_step()
+        if self.tune:
+            self._start_tuner(plan, [a for a, _, _ in self._steps])
+        else:
+            self._next_step()
         return True
+
+    def _start_tuner(self, plan: PcPlan, agents: list[AgentInfo]) -> None:
+        """The plan's config first (the tuner keeps its card, KV type and flags), then `strata-node tune`."""
+        self._steps = []
+        target = self._target()
+        try:
+            write_config(plan.config(self.model_path(), self._read_config(), self._on_cpu()), target)
+        except (ConfigError, OSError) as e:
+            self._fail(f"the config {target} could not be written ({e})")
+            return
+        args = [
+            "tune",
+            "--model",
+            self.model_path(),
+            "--config",
+            str(target),
+            "--max-context",
+            str(plan.context),
+        ]
+        for a in agents:
+            args += ["--node", a.fingerprint or a.name]
+        for split in tune_splits(plan, self.tune_shifts):
+            args += ["--split", ",".join(map(str, split))]
+        if self._on_cpu():
+            args += ["--device", "cpu"]
+        self.tune_log, self.report, self.warnings = [], "", []
+        self.busy, self.percent = "Measuring the splits…", 0
+        self._tune_result = {}
+        self.changed.emit()
+        self._ship = self.client.stream_json(args + self.tune_args, self._on_tune_line, self._on_tune_end)
+
+    def _on_tune_line(self, data: dict) -> None:
+        if isinstance(data.get("log"), str):
+            self.tune_log.append(data["log"])
+            if len(self.tune_log) > 500:
+                del self.tune_log[:100]
+        p = data.get("progress")
+        if isinstance(p, dict) and p.get("total"):
+            pct = int(p.get("done", 0)) * 100 // max(int(p["total"]), 1)
+            if p.get("what") == "ship":
+                self.busy = "Sending the layers the splits need…"
+            else:
+                self.busy = f"Measuring the splits ({p.get('done')} of {p.get('total')} measurements)…"
+            self.percent = pct
+        if "best_split" in data:
+            self._tune_result = data
+        self.changed.emit()
+
+    def _on_tune_end(self, message: str) -> None:
+        self._ship = None
+        res = self._tune_result
+        self.report = str(res.get("report") or "")
+        self.warnings = [str(w) for w in res.get("warnings") or []]
+        if self.report:
+            self.tuned.emit(self.report)
+        if not res.get("best_split") or not res.get("config"):
+            self._fail(f"tuning failed: {message}" + (f" (report: {self.report})" if self.report else ""))
+            return
+        self.busy, self.percent = "", -1
+        self.changed.emit()
+        self.applied.emit(str(res["config"]))
 
     def _next_step(self) -> None:
         if not self._steps:
@@ -211,7 +296,7 @@ class WorkerPlanController(QObject):
         if self._ship is not None:
             self.client.stop_stream(self._ship)
             self._ship = None
-            self._fail("cancelled: Apply again to continue where the copy stopped")
+            self._fail("cancelled: Apply again to continue where it stopped (layers already sent are kept)")
 
     def _write(self, plan: PcPlan | None) -> None:
         """The config with the plan's workers (None: without workers), then `applied`."""
@@ -221,7 +306,7 @@ class WorkerPlanController(QObject):
             cfg = dataclasses.replace(base, model=model, workers=()) if base else StrataConfig(model=model)
         else:
             cfg = plan.config(model, base, self._on_cpu())
-        target = Path(self._config()) if self._config() else config_path(model)
+        target = self._target()
         try:
             path = write_config(cfg, target)
         except (ConfigError, OSError) as e:
@@ -230,6 +315,40 @@ class WorkerPlanController(QObject):
         self.busy, self.percent = "", -1
         self.changed.emit()
         self.applied.emit(str(path))
+
+    # -- Windows worker PCs' clocks ----------------------------------------------------------------------------
+
+    def windows_cards(self) -> list[CardChoice]:
+        """The ticked cards on worker PCs that run Windows: Windows lowers an idle GPU's clocks between decode
+        steps, so these are flagged with a one-click lock."""
+        return [
+            c
+            for c in self.choices()
+            if c.chosen and c.agent is not None and c.agent.os.lower().startswith("windows")
+        ]
+
+    def lock_clocks(self, choice: CardChoice) -> None:
+        """Lock that card's clocks through its agent (`strata-node clocks NODE --lock`); `clock_notes` then says
+        how it went (the agent needs administrator rights; the note says so where it has none)."""
+        agent = choice.agent
+        if agent is None:
+            return
+        key = choice.key
+        self.clock_notes[key] = "locking…"
+        self.changed.emit()
+
+        def done(data: dict) -> None:
+            self.clock_notes[key] = str((data.get("clocks") or {}).get("detail") or "locked")
+            self.changed.emit()
+
+        def failed(message: str) -> None:
+            self.clock_notes[key] = message if "NOT locked" in message else f"NOT locked: {message}"
+            self.changed.emit()
+
+        self.client.set_clocks(agent.fingerprint or agent.name, choice.card.gpu.index, True, done, failed)
+
+    def _target(self) -> Path:
+        return Path(self._config()) if self._config() else config_path(self.model_path())
 
     def stop_using(self) -> None:
         """Run the model on this PC alone again: the config without its workers (`applied`)."""

@@ -8,6 +8,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import (
     QCheckBox,
+    QDialog,
+    QDialogButtonBox,
     QGroupBox,
     QHBoxLayout,
     QLabel,
@@ -17,6 +19,7 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QProgressBar,
     QPushButton,
+    QTextBrowser,
     QVBoxLayout,
     QWidget,
 )
@@ -165,6 +168,23 @@ class WorkersPage(QWidget):
         self.plan_progress.setRange(0, 100)
         self.plan_progress.hide()
         lay.addWidget(self.plan_progress)
+        self.tune_check = QCheckBox(
+            "Measure splits around this one first (the tuner; minutes) and keep the fastest"
+        )
+        self.tune_check.setToolTip(
+            "Apply then runs strata-node tune: it sends the worker PCs the layers every split it tries needs, "
+            "measures prompts and answers on each, writes the fastest split into the config and a report"
+        )
+        self.tune_check.toggled.connect(lambda on: setattr(plan, "tune", on))
+        lay.addWidget(self.tune_check)
+        self.tune_view = QPlainTextEdit()
+        self.tune_view.setReadOnly(True)
+        self.tune_view.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
+        self.tune_view.setMaximumHeight(120)
+        self.tune_view.hide()
+        lay.addWidget(self.tune_view)
+        self.clock_flags = QVBoxLayout()
+        lay.addLayout(self.clock_flags)
         row = QHBoxLayout()
         self.apply_button = QPushButton("Apply")
         self.apply_button.setToolTip(
@@ -177,9 +197,14 @@ class WorkersPage(QWidget):
         self.unuse_button = QPushButton("Stop using worker PCs")
         self.unuse_button.setToolTip("Runs the model on this PC alone again (the config without its workers)")
         self.unuse_button.clicked.connect(plan.stop_using)
+        self.report_button = QPushButton("Tuning report")
+        self.report_button.setToolTip("The last tuning run's measurements and the split it chose")
+        self.report_button.clicked.connect(self.show_report)
+        self.report_button.hide()
         row.addWidget(self.apply_button)
         row.addWidget(self.cancel_button)
         row.addWidget(self.unuse_button)
+        row.addWidget(self.report_button)
         row.addStretch(1)
         lay.addLayout(row)
         self.plan_problem = QLabel()
@@ -187,6 +212,7 @@ class WorkersPage(QWidget):
         self.plan_problem.setStyleSheet("color: #b00020;")
         lay.addWidget(self.plan_problem)
         plan.changed.connect(self._refresh_plan)
+        plan.tuned.connect(lambda _path: self.show_report())
         self._refresh_plan()
         return box
 
@@ -243,6 +269,80 @@ class WorkersPage(QWidget):
         self.unuse_button.setEnabled(plan.using_workers() and not busy)
         text = plan.problem
         self.plan_problem.setText(text[:1].upper() + text[1:] if text else "")
+        self.tune_check.setEnabled(not busy)
+        text = "\n".join(plan.tune_log)
+        if text != self.tune_view.toPlainText():
+            self.tune_view.setPlainText(text)
+            self.tune_view.verticalScrollBar().setValue(self.tune_view.verticalScrollBar().maximum())
+        self.tune_view.setVisible(bool(plan.tune_log))
+        self.report_button.setVisible(bool(plan.report))
+        self._refresh_clock_flags()
+
+    def _refresh_clock_flags(self) -> None:
+        """A line and a Lock button per ticked card on a Windows worker PC (and the tuner's warnings)."""
+        plan = self.plan
+        assert plan is not None
+        while self.clock_flags.count():
+            item = self.clock_flags.takeAt(0)
+            w = item.widget() if item is not None else None
+            if w is None and item is not None and item.layout() is not None:
+                lay = item.layout()
+                while lay.count():
+                    sub = lay.takeAt(0).widget()
+                    if sub is not None:
+                        sub.deleteLater()
+                lay.deleteLater()
+            elif w is not None:
+                w.deleteLater()
+        for c in plan.windows_cards():
+            note = plan.clock_notes.get(c.key, "")
+            row = QHBoxLayout()
+            label = QLabel(
+                f"⚠ {html.escape(c.card.label)} runs Windows, which lowers an idle GPU's clocks between decode steps: "
+                "lock them for steady speed." + (f" <i>{html.escape(note)}</i>" if note else "")
+            )
+            label.setWordWrap(True)
+            row.addWidget(label, 1)
+            if not note.startswith("locked"):
+                button = QPushButton("Lock clocks")
+                button.setToolTip(
+                    "strata-node clocks NODE --lock: the agent there needs administrator rights"
+                )
+                button.clicked.connect(lambda _=False, c=c: plan.lock_clocks(c))
+                row.addWidget(button)
+            self.clock_flags.addLayout(row)
+        for w in plan.warnings:
+            label = QLabel(html.escape(w))
+            label.setWordWrap(True)
+            label.setStyleSheet("color: #8a5a00;")
+            self.clock_flags.addWidget(label)
+
+    def show_report(self) -> QDialog | None:
+        """The last tuning report in a dialog (Markdown as text), or None when there is none to read."""
+        if self.plan is None or not self.plan.report:
+            return None
+        try:
+            text = Path(self.plan.report).read_text(encoding="utf-8")
+        except OSError as e:
+            self.plan_problem.setText(f"The tuning report {self.plan.report} cannot be read ({e})")
+            return None
+        dialog = QDialog(self)
+        dialog.setWindowTitle("Tuning report")
+        dialog.resize(820, 520)
+        lay = QVBoxLayout(dialog)
+        view = QTextBrowser()
+        view.setMarkdown(text)
+        lay.addWidget(view)
+        where = QLabel(f"Saved as {html.escape(self.plan.report)}")
+        where.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        lay.addWidget(where)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
+        buttons.rejected.connect(dialog.reject)
+        lay.addWidget(buttons)
+        dialog.setModal(False)
+        dialog.show()
+        self.report_dialog = dialog
+        return dialog
 
     def _on_autostart(self, on: bool) -> None:
         if on != self.nodes.autostart_on:

@@ -231,6 +231,7 @@ class Tuner:
         device: str = "auto",
         dtype: str = "auto",
         base: Any = None,
+        progress: Any = None,
     ) -> None:
         if not nodes:
             raise TuneError(
@@ -244,6 +245,8 @@ class Tuner:
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.device, self.dtype = device, dtype
         self.base = base  # the model's config before tuning: its cards, KV type and args are kept
+        # progress(what, done, total): "ship" in bytes per worker PC, "measure" in measurements of the whole run
+        self.progress = progress or (lambda what, done, total: None)
 
         with GGUFFile.open(self.model) as gf:
             arch = gf.architecture
@@ -305,7 +308,10 @@ class Tuner:
             layout = ShardLayout(self.model, begin, end)
             self.log(f"tune: {node.rec.name} needs layers {begin}-{end - 1} ({layout.size / 2**30:.2f} GiB)")
             try:
-                res = ship(node.client, self.model, begin, end, layout=layout)
+                res = ship(
+                    node.client, self.model, begin, end, layout=layout,
+                    progress=lambda done, total: self.progress("ship", done, total),
+                )  # fmt: skip
             except NodeError as exc:
                 raise TuneError(f"shipping layers to {node.rec.name} failed: {exc}") from None
             node.model = res.name
@@ -358,11 +364,19 @@ class Tuner:
                             )
                     rows.append(row)
                     self.log(_row_text(row))
+                    self._step()
         finally:
             main.close()
         return rows
 
+    def _step(self) -> None:
+        self._done += 1
+        self.progress("measure", self._done, self._total)
+
     def run(self, config_path: Path | None = None, report_path: Path | None = None) -> TuneResult:
+        self._total = len(self.splits) * len(self.chunks) * len(self.mix)
+        self._done = 0
+        self.progress("measure", 0, self._total)
         nodes = self._connect()
         try:
             self._ship(nodes)
@@ -385,6 +399,8 @@ class Tuner:
                 finally:
                     for problem in stop_chain(nodes):
                         self.log(f"tune: {problem}")
+                self._done = len(self.measurements)  # a split that failed counts as measured
+                self.progress("measure", self._done, self._total)
             scores: dict[str, float] = {}
             best: tuple[float, tuple[int, ...], int] | None = None
             for split in self.splits:
@@ -527,6 +543,26 @@ def _parse_mix(text: str) -> list[tuple[int, float]]:
     return out
 
 
+def _json_out(key: str) -> Any:
+    return lambda value: print(json.dumps({"ok": True, key: value}), flush=True)
+
+
+def _json_progress_lines() -> Any:
+    """progress(what, done, total) printing a JSON line each time its percent changes (shipping calls it per
+    chunk)."""
+    last: dict[str, int] = {}
+
+    def progress(what: str, done: int, total: int) -> None:
+        pct = done * 100 // max(total, 1)
+        if last.get(what) != pct or done == 0:
+            last[what] = pct
+            print(
+                json.dumps({"ok": True, "progress": {"what": what, "done": done, "total": total}}), flush=True
+            )
+
+    return progress
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     reg = NodeRegistry()
     nodes = [reg.find(n) for n in args.node] if args.node else [n for n in reg.load() if n.included]
@@ -559,6 +595,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         base=base,
+        # --json (the app): each log line and the progress as JSON lines on stdout, before the answer
+        log=_json_out("log") if args.json else None,
+        progress=_json_progress_lines() if args.json else None,
     )
     res = tuner.run(target, Path(args.report) if args.report else None)
     data = {
@@ -571,7 +610,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         "measurements": [asdict(m) for m in res.measurements],
     }
     if args.json:
-        print(json.dumps({"ok": res.best_split is not None, **data}))
+        failed = (
+            {}
+            if res.best_split
+            else {"error": f"no split could be measured: the report says why ({res.report_path})"}
+        )
+        print(json.dumps({"ok": res.best_split is not None, **failed, **data}), flush=True)
     else:
         print(res.report_path.read_text(encoding="utf-8") if res.report_path else "")
     return 0 if res.best_split is not None else 1

@@ -1,6 +1,7 @@
 """End to end: a worker PC driven from the main PC's window. A node agent (fake NVML: one RTX 2080 Ti) runs as the
-second PC, in a network namespace joined to this one by a veth pair (root only), and on loopback. From the app: pair, tick its card, see the plan, Apply (ship the layers, write the config, start the stage
-worker, restart the engine), chat through the remote stage; the worker PC goes away (its agent stopped) and the
+second PC, in a network namespace joined to this one by a veth pair (root only), and on loopback. From the app: pair,
+tick its card, see the plan, Apply (ship the layers, write the config, start the stage worker, restart the engine;
+on loopback with the tuner measuring three splits first), chat through the remote stage; the worker PC goes away (its agent stopped) and the
 window says so with the address; it comes back and the engine rejoins it by itself."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from PySide6.QtWidgets import QTextBrowser
 from pytestqt.qtbot import QtBot
 
 from app.application import StrataApp
@@ -146,26 +148,51 @@ def test_a_worker_pc_from_pairing_to_a_chat_through_it_and_back_after_it_went_aw
         assert plan.stages[1].card.pc == "pc2" and plan.stages[1].end == 8
         assert page.apply_button.isEnabled() and page.plan_picture.segments[1].title.startswith("pc2 GPU 0")
 
-        # Apply: the layers are shipped, the config written with the worker, the engine started with its stage
-        page.apply_button.click()
-        qtbot.waitUntil(lambda: app.engine.state in (EngineState.READY, EngineState.CRASHED), timeout=180_000)
-        assert app.engine.state == EngineState.READY, "\n".join(app.engine.log_tail())
-        cfg = read_config(Path(app.settings.config))
+        # Apply: the layers are shipped, the config written with the worker, the engine started with its stage.
+        # On loopback Apply runs the tuner first (its progress and log in the window, its report in a dialog).
+        tune = host == "127.0.0.1"
         k = plan.stages[1].begin
-        assert [(w.host, w.port, w.begin, w.end) for w in cfg.workers] == [(host, port + 10, k, 8)]
+        if tune:
+            page.tune_check.setChecked(True)
+            app.plan.tune_shifts = 1  # the plan's split and one layer either way
+            app.plan.tune_args = ["--chunk", "32", "--mix", "24:1", "--answer-tokens", "2"]
+        page.apply_button.click()
+        if tune:
+            qtbot.waitUntil(lambda: "Measuring" in app.plan.busy or bool(app.plan.problem), timeout=30_000)
+            assert page.plan_progress.isVisibleTo(page) or app.plan.problem, app.plan.problem
+        qtbot.waitUntil(lambda: app.engine.state in (EngineState.READY, EngineState.CRASHED), timeout=240_000)
+        assert app.engine.state == EngineState.READY, "\n".join(app.engine.log_tail()) + app.plan.problem
+        cfg = read_config(Path(app.settings.config))
         assert saved[-1].config == app.settings.config and not app.settings.model
         files = subprocess.run([sys.executable, "-m", "engine.node.cli", "files", "pc2", "--json"],
                                capture_output=True, text=True, timeout=30, cwd=REPO)  # fmt: skip
-        assert f"tiny-qwen3moe.L{k}-8.gguf" in files.stdout  # the shard, not the whole file
+        if tune:
+            # three splits measured, each once; the fastest is in the config; the shard covers all three
+            report = Path(app.plan.report).read_text(encoding="utf-8")
+            splits = sorted({int(line.split("|")[1]) for line in report.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()})  # fmt: skip
+            assert splits == [k - 1, k, k + 1], report
+            assert "Best: split" in report and page.report_button.isVisibleTo(page)
+            assert (
+                page.report_dialog.isVisible()
+                and "Tuning" in page.report_dialog.findChild(QTextBrowser).toPlainText()
+            )
+            assert any("split" in line for line in app.plan.tune_log) and page.tune_view.isVisibleTo(page)
+            (w,) = cfg.workers
+            assert (w.host, w.begin, w.end) == (host, w.begin, 8) and w.begin in splits
+            assert f"tiny-qwen3moe.L{k - 1}-8.gguf" in files.stdout
+            k = w.begin
+        else:
+            assert [(w.host, w.port, w.begin, w.end) for w in cfg.workers] == [(host, port + 10, k, 8)]
+            assert f"tiny-qwen3moe.L{k}-8.gguf" in files.stdout  # the shard, not the whole file
         health = httpx.get(f"{app.engine.api_url.rsplit('/v1', 1)[0]}/health", timeout=10).json()
-        assert health["remote_stages"] == [{"address": f"{host}:{port + 10}", "status": "ok"}]
+        assert health["remote_stages"] == [{"address": f"{host}:{cfg.workers[0].port}", "status": "ok"}]
 
         chat_once(qtbot, app, "Hello")
 
         # the worker PC goes away: the window says which address and why
         agent.stop()
         qtbot.waitUntil(lambda: app.engine.state == EngineState.DEGRADED, timeout=60_000)
-        assert f"{host}:{port + 10}" in app.engine.message
+        assert f"{host}:{cfg.workers[0].port}" in app.engine.message
         assert app.window.state_label.text().startswith("Degraded")
 
         # it comes back (same key, still paired): the app starts its stage again and the engine rejoins it

@@ -3,8 +3,12 @@ picture, and what is refused with its reason (the flow with a real agent: test_e
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from pathlib import Path
 
+import pytest
+from PySide6.QtWidgets import QLabel, QPushButton
 from pytestqt.qtbot import QtBot
 
 from app.clients.node_client import AgentInfo, NodeClient
@@ -82,3 +86,52 @@ def test_the_built_in_model_cannot_be_spread_and_says_why(qtbot: QtBot) -> None:
     assert (
         page.plan_problem.text().startswith("Choose a model file first") and not page.apply_button.isEnabled()
     )
+
+
+def test_a_windows_worker_pc_is_flagged_with_a_lock_button_that_says_what_happened(
+    qtbot: QtBot, tmp_path: Path
+) -> None:
+    from engine.testing.tiny_models import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "m.gguf", "qwen3moe", qtype="Q8_0", n_layer=8, seed=2)
+    nodes, plan, page = _page(qtbot, str(model))
+    nodes.agents[0] = dataclasses.replace(nodes.agents[0], os="Windows")
+    assert plan.windows_cards() == []  # not ticked yet: nothing to flag
+    page.plan_cards.item(2).setCheckState(page.plan_cards.item(2).checkState().Checked)
+    (win,) = plan.windows_cards()
+    assert win.card.pc == "pc2"
+    flag = _labels(page)
+    assert any("pc2 GPU 0" in t and "runs Windows" in t for t in flag), flag
+    (button,) = [
+        b for b in page.findChildren(QPushButton) if b.text() == "Lock clocks" and b.isVisibleTo(page)
+    ]
+    button.click()  # this client's command is `false`: the lock fails, and the note says so
+    qtbot.waitUntil(lambda: plan.clock_notes.get(win.key, "").startswith("NOT locked"), timeout=10_000)
+    qtbot.waitUntil(lambda: any("NOT locked" in t for t in _labels(page)), timeout=5_000)
+
+
+def _labels(page: WorkersPage) -> list[str]:
+    return [w.text() for w in page.findChildren(QLabel) if w.isVisibleTo(page)]
+
+
+def test_tuning_from_the_window_fails_with_the_tuners_own_reason(
+    qtbot: QtBot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Apply with the tuner against a worker PC that is not paired in this data folder: the real `strata-node tune`
+    refuses, the window shows why, and nothing is left running."""
+    from engine.testing.tiny_models import write_tiny_model
+
+    monkeypatch.setenv("STRATA_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("STRATA_CONFIG_DIR", str(tmp_path / "config"))
+    model = write_tiny_model(tmp_path / "m.gguf", "qwen3moe", qtype="Q8_0", n_layer=8, seed=2)
+    _, plan, page = _page(qtbot, str(model))
+    plan.client = NodeClient([sys.executable, "-m", "engine.node.cli"])
+    page.plan_cards.item(2).setCheckState(page.plan_cards.item(2).checkState().Checked)
+    page.tune_check.setChecked(True)
+    assert plan.tune
+    page.apply_button.click()
+    assert plan.busy.startswith("Measuring") and page.plan_progress.isVisibleTo(page)
+    qtbot.waitUntil(lambda: not plan.busy, timeout=60_000)
+    assert plan.problem.startswith("tuning failed") and "FP2" in plan.problem, plan.problem
+    assert page.plan_problem.text().startswith("Tuning failed") and page.apply_button.isEnabled()
+    assert not page.report_button.isVisible()

@@ -3,6 +3,7 @@ latter checked against the engine's own reading of the same file (engine.pipelin
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from installer.catalog import geometry, load_catalog
 from installer.config import Worker
 from installer.gguf_geometry import GeometryError, file_geometry
 from installer.gpus import GpuInfo
-from installer.pc_plan import PcCard, PlanError, agent_cards, plan_pcs
+from installer.pc_plan import PcCard, PlanError, agent_cards, plan_pcs, tune_splits
 
 GIB = 1024**3
 
@@ -89,3 +90,22 @@ def test_agent_cards_read_the_status_answer_and_skip_entries_without_vram() -> N
         len(cards) == 1 and cards[0].gpu.compute_capability == (7, 5) and cards[0].gpu.vram_free == 10 * GIB
     )
     assert cards[0].label == "pc-b GPU 0 · RTX 2080 Ti" and not cards[0].local
+
+
+def test_the_tuner_measures_the_plans_split_and_its_neighbours() -> None:
+    g = geometry(load_catalog().get("qwen3-30b-a3b-instruct-2507-q4_k_m"))
+    here = PcCard("this PC", _gpu("NVIDIA GeForce RTX 3080", 10))
+    there = PcCard("gpu-box", _gpu("NVIDIA GeForce RTX 2080 Ti", 11), "192.168.1.20", 7460)
+    third = PcCard("old-box", _gpu("NVIDIA GeForce RTX 2070", 8), "192.168.1.21", 7460)
+    plan = plan_pcs(g, [here, there], 8192)
+    k = plan.stages[1].begin
+    step = g.layers // 16  # 3 of 48 layers
+    assert tune_splits(plan) == [(k,), (k - step,), (k + step,), (k - 2 * step,), (k + 2 * step,)]
+    assert tune_splits(plan, 0) == [(k,)]
+    three = plan_pcs(g, [here, there, third], 8192)
+    splits = tune_splits(three, 1)
+    own = tuple(s.begin for s in three.stages[1:])
+    assert splits[0] == own and len(splits) == 5 and len(set(splits)) == 5
+    for s in splits:  # every PC keeps at least one layer
+        edges = [0, *s, g.layers]
+        assert all(a < b for a, b in itertools.pairwise(edges))

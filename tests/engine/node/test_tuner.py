@@ -89,6 +89,7 @@ def test_tuner_on_two_emulated_pcs(
     # Both PCs hold the whole file (put there by their owners); test_remote_worker.py covers a shipped shard.
     p2 = pair_with(make_agent("pc2", model_dirs=(models,)), keys=p1.keys)
     shipped: list[str] = []
+    steps: list[tuple[str, int, int]] = []  # the progress the app's bar shows
     tuner = Tuner(
         model,
         [p1.record, p2.record],
@@ -100,6 +101,7 @@ def test_tuner_on_two_emulated_pcs(
         keys=p1.keys,
         device="cpu",
         log=shipped.append,
+        progress=lambda what, done, total: steps.append((what, done, total)),
     )
     assert tuner.mix == [(16, 0.3), (37, 0.5), (116, 0.2)]  # at least 16 tokens each
     try:
@@ -109,6 +111,10 @@ def test_tuner_on_two_emulated_pcs(
     errors = [m.error for m in res.measurements if m.error]
     assert errors == [], errors
     assert len(res.measurements) == 2 * 2 * 3
+    measured = [d for what, d, t in steps if what == "measure" and t == 12]
+    assert (
+        measured[0] == 0 and measured[-1] == 12 and measured == sorted(measured) and len(set(measured)) == 13
+    )
     assert any("pc1 holds tiny.gguf already" in line for line in shipped)
     assert any("pc2 holds tiny.gguf already" in line for line in shipped)
     best = min(res.scores, key=res.scores.__getitem__)
