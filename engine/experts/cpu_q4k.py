@@ -18,11 +18,12 @@ repacked copy (bench/cpu_q4k_kernel.py, bench/results/cpu-q4k-kernel-2.json).
 Numba compiles the kernels on first use (~5 s; cached on disk afterwards). Without Numba, or on a CPU without AVX2
 and F16C, `available()` says why and engine/experts/cpu_experts.py falls back to torch's kernel on a repacked copy."""
 
-import functools
 import logging
 import threading
 
 import numpy as np
+
+from engine.kernels import cpu_blocks
 
 log = logging.getLogger("strata.engine")
 
@@ -35,22 +36,7 @@ ROWS_PER_TASK = 16  # output rows per parallel task: enough work per task to hid
 _LOCK = threading.Lock()
 
 
-@functools.cache
-def available() -> tuple[bool, str]:
-    """(True, "") where the kernels can run here, else (False, why)."""
-    try:
-        import llvmlite.binding as llvm  # lazy: this probe is how a missing Numba is found
-        import numba  # noqa: F401  # lazy: as above
-    except ImportError as e:
-        return False, f"Numba is not installed ({e})"
-    try:
-        feats = llvm.get_host_cpu_features()
-    except RuntimeError as e:  # llvmlite cannot read the features on some hosts
-        return False, f"the CPU's features could not be read ({e})"
-    missing = [f for f in ("avx2", "f16c") if not feats.get(f, False)]
-    if missing:
-        return False, f"the CPU lacks {' and '.join(m.upper() for m in missing)}"
-    return True, ""
+available = cpu_blocks.available  # Numba, and a CPU with AVX2 and F16C: the same probe as the dense kernels
 
 
 def _kernels():

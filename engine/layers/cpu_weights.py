@@ -32,17 +32,34 @@ def attach(model: object, mib: int | None) -> FloatCache | None:
     if budget <= 0 or not cpu:
         return None
     cache = FloatCache(budget)
+    in_place = floats = 0
     for m in cpu:
         layers = [getattr(lw, "__dict__", {}) for lw in m.layers.values()]
         parts = [getattr(m, "output", None), *[v for d in layers for v in d.values()]]
+        weights = [qt for qt in parts if isinstance(qt, QTensor) and len(qt.shape) == 2]
         for qt in parts:
-            if isinstance(qt, QTensor) and len(qt.shape) == 2:
+            if qt is not None and hasattr(qt, "gate") and hasattr(qt, "down"):  # routed experts
+                # the router (2-D), and gate/up/down: one slice per expert used
+                weights += [
+                    ex for ex in vars(qt).values() if isinstance(ex, QTensor) and len(ex.shape) in (2, 3)
+                ]
+        for qt in weights:
+            if qt.in_blocks_on_cpu():  # read in place by the CPU kernels: a float copy would only cost RAM
+                in_place += 1
+            else:
                 qt.cache = cache
-            elif qt is not None and hasattr(qt, "gate") and hasattr(qt, "down"):  # routed experts
-                for ex in vars(qt).values():  # the router (2-D), and gate/up/down: one slice per expert used
-                    if isinstance(ex, QTensor) and len(ex.shape) in (2, 3):
-                        ex.cache = cache
-    log.info(
-        "CPU: up to %d MiB of weights kept as floats after their first use (--cpu-weights-mib)", budget // MiB
-    )
+                floats += 1
+    if floats:
+        log.info(
+            "CPU: up to %d MiB of weights kept as floats after their first use (--cpu-weights-mib), %d of %d "
+            "weights%s",
+            budget // MiB,
+            floats,
+            floats + in_place,
+            "" if not in_place else "; the others are read in place from their blocks",
+        )
+    else:
+        log.info(
+            "CPU: every weight is read in place from its GGUF blocks (8-bit activations; no float copies)"
+        )
     return cache

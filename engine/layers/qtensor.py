@@ -5,6 +5,8 @@ from gguf import GGMLQuantizationType as QT
 
 from engine import kernels
 from engine.gguf.quants import dequantize
+from engine.kernels import cpu_blocks
+from installer.engine_options import int8_activations
 
 _FLOAT_VIEWS = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 # Up to this many activation rows, CUDA matmuls on supported block types run the block-format GEMV kernels.
@@ -46,6 +48,9 @@ class FloatCache:
 
 # Largest dequantized tile a matmul materialises at once (elements): bounds the transient memory of big heads.
 _TILE_ELEMS = 1 << 24
+# Up to this many activation rows a CPU matmul multiplies the blocks in place (engine.kernels.cpu_blocks); more rows
+# (a prompt chunk) go through float tiles of the weight decoded for that product and a float GEMM.
+_CPU_BLOCK_ROWS = 8
 
 
 class QTensor:
@@ -144,6 +149,8 @@ class QTensor:
             return y.reshape(*x.shape[:-1], n_out)
         if residual is not None:
             return residual + self.linear(x).float()
+        if not x.is_cuda and self.dense is None and self._cpu_blocks():
+            return self._cpu_linear(x)
         if self.dense is not None and self.dense.dtype == x.dtype:
             return x @ self.dense.T
         if self.cache is not None and not x.is_cuda and self.cache.take(n_out * n_in * x.element_size()):
@@ -159,3 +166,39 @@ class QTensor:
             for r in range(0, n_out, step)
         ]
         return torch.cat(parts, dim=-1)
+
+    def _cpu_blocks(self) -> bool:
+        """Whether a CPU matmul reads this weight's blocks in place: int8 activations (not --activations float),
+        a block type the CPU kernels read, and Numba."""
+        return (
+            not self.raw.is_cuda
+            and len(self.shape) == 2
+            and int8_activations()
+            and cpu_blocks.supports(self.qtype, self.shape[1])
+        )
+
+    def in_blocks_on_cpu(self) -> bool:
+        """Whether CPU matmuls of this weight (of each expert's slice, for a 3-D one) read its blocks in place."""
+        if self.qtype == QT.F32:
+            return True  # already floats: a view, no copy
+        return (
+            not self.raw.is_cuda
+            and len(self.shape) in (2, 3)
+            and int8_activations()
+            and cpu_blocks.supports(self.qtype, self.shape[-1])
+        )
+
+    def _cpu_linear(self, x: torch.Tensor) -> torch.Tensor:
+        n_out, n_in = self.shape
+        rows = x.numel() // n_in
+        if rows <= _CPU_BLOCK_ROWS:
+            return cpu_blocks.matmul(self.raw, self.qtype, n_out, n_in, x).to(x.dtype)
+        step = max(1, _TILE_ELEMS // n_in)
+        parts = [
+            x
+            @ cpu_blocks.dequantize(self.raw[r : r + step], self.qtype, min(step, n_out - r), n_in)
+            .to(x.dtype)
+            .T
+            for r in range(0, n_out, step)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)

@@ -1,0 +1,553 @@
+"""The Numba kernels of engine/kernels/cpu_blocks.py (imported only where Numba is installed; compiled on first use
+and cached on disk).
+
+Every block type is read the same way: a weight row's blocks are unpacked into int8 codes with a float scale and a
+float offset per 16 values (value = scale * code + offset), in a scratch row that stays in L1, and that row is
+multiplied with each activation row, rounded to int8 with a scale per 32 values (llama.cpp's q8_0 rounding). The
+integer sums per 16 are what LLVM vectorizes; the scales are applied once per 16 values. One unpack function per
+block type holds all that differs between the types (ggml's block layouts)."""
+
+import numba as nb
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+ROWS_PER_TASK = 16  # weight rows per parallel task
+PREFETCH = 1024  # bytes ahead of the block being read
+
+# codes of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl) and of MXFP4 (e2m1 values times 2)
+IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+F16 = (
+    np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+)  # every half's value
+E8M0_HALF = np.array(
+    [2.0 ** (e - 128) for e in range(256)], np.float32
+)  # MXFP4's scale byte, halved (codes x2)
+
+# block types by ggml id, as the kernels know them
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4_ID = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 39  # fmt: skip
+
+
+i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+v32i8, v16i16, v8i32, v4i32 = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8), ir.VectorType(i32, 4)  # fmt: skip
+
+
+def _fn(builder, name, ret, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def _data(context, builder, ty, value):
+    return cgutils.create_struct_proxy(ty)(context, builder, value=value).data
+
+
+def _load(builder, base, off, ty=v32i8):
+    return builder.load(builder.bitcast(builder.gep(base, [off]), ty.as_pointer()), align=1)
+
+
+def _splat(ty, v):
+    return ir.Constant(ty, [v] * ty.count)
+
+
+def _lanes(builder, codes, x, signed):
+    """codes . x (both <32 x i8>) as 8 int32 lanes, each the sum of 4 neighbouring products. Unsigned codes go
+    straight into pmaddubsw; signed ones as |codes| times x with the codes' signs (psignb)."""
+    maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
+    maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
+    if signed:
+        sign = _fn(builder, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8])
+        codes, x = builder.call(sign, [codes, codes]), builder.call(sign, [x, codes])
+    return builder.call(maddwd, [builder.call(maddubs, [codes, x]), _splat(v16i16, 1)])
+
+
+def _pair_sums(builder, codes, x, signed):
+    """codes . x as the sums of the first and the second 16 values, packed into an i64 (first low)."""
+    lanes = _lanes(builder, codes, x, signed)
+    reduce4 = _fn(builder, "llvm.vector.reduce.add.v4i32", i32, [v4i32])
+    half = [builder.call(reduce4, [builder.shuffle_vector(lanes, lanes, ir.Constant(v4i32, list(range(h, h + 4))))])
+            for h in (0, 4)]  # fmt: skip
+    return builder.or_(
+        builder.zext(half[0], i64), builder.shl(builder.zext(half[1], i64), ir.Constant(i64, 32))
+    )
+
+
+def _pshufb(builder, table, idx):
+    """table[idx] for 32 indices 0-15 (the 16-entry table in both 128-bit halves)."""
+    f = _fn(builder, "llvm.x86.avx2.pshuf.b", v32i8, [v32i8, v32i8])
+    return builder.call(f, [ir.Constant(v32i8, [int(v) for v in table] * 2), idx])
+
+
+def _nibbles16(builder, wp, p):
+    """16 bytes at p -> <32 x i8>: the low nibbles (values 0-15 of a block), then the high ones (16-31)."""
+    b = _load(builder, wp, p, ir.VectorType(i8, 16))
+    lo = builder.and_(b, _splat(b.type, 15))
+    hi = builder.lshr(b, _splat(b.type, 4))
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(i32, 32), list(range(32))))
+
+
+def _dot_intrinsic(make_codes, signed, extra=0, total=False):
+    """An intrinsic (w, p, x, xo[, extra arg]) -> the products of a 32-value run of codes (made by
+    make_codes(builder, w pointer, p, extra values)) with the int8 inputs x[xo:xo+32]: with `total` their sum as a
+    float32, else the sums of the first and the second 16 packed into an int64 (first low)."""
+
+    def typer(typingctx, w, p, x, xo, *more):
+        sig = (types.float32 if total else types.int64)(w, p, x, xo, *more)
+
+        def codegen(context, builder, signature, args):
+            wp = _data(context, builder, signature.args[0], args[0])
+            xp = _data(context, builder, signature.args[2], args[2])
+            codes = make_codes(builder, wp, args[1], *args[4:])
+            xv = _load(builder, xp, args[3])
+            if not total:
+                return _pair_sums(builder, codes, xv, signed)
+            reduce8 = _fn(builder, "llvm.vector.reduce.add.v8i32", i32, [v8i32])
+            return builder.sitofp(builder.call(reduce8, [_lanes(builder, codes, xv, signed)]), ir.FloatType())
+
+        return sig, codegen
+
+    if extra == 0:
+        return intrinsic(lambda typingctx, w, p, x, xo: typer(typingctx, w, p, x, xo))
+    return intrinsic(lambda typingctx, w, p, x, xo, e: typer(typingctx, w, p, x, xo, e))
+
+
+def _row32(block_bytes, codes_at, signed, kind):
+    """An intrinsic (w, o, n_blocks, x, xd, xs) -> float32: a row of 32-value blocks (its bytes at o of w) . the
+    quantized input (x int8, xd float32 scales per 32, xs int32 sums per 16), in one loop that keeps the block
+    products in a float vector (one horizontal sum per row, as ggml's vec_dot bodies do). codes_at(builder, w
+    pointer, block offset) gives the block's 32 codes; `kind` says where its half scale d sits and what else it
+    has: "d" (Q8_0, IQ4_NL), "e8m0" (MXFP4's scale byte), ("off", c) for code - c (Q4_0: 8, Q5_0: 16), "dm" for
+    d * code + m (Q4_1, Q5_1)."""
+    f32, v8f32, half = ir.FloatType(), ir.VectorType(ir.FloatType(), 8), ir.HalfType()
+
+    def typer(typingctx, w, o, nblocks, x, xd, xs):
+        sig = types.float32(w, o, nblocks, x, xd, xs)
+
+        def codegen(context, builder, signature, args):
+            b = builder
+            wp, xp, xdp, xsp = (_data(context, b, signature.args[i], args[i]) for i in (0, 3, 4, 5))
+            o, n = args[1], args[2]
+            acc = cgutils.alloca_once_value(b, ir.Constant(v8f32, None))
+            side = cgutils.alloca_once_value(b, ir.Constant(f32, 0.0))
+            fma = _fn(b, "llvm.fma.v8f32", v8f32, [v8f32, v8f32, v8f32])
+            with cgutils.for_range(b, n) as loop:
+                i = loop.index
+                p = b.add(o, b.mul(i, ir.Constant(i64, block_bytes)))
+                # the blocks some rows ahead: the hardware prefetcher alone left this loop waiting on RAM
+                pf = _fn(b, "llvm.prefetch.p0", ir.VoidType(), [ir.PointerType(i8), i32, i32, i32])
+                b.call(pf, [b.gep(wp, [b.add(p, ir.Constant(i64, PREFETCH))]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # fmt: skip
+                codes = codes_at(b, wp, p)
+                xv = _load(b, xp, b.mul(i, ir.Constant(i64, 32)))
+                lanes = b.sitofp(_lanes(b, codes, xv, signed), v8f32)
+                xd_i = b.load(b.gep(xdp, [i]))
+                if kind == "e8m0":
+                    e = b.zext(b.load(b.gep(wp, [p])), i32)  # 2^(e - 128) as float bits: (e - 1) << 23
+                    d = b.bitcast(b.shl(b.sub(e, ir.Constant(i32, 1)), ir.Constant(i32, 23)), f32)
+                else:
+                    d = b.fpext(b.load(b.bitcast(b.gep(wp, [p]), half.as_pointer()), align=1), f32)
+                scale = b.fmul(d, xd_i)
+                vs = b.shuffle_vector(b.insert_element(ir.Constant(ir.VectorType(f32, 1), ir.Undefined), scale, ir.Constant(i32, 0)),
+                                      ir.Constant(ir.VectorType(f32, 1), ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))  # fmt: skip
+                b.store(b.call(fma, [lanes, vs, b.load(acc)]), acc)
+                if kind != "d" and kind != "e8m0":
+                    two = b.mul(i, ir.Constant(i64, 2))
+                    xsum = b.add(
+                        b.load(b.gep(xsp, [two])), b.load(b.gep(xsp, [b.add(two, ir.Constant(i64, 1))]))
+                    )
+                    xsum_f = b.sitofp(xsum, f32)
+                    if kind == "dm":
+                        m = b.fpext(b.load(b.bitcast(b.gep(wp, [b.add(p, ir.Constant(i64, 2))]), half.as_pointer()), align=1), f32)  # fmt: skip
+                        term = b.fmul(b.fmul(m, xd_i), xsum_f)
+                    else:
+                        term = b.fmul(b.fmul(scale, ir.Constant(f32, -float(kind[1]))), xsum_f)
+                    b.store(b.fadd(b.load(side), term), side)
+            red = _fn(b, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f32])
+            return b.fadd(b.call(red, [ir.Constant(f32, 0.0), b.load(acc)]), b.load(side))
+
+        return sig, codegen
+
+    return intrinsic(lambda typingctx, w, o, nblocks, x, xd, xs: typer(typingctx, w, o, nblocks, x, xd, xs))
+
+
+def _at(off, make):
+    return lambda b, wp, p: make(b, wp, b.add(p, ir.Constant(i64, off)))
+
+
+row_q8_0 = _row32(34, _at(2, lambda b, wp, p: _load(b, wp, p)), True, "d")
+row_q4_0 = _row32(18, _at(2, _nibbles16), False, ("off", 8))
+row_q4_1 = _row32(20, _at(4, _nibbles16), False, "dm")
+row_iq4_nl = _row32(18, _at(2, lambda b, wp, p: _pshufb(b, IQ4, _nibbles16(b, wp, p))), True, "d")
+row_mxfp4 = _row32(17, _at(1, lambda b, wp, p: _pshufb(b, MXFP4, _nibbles16(b, wp, p))), True, "e8m0")
+
+
+def _q5_codes(b, wp, p):  # p: the 4 bytes of high bits, then 16 bytes of nibbles
+    return b.or_(_nibbles16(b, wp, b.add(p, ir.Constant(i64, 4))), _bits(b, wp, p, None, 4))
+
+
+# 16 bytes of nibbles through the IQ4 table (IQ4_XS's sub-blocks)
+dot_iq4 = _dot_intrinsic(lambda b, wp, p: _pshufb(b, IQ4, _nibbles16(b, wp, p)), signed=True, total=True)
+
+
+def _nibbles32(b, wp, p, shift):
+    """32 bytes at p, each shifted right by `shift` (an i64: 0 or 4), low 4 bits (a Q4_K/Q5_K sub-block)."""
+    v = _load(b, wp, p)
+    sh = b.trunc(shift, i8)
+    shv = b.shuffle_vector(b.insert_element(ir.Constant(v32i8, ir.Undefined), sh, ir.Constant(i32, 0)),
+                           ir.Constant(v32i8, ir.Undefined), ir.Constant(ir.VectorType(i32, 32), [0] * 32))  # fmt: skip
+    return b.and_(b.lshr(v, shv), _splat(v32i8, 15))
+
+
+def _bits(b, wp, p, bit, n_bytes):
+    """Bit `bit` (an i64) of each of 32 bytes at p (n_bytes 32), or of the 32 bits of the 4 bytes at p
+    (n_bytes 4: bit i of the little-endian word is value i; bit is then ignored), as <32 x i8> of 0 or 16."""
+    if n_bytes == 4:
+        word = b.load(b.bitcast(b.gep(wp, [p]), i32.as_pointer()), align=1)
+        vec = b.shuffle_vector(b.insert_element(ir.Constant(ir.VectorType(i32, 1), ir.Undefined), word, ir.Constant(i32, 0)),
+                               ir.Constant(ir.VectorType(i32, 1), ir.Undefined), ir.Constant(ir.VectorType(i32, 32), [0] * 32))  # fmt: skip
+        one = b.and_(
+            b.lshr(vec, ir.Constant(ir.VectorType(i32, 32), list(range(32)))),
+            _splat(ir.VectorType(i32, 32), 1),
+        )
+        return b.shl(b.trunc(one, v32i8), _splat(v32i8, 4))
+    v = _load(b, wp, p)
+    sh = b.trunc(bit, i8)
+    shv = b.shuffle_vector(b.insert_element(ir.Constant(v32i8, ir.Undefined), sh, ir.Constant(i32, 0)),
+                           ir.Constant(v32i8, ir.Undefined), ir.Constant(ir.VectorType(i32, 32), [0] * 32))  # fmt: skip
+    return b.shl(b.and_(b.lshr(v, shv), _splat(v32i8, 1)), _splat(v32i8, 4))
+
+
+row_q5_0 = _row32(22, _at(2, _q5_codes), False, ("off", 16))
+row_q5_1 = _row32(24, _at(4, _q5_codes), False, "dm")
+# Q4_K: a sub-block's 32 codes, the low (shift 0) or high (shift 4) nibbles of 32 bytes
+dot_k4 = _dot_intrinsic(
+    lambda b, wp, p, shift: _nibbles32(b, wp, p, shift), signed=False, extra=1, total=True
+)
+
+
+def _q5k(b, wp, p, sub):
+    """Q5_K sub-block `sub` (0-7) of the block at p: nibbles of qs[32 * (sub // 2)] (low for even sub) and bit
+    `sub` of the 32 high-bit bytes."""
+    c = b.udiv(sub, ir.Constant(i64, 2))
+    shift = b.mul(b.urem(sub, ir.Constant(i64, 2)), ir.Constant(i64, 4))
+    qs = b.add(p, b.add(ir.Constant(i64, 48), b.mul(c, ir.Constant(i64, 32))))
+    return b.or_(_nibbles32(b, wp, qs, shift), _bits(b, wp, b.add(p, ir.Constant(i64, 16)), sub, 32))
+
+
+dot_q5k = _dot_intrinsic(_q5k, signed=False, extra=1, total=True)
+
+
+def _q6k(b, wp, p, k):
+    """Q6_K's 32 codes (0-63) number k (0-7) of the block at p: half n = k // 4, part j = k % 4: low bits from
+    ql[64n + 32 (j % 2)] (low nibbles for j < 2), high bits from qh[32n] shifted by 2j."""
+    n = b.udiv(k, ir.Constant(i64, 4))
+    j = b.urem(k, ir.Constant(i64, 4))
+    ql = b.add(
+        p, b.add(b.mul(n, ir.Constant(i64, 64)), b.mul(b.urem(j, ir.Constant(i64, 2)), ir.Constant(i64, 32)))
+    )
+    lo = _nibbles32(b, wp, ql, b.mul(b.udiv(j, ir.Constant(i64, 2)), ir.Constant(i64, 4)))
+    qh = _load(b, wp, b.add(p, b.add(ir.Constant(i64, 128), b.mul(n, ir.Constant(i64, 32)))))
+    sh = b.trunc(b.mul(j, ir.Constant(i64, 2)), i8)
+    shv = b.shuffle_vector(b.insert_element(ir.Constant(v32i8, ir.Undefined), sh, ir.Constant(i32, 0)),
+                           ir.Constant(v32i8, ir.Undefined), ir.Constant(ir.VectorType(i32, 32), [0] * 32))  # fmt: skip
+    hi = b.shl(b.and_(b.lshr(qh, shv), _splat(v32i8, 3)), _splat(v32i8, 4))
+    return b.or_(lo, hi)
+
+
+dot_q6k = _dot_intrinsic(_q6k, signed=False, extra=1)
+dot_codes = _dot_intrinsic(
+    lambda b, wp, p: _load(b, wp, p), signed=True
+)  # unpacked int8 codes (the other types)
+
+
+@nb.njit(inline="always")
+def _lo(v):
+    return (
+        np.int32(np.int64(v) & 0xFFFFFFFF)
+        if (v & 0x80000000) == 0
+        else np.int32((np.int64(v) & 0xFFFFFFFF) - (1 << 32))
+    )
+
+
+@nb.njit(inline="always")
+def _hi(v):
+    return np.int32(v >> 32)
+
+
+@nb.njit(inline="always")
+def _h(w, o, f16):
+    return f16[np.int64(w[o]) | (np.int64(w[o + 1]) << 8)]
+
+
+@nb.njit(inline="always")
+def _i8(b):
+    v = np.int32(b)
+    return v - 256 if v > 127 else v
+
+
+@nb.njit(inline="always")
+def _scale_min_k4(w, s, j):
+    """Q4_K/Q5_K's 6-bit scale and minimum of sub-block j from the 12 bytes at s."""
+    if j < 4:
+        return np.int32(w[s + j] & 63), np.int32(w[s + j + 4] & 63)
+    sc = np.int32(w[s + j + 4] & 15) | (np.int32(w[s + j - 4] >> 6) << 4)
+    mn = np.int32(w[s + j + 4] >> 4) | (np.int32(w[s + j] >> 6) << 4)
+    return sc, mn
+
+
+@nb.njit(inline="always")
+def _same(sc, mn, g, n, d, m):
+    for i in range(n):
+        sc[g + i] = d
+        mn[g + i] = m
+
+
+@nb.njit(fastmath=True)
+def unpack_row(w, kind, o, k, q, sc, mn, f16):
+    """The weight row whose blocks start at byte o, k values, into codes q[k] (int8) and per 16 values the scale
+    sc and offset mn (float32): value = sc * q + mn."""
+    if kind == Q8_0:
+        for b in range(k // 32):
+            p = o + b * 34
+            _same(sc, mn, 2 * b, 2, _h(w, p, f16), np.float32(0.0))
+            for i in range(32):
+                q[32 * b + i] = _i8(w[p + 2 + i])
+    elif kind == Q4_0 or kind == Q4_1 or kind == IQ4_NL or kind == MXFP4_ID:
+        size = 20 if kind == Q4_1 else (17 if kind == MXFP4_ID else 18)
+        for b in range(k // 32):
+            p = o + b * size
+            if kind == MXFP4_ID:
+                d, m, c = E8M0_HALF[w[p]], np.float32(0.0), p + 1
+            elif kind == Q4_1:
+                d, m, c = _h(w, p, f16), _h(w, p + 2, f16), p + 4
+            else:
+                d, m, c = _h(w, p, f16), np.float32(0.0), p + 2
+            _same(sc, mn, 2 * b, 2, d, m)
+            for i in range(16):
+                lo, hi = np.int32(w[c + i] & 15), np.int32(w[c + i] >> 4)
+                if kind == Q4_0:
+                    lo, hi = lo - 8, hi - 8
+                elif kind == IQ4_NL:
+                    lo, hi = np.int32(IQ4[lo]), np.int32(IQ4[hi])
+                elif kind == MXFP4_ID:
+                    lo, hi = np.int32(MXFP4[lo]), np.int32(MXFP4[hi])
+                q[32 * b + i] = lo
+                q[32 * b + 16 + i] = hi
+    elif kind == Q5_0 or kind == Q5_1:
+        size = 22 if kind == Q5_0 else 24
+        for b in range(k // 32):
+            p = o + b * size
+            if kind == Q5_0:
+                d, m, hp, off = _h(w, p, f16), np.float32(0.0), p + 2, 16
+            else:
+                d, m, hp, off = _h(w, p, f16), _h(w, p + 2, f16), p + 4, 0
+            _same(sc, mn, 2 * b, 2, d, m)
+            qh = np.uint32(w[hp]) | (np.uint32(w[hp + 1]) << 8) | (np.uint32(w[hp + 2]) << 16) | (np.uint32(w[hp + 3]) << 24)  # fmt: skip
+            for i in range(16):
+                x = w[hp + 4 + i]
+                q[32 * b + i] = (np.int32(x & 15) | (np.int32((qh >> i) & 1) << 4)) - off
+                q[32 * b + 16 + i] = (np.int32(x >> 4) | (np.int32((qh >> (i + 16)) & 1) << 4)) - off
+    elif kind == Q4_K or kind == Q5_K:
+        size = 144 if kind == Q4_K else 176
+        for b in range(k // 256):
+            p = o + b * size
+            d, dmin = _h(w, p, f16), _h(w, p + 2, f16)
+            for j in range(8):
+                s, m = _scale_min_k4(w, p + 4, j)
+                _same(sc, mn, 16 * b + 2 * j, 2, d * np.float32(s), -dmin * np.float32(m))
+            qs = p + (16 if kind == Q4_K else 48)
+            for c in range(4):
+                for i in range(32):
+                    x = w[qs + 32 * c + i]
+                    lo, hi = np.int32(x & 15), np.int32(x >> 4)
+                    if kind == Q5_K:
+                        h = np.int32(w[p + 16 + i])
+                        lo |= ((h >> (2 * c)) & 1) << 4
+                        hi |= ((h >> (2 * c + 1)) & 1) << 4
+                    q[256 * b + 64 * c + i] = lo
+                    q[256 * b + 64 * c + 32 + i] = hi
+    elif kind == Q6_K:
+        for b in range(k // 256):
+            p = o + b * 210
+            d = _h(w, p + 208, f16)
+            for g in range(16):
+                sc[16 * b + g] = d * np.float32(_i8(w[p + 192 + g]))
+                mn[16 * b + g] = np.float32(0.0)
+            for n in range(2):
+                for i in range(32):
+                    a, a2, h = np.int32(w[p + 64 * n + i]), np.int32(w[p + 64 * n + 32 + i]), np.int32(w[p + 128 + 32 * n + i])  # fmt: skip
+                    e = 256 * b + 128 * n + i
+                    q[e] = ((a & 15) | ((h & 3) << 4)) - 32
+                    q[e + 32] = ((a2 & 15) | (((h >> 2) & 3) << 4)) - 32
+                    q[e + 64] = ((a >> 4) | (((h >> 4) & 3) << 4)) - 32
+                    q[e + 96] = ((a2 >> 4) | (((h >> 6) & 3) << 4)) - 32
+    elif kind == Q2_K:
+        for b in range(k // 256):
+            p = o + b * 84
+            d, dmin = _h(w, p + 80, f16), _h(w, p + 82, f16)
+            for g in range(16):
+                s = np.int32(w[p + g])
+                sc[16 * b + g] = d * np.float32(s & 15)
+                mn[16 * b + g] = -dmin * np.float32(s >> 4)
+            for n in range(2):
+                for j in range(4):
+                    for i in range(32):
+                        q[256 * b + 128 * n + 32 * j + i] = (np.int32(w[p + 16 + 32 * n + i]) >> (2 * j)) & 3
+    elif kind == Q3_K:
+        for b in range(k // 256):
+            p = o + b * 110
+            d = _h(w, p + 108, f16)
+            for g in range(16):
+                lo = (np.int32(w[p + 96 + g % 8]) >> (4 * (g // 8))) & 15
+                hi = (np.int32(w[p + 104 + g % 4]) >> (2 * (g // 4))) & 3
+                sc[16 * b + g] = d * np.float32((lo | (hi << 4)) - 32)
+                mn[16 * b + g] = np.float32(0.0)
+            for n in range(2):
+                for j in range(4):
+                    for i in range(32):
+                        c = (np.int32(w[p + 32 + 32 * n + i]) >> (2 * j)) & 3
+                        if (np.int32(w[p + i]) >> (4 * n + j)) & 1 == 0:
+                            c -= 4
+                        q[256 * b + 128 * n + 32 * j + i] = c
+    elif kind == IQ4_XS:
+        for b in range(k // 256):
+            p = o + b * 136
+            d = _h(w, p, f16)
+            sh = np.int32(w[p + 2]) | (np.int32(w[p + 3]) << 8)
+            for j in range(8):
+                ls = ((np.int32(w[p + 4 + j // 2]) >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)
+                _same(sc, mn, 16 * b + 2 * j, 2, d * np.float32(ls - 32), np.float32(0.0))
+                for i in range(16):
+                    x = w[p + 8 + 16 * j + i]
+                    q[256 * b + 32 * j + i] = IQ4[x & 15]
+                    q[256 * b + 32 * j + 16 + i] = IQ4[x >> 4]
+
+
+@nb.njit(fastmath=True, nogil=True, cache=True)
+def quantize(x, xq, xd, xs):
+    """x float32 [T, K] -> xq int8 (round(x / d), d = max|x| / 127 per 32 values, in xd [T, K/32]) and xs, the sums
+    of xq per 16 (int32 [T, K/16]: they carry the offsets)."""
+    for r in range(x.shape[0]):
+        for b in range(x.shape[1] // 32):
+            amax = np.float32(0.0)
+            for i in range(32):
+                amax = max(amax, abs(x[r, 32 * b + i]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(1.0) / d if amax > 0 else np.float32(0.0)
+            xd[r, b] = d
+            for h in range(2):
+                t = np.int32(0)
+                for i in range(16):
+                    v = np.int32(np.rint(x[r, 32 * b + 16 * h + i] * inv))
+                    xq[r, 32 * b + 16 * h + i] = v
+                    t += v
+                xs[r, 2 * b + h] = t
+
+
+@nb.njit(fastmath=True)
+def row_dot(w, wi, kind, o, k, x, xd, xs, f16):
+    """One weight row (blocks at byte o) . one quantized input row (x int8 [k], xd its scales per 32, xs its sums
+    per 16), for the types read in place; one vec-dot body per block type, as ggml has."""
+    acc = np.float32(0.0)
+    nb32 = np.int64(k // 32)
+    if kind == Q8_0:
+        acc = row_q8_0(wi, o, nb32, x, xd, xs)
+    elif kind == Q4_0:
+        acc = row_q4_0(w, o, nb32, x, xd, xs)
+    elif kind == Q5_0:
+        acc = row_q5_0(w, o, nb32, x, xd, xs)
+    elif kind == Q4_1:
+        acc = row_q4_1(w, o, nb32, x, xd, xs)
+    elif kind == Q5_1:
+        acc = row_q5_1(w, o, nb32, x, xd, xs)
+    elif kind == IQ4_NL:
+        acc = row_iq4_nl(w, o, nb32, x, xd, xs)
+    elif kind == MXFP4_ID:
+        acc = row_mxfp4(w, o, nb32, x, xd, xs)
+    elif kind == Q4_K or kind == Q5_K:
+        size = 144 if kind == Q4_K else 176
+        for b in range(k // 256):
+            p = o + b * size
+            d, dmin = _h(w, p, f16), _h(w, p + 2, f16)
+            for j in range(8):
+                sc, m = _scale_min_k4(w, p + 4, j)
+                g = 8 * b + j
+                if kind == Q4_K:
+                    v = dot_k4(w, p + 16 + 32 * (j // 2), x, np.int64(32 * g), np.int64(4 * (j % 2)))
+                else:
+                    v = dot_q5k(w, p, x, np.int64(32 * g), np.int64(j))
+                acc += xd[g] * (d * np.float32(sc) * v - dmin * np.float32(m * (xs[2 * g] + xs[2 * g + 1])))
+    elif kind == Q6_K:
+        for b in range(k // 256):
+            p = o + b * 210
+            d = _h(w, p + 208, f16)
+            for j in range(8):
+                g = 8 * b + j
+                v = dot_q6k(w, p, x, np.int64(32 * g), np.int64(j))
+                s0, s1 = np.float32(_i8(w[p + 192 + 2 * j])), np.float32(_i8(w[p + 193 + 2 * j]))
+                acc += d * xd[g] * (s0 * np.float32(_lo(v) - 32 * xs[2 * g]) + s1 * np.float32(_hi(v) - 32 * xs[2 * g + 1]))  # fmt: skip
+    elif kind == IQ4_XS:
+        for b in range(k // 256):
+            p = o + b * 136
+            d = _h(w, p, f16)
+            sh = np.int32(w[p + 2]) | (np.int32(w[p + 3]) << 8)
+            for j in range(8):
+                ls = ((np.int32(w[p + 4 + j // 2]) >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)
+                g = 8 * b + j
+                acc += d * np.float32(ls - 32) * xd[g] * dot_iq4(w, p + 8 + 16 * j, x, np.int64(32 * g))
+    return acc
+
+
+IN_PLACE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4_ID)
+
+
+@nb.njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
+    """out[T, n_out] = x @ W.T for x float32 [T, k]: W's rows of `row_bytes` bytes of `kind` blocks in w (uint8,
+    flat); x is quantized first (one call: the per-call cost counts at decode). Most types are read in place
+    (row_dot); Q2_K and Q3_K rows are unpacked once for all T rows."""
+    t_rows = x.shape[0]
+    xq = np.empty((t_rows, k), np.int8)
+    xd = np.empty((t_rows, k // 32), np.float32)
+    xs = np.empty((t_rows, k // 16), np.int32)
+    quantize(x, xq, xd, xs)
+    groups = k // 16
+    tasks = (n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    wi = w.view(np.int8)
+    in_place = kind != Q2_K and kind != Q3_K
+    for t in nb.prange(tasks):
+        q = np.empty(k if not in_place else 32, np.int8)
+        sc = np.empty(groups, np.float32)
+        mn = np.empty(groups, np.float32)
+        for n in range(t * ROWS_PER_TASK, min(n_out, t * ROWS_PER_TASK + ROWS_PER_TASK)):
+            o = np.int64(n) * row_bytes
+            if in_place:
+                for r in range(t_rows):
+                    out[r, n] = row_dot(w, wi, kind, o, k, xq[r], xd[r], xs[r], f16)
+                continue
+            unpack_row(w, kind, o, k, q, sc, mn, f16)
+            for r in range(t_rows):
+                acc = np.float32(0.0)
+                off = np.float32(0.0)
+                for b in range(k // 32):
+                    v = dot_codes(q, np.int64(32 * b), xq[r], np.int64(32 * b))
+                    acc += xd[r, b] * (sc[2 * b] * np.float32(_lo(v)) + sc[2 * b + 1] * np.float32(_hi(v)))
+                for g in range(groups):
+                    off += mn[g] * xd[r, g >> 1] * np.float32(xs[r, g])
+                out[r, n] = acc + off
+
+
+@nb.njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def dequantize(w, kind, n_out, k, row_bytes, out, f16):
+    """out[n_out, k] float32: the rows' values (the same unpacking; for prompt chunks through a float GEMM)."""
+    groups = k // 16
+    tasks = (n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for t in nb.prange(tasks):
+        q = np.empty(k, np.int8)
+        sc = np.empty(groups, np.float32)
+        mn = np.empty(groups, np.float32)
+        for n in range(t * ROWS_PER_TASK, min(n_out, t * ROWS_PER_TASK + ROWS_PER_TASK)):
+            unpack_row(w, kind, np.int64(n) * row_bytes, k, q, sc, mn, f16)
+            for g in range(groups):
+                for i in range(16):
+                    out[n, 16 * g + i] = sc[g] * np.float32(q[16 * g + i]) + mn[g]

@@ -1,0 +1,87 @@
+"""CPU matrix products straight from GGUF blocks (engine.kernels.cpu_blocks) against gguf's own dequantizer and
+float64 products, for every block type they read; and the CPU layers using them with 8-bit activations (the
+suite's default is --activations float, which keeps the exact path: tests/conftest.py)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+
+from engine.gguf.random_blocks import random_blocks
+from engine.kernels import cpu_blocks
+from engine.layers.qtensor import QTensor
+from engine.pipeline.loader import load_model
+from engine.testing.tiny_models import write_tiny_model
+
+pytestmark = pytest.mark.skipif(not cpu_blocks.available()[0], reason=cpu_blocks.available()[1])
+KINDS = sorted(cpu_blocks.KINDS, key=int)
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
+def test_each_block_type_unpacks_as_gguf_and_multiplies_within_int8_rounding(qtype: QT) -> None:
+    n_out, k = 37, 512  # rows not a multiple of the rows per task
+    raw = random_blocks(qtype, n_out, k, seed=int(qtype))
+    ref = quants.dequantize(raw, qtype).reshape(n_out, k).astype(np.float64)
+    got = cpu_blocks.dequantize(torch.from_numpy(raw), qtype, n_out, k).numpy()
+    assert np.array_equal(got, ref.astype(np.float32))  # the same values, bit for bit
+    rng = np.random.default_rng(int(qtype))
+    for rows in (1, 3):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        x[:, :32] *= 20  # an outlier block: each 32 has its own scale
+        y = cpu_blocks.matmul(torch.from_numpy(raw), qtype, n_out, k, torch.from_numpy(x)).numpy()
+        want = x.astype(np.float64) @ ref.T
+        for r in range(rows):
+            assert _cos(y[r], want[r]) >= 0.999, (qtype.name, rows, r)
+        assert np.abs(y - want).max() <= 0.05 * np.abs(want).max()
+
+
+def test_a_zero_input_gives_zeros_and_types_outside_the_kernels_are_not_claimed() -> None:
+    raw = torch.from_numpy(random_blocks(QT.Q4_K, 16, 256, seed=1))
+    assert cpu_blocks.matmul(raw, QT.Q4_K, 16, 256, torch.zeros(2, 256)).abs().max() == 0
+    assert not cpu_blocks.supports(QT.IQ2_XXS, 256) and not cpu_blocks.supports(QT.F16, 256)
+    assert not cpu_blocks.supports(QT.Q4_K, 320)  # not a whole number of blocks
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_cpu_linear_reads_blocks_with_int8_activations_and_keeps_no_float_copy(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    raw = torch.from_numpy(random_blocks(QT.Q6_K, 300, 512, seed=2))
+    w = QTensor(raw, QT.Q6_K, (300, 512))
+    x = torch.randn(rows, 512)
+    want = x.double() @ torch.from_numpy(quants.dequantize(raw.numpy(), QT.Q6_K)).reshape(300, 512).double().T
+    monkeypatch.setenv("STRATA_ACTIVATIONS", "int8")
+    y = w.linear(x)
+    assert w.dense is None and w.in_blocks_on_cpu() and y.shape == (rows, 300)
+    cos = torch.nn.functional.cosine_similarity(y.double().flatten(), want.flatten(), dim=0)
+    # up to 8 rows: 8-bit activations; a prompt chunk of more: float tiles of the weight, a float GEMM
+    assert cos >= (0.999 if rows <= 8 else 0.999999)
+    monkeypatch.setenv("STRATA_ACTIVATIONS", "float")
+    assert not w.in_blocks_on_cpu()
+
+
+def test_a_tiny_model_on_the_cpu_keeps_its_greedy_tokens_with_int8_activations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_tiny_model(tmp_path / "m.gguf", "qwen3moe", qtype="Q4_K", seed=4)
+    tokens = torch.tensor([1, 17, 42, 99, 150, 7])
+
+    def logits() -> tuple[torch.Tensor, object]:
+        lm = load_model(path, device="cpu", dtype="f32")
+        cache = lm.model.new_cache(32, "f32")
+        return lm.model.forward(tokens, cache, 0), lm.model
+
+    exact, _ = logits()
+    monkeypatch.setenv("STRATA_ACTIVATIONS", "int8")
+    rounded, m = logits()
+    cos = torch.nn.functional.cosine_similarity(rounded.flatten(), exact.flatten(), dim=0)
+    assert cos >= 0.999
+    weights = [v for lw in m.layers.values() for v in vars(lw).values() if isinstance(v, QTensor)]  # type: ignore[attr-defined]
+    assert weights and all(q.dense is None for q in weights)  # nothing kept as floats
