@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from installer.config import ConfigError
-from installer.engine_options import EngineOptions, OptionsError, build_parser, resolve, typed
+from installer.engine_options import EngineOptions, OptionsError, build_parser, free_cores, resolve, typed
 
 PROG = "strata-engine"
 __all__ = ["build_parser", "main"]
@@ -30,6 +30,19 @@ def command(name: str) -> Callable[[EngineOptions], int]:
     return getattr(importlib.import_module(module), func)  # type: ignore[no-any-return]
 
 
+def _thread_policy(threads: int) -> None:
+    """One thread count for every pool of the process (torch's OpenMP, Numba's), set before either loads: two pools
+    each sized to every core, or threads on cores other programs keep busy, stall each parallel step."""
+    log = logging.getLogger("strata.engine")
+    if threads <= 0:
+        threads, usable = free_cores()
+        if threads < usable:
+            log.info("CPU: %d of %d cores are busy with other programs: %d threads (--threads sets them)",
+                     usable - threads, usable, threads)  # fmt: skip
+    for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     given = typed(argv)  # a malformed command line exits here with argparse's usage message
@@ -46,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if getattr(args, "activations", None):  # read by the kernels (engine.kernels.gemv); children inherit it
         os.environ["STRATA_ACTIVATIONS"] = args.activations
+    _thread_policy(getattr(args, "threads", 0) or 0)
     t0 = time.perf_counter()
     try:
         return command(args.command)(args)

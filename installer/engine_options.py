@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 if TYPE_CHECKING:
     from installer.config import StrataConfig
 
@@ -243,10 +245,17 @@ def add_model_args(p: argparse.ArgumentParser | Any) -> None:
     p.add_argument("--max-context", type=int, help=f"positions the KV cache holds (default {D.max_context})")
     p.add_argument("--prefill", help="prompt chunk size in tokens, or auto (512)")
     p.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for the model's math, shared by every thread pool of the process (default 0: the cores "
+        "not busy with other programs when the engine starts)",
+    )
+    p.add_argument(
         "--activations",
         choices=("int8", "float"),
-        help="decode on CUDA: int8 (default) rounds the activations of the Q4_K/Q6_K matrix-vector kernels to 8 "
-        "bits, as llama.cpp does (faster); float keeps the exact float product; also $STRATA_ACTIVATIONS",
+        help="int8 (default) rounds the activations of the matrix-vector kernels (CUDA's, and the CPU's, which then "
+        "read the weights' blocks in place) to 8 bits, as llama.cpp does (faster); float keeps the exact float "
+        "product (the CPU then keeps float copies of weights, --cpu-weights-mib); also $STRATA_ACTIVATIONS",
     )
 
 
@@ -337,7 +346,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         f"request; 0: after every request) and at shutdown (default {D.profile_every:g}); --no-profile turns it "
         "off",
     )
-    p.add_argument("--threads", type=int, help="CPU threads for the model's math (default 0: torch's choice)")
 
 
 def add_split_args(p: argparse.ArgumentParser) -> None:
@@ -736,3 +744,19 @@ def check_args(args: Sequence[str], command: str = "serve", source: str = "the c
             f'"args" in {source} has {unknown[0]!r}, which is not an option of {PROG} {command}: see '
             f"{PROG} {command} --help"
         )
+
+
+def free_cores(sample_s: float = 0.2) -> tuple[int, int]:
+    """(cores this process may use that are not busy, those it may use): a core counts as busy when other
+    programs kept it over half busy during `sample_s`. One thread per free core is the default thread count:
+    a thread on a busy core stalls every parallel step of the others."""
+    try:
+        usable = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = list(range(os.cpu_count() or 1))
+    try:
+        busy = psutil.cpu_percent(interval=sample_s, percpu=True)
+    except Exception:  # no /proc/stat (a sandbox): every core counts as free
+        return len(usable), len(usable)
+    free = sum(1 for c in usable if c < len(busy) and busy[c] < 50.0)
+    return max(1, free), len(usable)

@@ -11,7 +11,9 @@ and the callers keep their float paths."""
 
 import functools
 import importlib.util
+import logging
 import threading
+import time
 
 import numpy as np
 import torch
@@ -24,6 +26,7 @@ KINDS = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K
 # One product at a time in the process (Numba's workqueue pool aborts on concurrent parallel launches); the experts'
 # CPU kernels take the same lock.
 LOCK = threading.Lock()
+log = logging.getLogger("strata.engine")
 
 
 @functools.cache
@@ -77,3 +80,15 @@ def dequantize(raw: torch.Tensor, qtype: QT, n_out: int, k: int) -> torch.Tensor
     with LOCK:
         j.dequantize(_flat(raw), int(qtype), n_out, k, row_bytes, out, j.F16)
     return torch.from_numpy(out)
+
+
+def warm_up() -> None:
+    """Compile the kernels (or load them from Numba's cache) now, at load, rather than in the first request: one
+    compilation serves every block type."""
+    t0 = time.perf_counter()
+    raw = torch.zeros(1, GGML_QUANT_SIZES[QT.Q8_0][1], dtype=torch.uint8)
+    matmul(raw, QT.Q8_0, 1, 32, torch.zeros(1, 32))
+    dequantize(raw, QT.Q8_0, 1, 32)
+    secs = time.perf_counter() - t0
+    if secs > 2:
+        log.info("CPU kernels compiled in %.0f s (kept in Numba's cache for the next start)", secs)

@@ -4,6 +4,7 @@ import logging
 
 import psutil
 
+from engine.kernels import cpu_blocks
 from engine.layers.qtensor import FloatCache, QTensor
 from installer.engine_options import cpu_float_budget
 
@@ -49,6 +50,8 @@ def attach(model: object, mib: int | None) -> FloatCache | None:
             else:
                 qt.cache = cache
                 floats += 1
+    if in_place:
+        cpu_blocks.warm_up()
     if floats:
         log.info(
             "CPU: up to %d MiB of weights kept as floats after their first use (--cpu-weights-mib), %d of %d "

@@ -1,5 +1,6 @@
 """`strata-engine` from the outside: help, version, generate, logits, and one-line errors for bad files."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,32 @@ def test_missing_file_and_bad_tokens(tiny: Path, tmp_path: Path) -> None:
         "cpu",
     )
     assert r.returncode != 0 and "outside the vocabulary" in r.stderr
+
+
+def test_one_thread_count_for_every_pool_from_the_flag_or_the_free_cores(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import engine.cli as cli
+    import installer.engine_options as eo
+
+    # another program keeps core 1 busy: the default is one thread, and the log says why
+    monkeypatch.setattr(eo.os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    monkeypatch.setattr(eo.psutil, "cpu_percent", lambda interval, percpu: [3.0, 97.0])
+    assert eo.free_cores() == (1, 2)
+    monkeypatch.setattr(eo.psutil, "cpu_percent", lambda interval, percpu: [99.0, 97.0])
+    assert eo.free_cores() == (1, 2)  # never fewer than one
+    for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    cli._thread_policy(3)
+    assert {os.environ[v] for v in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS")} == {"3"}
+    # the child process gets them: generate with --threads 1 reports torch running one thread
+    r = run(
+        "generate", "--model", str(tiny), "--prompt", "hi", "-n", "2", "--device", "cpu", "--threads", "1"
+    )
+    assert r.returncode == 0, r.stderr
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.argv[1:] = ['x']; import engine.cli as c; c._thread_policy(1); "
+         "import torch, numba; print(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert probe.stdout.split() == ["1", "1"], probe.stderr
