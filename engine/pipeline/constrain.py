@@ -197,13 +197,27 @@ class Constraint:
             raise GrammarError(self.matcher.get_error())
         self.n_vocab = llt.vocab_size
         self.words = np.full((self.n_vocab + 31) // 32, -1, dtype=np.int32)
-        self._bits = torch.arange(32, dtype=torch.int32)
+        self._pinned: torch.Tensor | None = None  # the mask words for a card, in page-locked memory
+        self._bits: dict[torch.device, torch.Tensor] = {}
+
+    def _host_words(self, cuda: bool) -> torch.Tensor:
+        """Where the matcher writes the mask: page-locked for a card, so that the copy is truly asynchronous (a
+        copy from pageable memory makes the host wait for the step before it)."""
+        if not cuda:
+            return torch.from_numpy(self.words)
+        if self._pinned is None:
+            self._pinned = torch.empty(self.words.shape[0], dtype=torch.int32, pin_memory=True)
+        return self._pinned
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] (any device) with every token the grammar does not allow next at -inf."""
-        self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
-        words = torch.from_numpy(self.words).to(logits.device, non_blocking=True)
-        allowed = ((words.unsqueeze(-1) >> self._bits.to(logits.device)) & 1).view(-1).bool()
+        host = self._host_words(logits.is_cuda)
+        self.matcher.unsafe_compute_mask_ptr(host.data_ptr(), host.numel() * 4)
+        words = host.to(logits.device, non_blocking=True)
+        bits = self._bits.get(logits.device)
+        if bits is None:
+            bits = self._bits[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((words.unsqueeze(-1) >> bits) & 1).view(-1).bool()
         v = logits.shape[-1]
         keep = torch.zeros(v, dtype=torch.bool, device=logits.device)
         n = min(v, allowed.numel(), self.n_vocab)
