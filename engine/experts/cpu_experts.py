@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType as QT
 
 from engine.experts import cpu_q4k
 from engine.gguf.quants import q4_0_parts, q4_1_parts, q4_k_parts
+from engine.kernels import cpu_blocks
 from engine.layers.moe import ACTIVATIONS
 from engine.layers.qtensor import QTensor
 
@@ -179,12 +180,22 @@ class CpuExperts:
         self._down = dict(zip(held, dn, strict=True))
 
     @staticmethod
-    def in_place(gate: QTensor, up: QTensor, down: QTensor, act: str) -> bool:
-        """Whether these experts are computed from their blocks in place (no copy; engine/experts/cpu_q4k.py)."""
+    def _q4k(gate: QTensor, up: QTensor, down: QTensor) -> bool:
+        return gate.qtype == up.qtype == QT.Q4_K and down.qtype in (QT.Q4_K, QT.Q6_K)
+
+    @classmethod
+    def in_place(cls, gate: QTensor, up: QTensor, down: QTensor, act: str) -> bool:
+        """Whether these experts are computed from their blocks in place (no copy): Q4_K with Q4_K/Q6_K down by
+        engine/experts/cpu_q4k.py, the other block types the CPU reads in place by engine/kernels/cpu_blocks.py."""
+        _, f, d = gate.shape
+        generic = all(
+            q.qtype in cpu_blocks.IN_PLACE and cpu_blocks.supports(q.qtype, k)
+            for q, k in ((gate, d), (up, d), (down, f))
+        )
         return (
             act == "silu"
-            and gate.qtype == up.qtype == QT.Q4_K
-            and down.qtype in (QT.Q4_K, QT.Q6_K)
+            and (cls._q4k(gate, up, down) or generic)
+            and gate.raw[0].numel() == up.raw[0].numel()
             and all(t.raw.is_contiguous() for t in (gate, up, down))
             and cpu_q4k.available()[0]
         )
@@ -192,14 +203,16 @@ class CpuExperts:
     @classmethod
     def in_place_kernels(
         cls, gate: QTensor, up: QTensor, down: QTensor, act: str
-    ) -> cpu_q4k.Q4KExperts | None:
+    ) -> cpu_q4k.Q4KExperts | cpu_blocks.BlockExperts | None:
         """The kernels that compute these experts from their blocks where they lie, or None where `in_place`
         says they cannot."""
         if not cls.in_place(gate, up, down, act):
             return None
         n, f, d = gate.shape
         g, u, dn = (q.raw.reshape(n, q.shape[1], -1).numpy() for q in (gate, up, down))  # views: contiguous
-        return cpu_q4k.Q4KExperts(g, u, dn, d, f, down_q6k=down.qtype == QT.Q6_K)
+        if cls._q4k(gate, up, down):
+            return cpu_q4k.Q4KExperts(g, u, dn, d, f, down_q6k=down.qtype == QT.Q6_K)
+        return cpu_blocks.BlockExperts(g, u, dn, (gate.qtype, up.qtype, down.qtype), d, f)
 
     def holds(self, e: int) -> bool:
         return e in self._held

@@ -19,7 +19,6 @@ Numba compiles the kernels on first use (~5 s; cached on disk afterwards). Witho
 and F16C, `available()` says why and engine/experts/cpu_experts.py falls back to torch's kernel on a repacked copy."""
 
 import logging
-import threading
 
 import numpy as np
 
@@ -33,7 +32,7 @@ Q6K_BYTES = 210  # Q6_K (the down projection of most Q4_K_M files): 128 + 64 byt
 ROWS_PER_TASK = 16  # output rows per parallel task: enough work per task to hide the scheduling
 # One request at a time in the process: the stages of a split each answer their own card's requests, and Numba's
 # fallback thread pool (workqueue, where neither OpenMP nor TBB is found) aborts on concurrent parallel launches.
-_LOCK = threading.Lock()
+_LOCK = cpu_blocks.LOCK
 
 
 available = cpu_blocks.available  # Numba, and a CPU with AVX2 and F16C: the same probe as the dense kernels

@@ -20,9 +20,11 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 
-# Block types computed here (the others, IQ1-IQ3 grids among them, go through the float path).
+# Block types computed here (the others, IQ1-IQ3 grids among them, go through the float path); IN_PLACE: those read
+# without unpacking a row first (every one but Q2_K and Q3_K), which routed experts need.
 KINDS = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
                    QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4})  # fmt: skip
+IN_PLACE = KINDS - {QT.Q2_K, QT.Q3_K}
 # One product at a time in the process (Numba's workqueue pool aborts on concurrent parallel launches); the experts'
 # CPU kernels take the same lock.
 LOCK = threading.Lock()
@@ -92,3 +94,45 @@ def warm_up() -> None:
     secs = time.perf_counter() - t0
     if secs > 2:
         log.info("CPU kernels compiled in %.0f s (kept in Numba's cache for the next start)", secs)
+
+
+def _row_bytes(qtype: QT, k: int) -> int:
+    return k // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
+
+
+class BlockExperts:
+    """A layer's routed experts computed from their blocks where they lie (gate, up [E, F, D] and down [E, D, F],
+    uint8 row bytes of any IN_PLACE types, e.g. the host store's pinned copy): SiLU-gated, as
+    engine.experts.cpu_q4k.Q4KExperts computes Q4_K/Q6_K ones, with the same `mix`."""
+
+    def __init__(self, gate: np.ndarray, up: np.ndarray, down: np.ndarray, qtypes: tuple[QT, QT, QT], d: int,
+                 f: int) -> None:  # fmt: skip
+        for name, qt, k in (("gate", qtypes[0], d), ("up", qtypes[1], d), ("down", qtypes[2], f)):
+            if qt not in IN_PLACE or k % GGML_QUANT_SIZES[qt][0]:
+                raise ValueError(
+                    f"{name} ({qt.name}, rows of {k}) cannot be read in place by the CPU kernels"
+                )
+        want = {"gate": (f, _row_bytes(qtypes[0], d)), "up": (f, _row_bytes(qtypes[1], d)),
+                "down": (d, _row_bytes(qtypes[2], f))}  # fmt: skip
+        for name, a in (("gate", gate), ("up", up), ("down", down)):
+            if a.dtype != np.uint8 or a.shape[1:] != want[name] or not a.flags.c_contiguous:
+                raise ValueError(f"{name} must be contiguous uint8 [E, {want[name][0]}, {want[name][1]}], got "
+                                 f"{a.dtype} {a.shape}")  # fmt: skip
+        if _row_bytes(qtypes[0], d) != _row_bytes(qtypes[1], d):
+            raise ValueError("gate and up rows must be of one size")
+        self._g, self._u, self._d = (a.reshape(-1) for a in (gate, up, down))
+        self._kinds = np.array([int(q) for q in qtypes], np.int64)
+        self._rb = (_row_bytes(qtypes[0], d), _row_bytes(qtypes[2], f))
+        self.n_experts, self.d, self.f = gate.shape[0], d, f
+
+    def mix(self, ids: np.ndarray, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+        """ids int [n] distinct experts, w float32 [n] their weights, x float32 [D] -> out float32 [D] (written)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_experts):
+            raise ValueError(
+                f"expert ids {ids.tolist()} out of range: this layer has 0..{self.n_experts - 1}"
+            )
+        j = _jit()
+        with LOCK:
+            j.mix(self._g, self._u, self._d, self._kinds, self._rb[0], self._rb[1], self.f, self.d, ids,
+                  np.asarray(w, dtype=np.float32), np.ascontiguousarray(x, dtype=np.float32), out, j.F16)  # fmt: skip

@@ -85,3 +85,34 @@ def test_a_tiny_model_on_the_cpu_keeps_its_greedy_tokens_with_int8_activations(
     assert cos >= 0.999
     weights = [v for lw in m.layers.values() for v in vars(lw).values() if isinstance(v, QTensor)]  # type: ignore[attr-defined]
     assert weights and all(q.dense is None for q in weights)  # nothing kept as floats
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.IQ4_XS, QT.Q5_K, QT.MXFP4], ids=lambda q: q.name)
+def test_routed_experts_of_other_block_types_are_computed_in_place(qtype: QT) -> None:
+    """The CPU's experts (a CPU model's, or a card's misses) of types beyond Q4_K/Q6_K: SiLU-gated mix from the
+    blocks where they lie, against float64 products of gguf's dequantized weights."""
+    from engine.experts.cpu_experts import CpuExperts
+
+    e, f, d = 6, 512, 256
+    gate, up = (random_blocks(qtype, e * f, d, seed=s).reshape(e, f, -1) for s in (1, 2))
+    down = random_blocks(qtype, e * d, f, seed=3).reshape(e, d, -1)
+    qs = [
+        QTensor(torch.from_numpy(a), qtype, shape)
+        for a, shape in ((gate, (e, f, d)), (up, (e, f, d)), (down, (e, d, f)))
+    ]
+    kernels = CpuExperts.in_place_kernels(*qs, "silu")
+    assert isinstance(kernels, cpu_blocks.BlockExperts)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(d).astype(np.float32)
+    ids, w = np.array([4, 1, 3]), np.array([0.5, 0.3, 0.2], np.float32)
+    out = np.empty(d, np.float32)
+    kernels.mix(ids, w, x, out)
+    deq = [quants.dequantize(a.reshape(-1, a.shape[-1]), qtype).reshape(e, -1, k).astype(np.float64)
+           for a, k in ((gate, d), (up, d), (down, f))]  # fmt: skip
+    want = np.zeros(d)
+    for j, ex in enumerate(ids):
+        g, u = deq[0][ex] @ x, deq[1][ex] @ x
+        want += w[j] * (deq[2][ex] @ (g / (1 + np.exp(-g)) * u))
+    assert _cos(out.astype(np.float64), want) >= 0.999
+    with pytest.raises(ValueError, match="out of range"):
+        kernels.mix(np.array([6]), np.ones(1, np.float32), x, out)

@@ -167,7 +167,8 @@ def test_requests_from_several_threads_give_the_same_sums(layer) -> None:
 
 
 def test_which_layers_are_read_in_place(layer, layer_q6k_down) -> None:
-    """Q4_K gate and up with Q4_K or Q6_K down (Q4_K_M files) and a SiLU gate: in place; anything else: not."""
+    """Q4_K gate and up with Q4_K or Q6_K down (Q4_K_M files) and a SiLU gate: in place by cpu_q4k; the other
+    types the CPU reads in place too (generic kernels); Q2_K/Q3_K, other gates: not."""
 
     def qts(raws: list[np.ndarray], down: QT) -> list[QTensor]:
         shapes = [(E, F, D), (E, F, D), (E, D, F)]
@@ -180,7 +181,11 @@ def test_which_layers_are_read_in_place(layer, layer_q6k_down) -> None:
     ce = CpuExperts(*q6, experts=range(E))
     assert ce.kernels == ("q4k", "q4k") and ce.q4k is not None and ce.q4k.down_q6k and ce.nbytes == 0
     q8 = QTensor(torch.from_numpy(random_blocks(QT.Q8_0, E * D, F).reshape(E, D, -1)), QT.Q8_0, (E, D, F))
-    assert not CpuExperts.in_place(q4[0], q4[1], q8, "silu")
+    # other types the CPU reads in place go through engine.kernels.cpu_blocks (test_cpu_blocks.py checks them)
+    assert CpuExperts.in_place(q4[0], q4[1], q8, "silu")
+    assert type(CpuExperts.in_place_kernels(q4[0], q4[1], q8, "silu")).__name__ == "BlockExperts"
+    q2 = QTensor(torch.from_numpy(random_blocks(QT.Q2_K, E * D, F).reshape(E, D, -1)), QT.Q2_K, (E, D, F))
+    assert not CpuExperts.in_place(q4[0], q4[1], q2, "silu")  # Q2_K rows are unpacked first: not for experts
 
 
 def test_cpu_decode_moe_goes_through_the_in_place_kernels(layer_q6k_down, monkeypatch) -> None:
