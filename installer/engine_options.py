@@ -746,7 +746,7 @@ def check_args(args: Sequence[str], command: str = "serve", source: str = "the c
         )
 
 
-def free_cores(sample_s: float = 0.2) -> tuple[int, int]:
+def free_cores(sample_s: float = 0.05) -> tuple[int, int]:
     """(cores this process may use that are not busy, those it may use): a core counts as busy when other
     programs kept it over half busy during `sample_s`. One thread per free core is the default thread count:
     a thread on a busy core stalls every parallel step of the others."""
