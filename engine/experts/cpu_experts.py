@@ -168,7 +168,7 @@ class CpuExperts:
         self._held = frozenset(held)
         self.q4k = self.in_place_kernels(gate, up, down, act)
         if self.q4k is not None:  # computed in place from the store's blocks: nothing to repack
-            self.kernels = ("q4k", "q4k")
+            self.kernels = ("q4k", "q4k") if self._q4k(gate, up, down) else ("blocks", "blocks")
             self._gate_up, self._down = {}, {}
             return
         gu_int4 = _int4_fits((gate.qtype, up.qtype), 2 * f, d)

@@ -129,16 +129,17 @@ def test_cpu_misses_by_default_takes_the_layers_read_in_place_only() -> None:
             router=router, gate=stack(F, D, seed), up=stack(F, D, seed + 10), down=stack(D, F, seed + 20)
         )
 
-    cache = ExpertCache({0: layer(QT.Q4_K, 1), 1: layer(QT.Q8_0, 2)}, torch.device("cpu"), {0: 2, 1: 2})
+    layers = {0: layer(QT.Q4_K, 1), 1: layer(QT.Q2_K, 2), 2: layer(QT.Q8_0, 3)}
+    cache = ExpertCache(layers, torch.device("cpu"), {0: 2, 1: 2, 2: 2})
     auto = CpuMisses(cache, 1.0, 4, "silu", in_place_only=True)
-    assert list(auto.layers) == [0] and auto.ratio == DEFAULT_RATIO
+    assert list(auto.layers) == [0, 2] and auto.ratio == DEFAULT_RATIO  # Q2_K is not read in place
     assert auto.layers[0].kernels == ("q4k", "q4k") and auto.layers[0].n_held == E - 2  # those not in VRAM
-    both = CpuMisses(cache, 1.0, 4, "silu")
     assert (
-        sorted(both.layers) == [0, 1]
-        and both.layers[1].kernels == ("bf16", "bf16")
-        and both.layers[1].nbytes > 0
-    )
+        auto.layers[2].kernels == ("blocks", "blocks") and auto.layers[2].nbytes == 0
+    )  # cpu_blocks' kernels
+    every = CpuMisses(cache, 1.0, 4, "silu")
+    assert sorted(every.layers) == [0, 1, 2] and every.layers[1].kernels == ("bf16", "bf16")
+    assert every.layers[1].nbytes > 0  # a repacked copy
 
 
 def test_requests_from_several_threads_give_the_same_sums(layer) -> None:
