@@ -112,77 +112,84 @@ def _dot_intrinsic(make_codes, signed, extra=0, total=False):
     return intrinsic(lambda typingctx, w, p, x, xo, e: typer(typingctx, w, p, x, xo, e))
 
 
-def _row32(block_bytes, codes_at, signed, kind):
-    """An intrinsic (w, o, n_blocks, x, xd, xs) -> float32: a row of 32-value blocks (its bytes at o of w) . the
-    quantized input (x int8, xd float32 scales per 32, xs int32 sums per 16), in one loop that keeps the block
-    products in a float vector (one horizontal sum per row, as ggml's vec_dot bodies do). codes_at(builder, w
-    pointer, block offset) gives the block's 32 codes; `kind` says where its half scale d sits and what else it
-    has: "d" (Q8_0, IQ4_NL), "e8m0" (MXFP4's scale byte), ("off", c) for code - c (Q4_0: 8, Q5_0: 16), "dm" for
-    d * code + m (Q4_1, Q5_1)."""
+def _row32_loop(b, wp, xp, xdp, xsp, o, n, spec):
+    """The IR of one row of 32-value blocks (bytes at o) . the quantized input, in one loop that keeps the block
+    products in a float vector (one horizontal sum per row, as ggml's vec_dot bodies do) -> float. spec:
+    (block bytes, codes_at(builder, w pointer, block offset) -> its 32 codes, signed codes?, what the block holds
+    besides: "d" a half scale (Q8_0, IQ4_NL), "e8m0" MXFP4's scale byte, ("off", c) code - c (Q4_0: 8, Q5_0: 16),
+    "dm" d * code + m (Q4_1, Q5_1))."""
+    block_bytes, codes_at, signed, kind = spec
     f32, v8f32, half = ir.FloatType(), ir.VectorType(ir.FloatType(), 8), ir.HalfType()
+    acc = cgutils.alloca_once_value(b, ir.Constant(v8f32, None))
+    side = cgutils.alloca_once_value(b, ir.Constant(f32, 0.0))
+    fma = _fn(b, "llvm.fma.v8f32", v8f32, [v8f32, v8f32, v8f32])
+    pf = _fn(b, "llvm.prefetch.p0", ir.VoidType(), [ir.PointerType(i8), i32, i32, i32])
+    with cgutils.for_range(b, n) as loop:
+        i = loop.index
+        p = b.add(o, b.mul(i, ir.Constant(i64, block_bytes)))
+        # the blocks some rows ahead: the hardware prefetcher alone left this loop waiting on RAM
+        b.call(pf, [b.gep(wp, [b.add(p, ir.Constant(i64, PREFETCH))]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # fmt: skip
+        lanes = b.sitofp(
+            _lanes(b, codes_at(b, wp, p), _load(b, xp, b.mul(i, ir.Constant(i64, 32))), signed), v8f32
+        )
+        xd_i = b.load(b.gep(xdp, [i]))
+        if kind == "e8m0":
+            e = b.zext(b.load(b.gep(wp, [p])), i32)  # 2^(e - 128) as float bits: (e - 1) << 23
+            d = b.bitcast(b.shl(b.sub(e, ir.Constant(i32, 1)), ir.Constant(i32, 23)), f32)
+        else:
+            d = b.fpext(b.load(b.bitcast(b.gep(wp, [p]), half.as_pointer()), align=1), f32)
+        scale = b.fmul(d, xd_i)
+        vs = b.shuffle_vector(b.insert_element(ir.Constant(ir.VectorType(f32, 1), ir.Undefined), scale, ir.Constant(i32, 0)),
+                              ir.Constant(ir.VectorType(f32, 1), ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))  # fmt: skip
+        b.store(b.call(fma, [lanes, vs, b.load(acc)]), acc)
+        if kind != "d" and kind != "e8m0":
+            two = b.mul(i, ir.Constant(i64, 2))
+            xsum = b.add(b.load(b.gep(xsp, [two])), b.load(b.gep(xsp, [b.add(two, ir.Constant(i64, 1))])))
+            if kind == "dm":
+                m = b.fpext(b.load(b.bitcast(b.gep(wp, [b.add(p, ir.Constant(i64, 2))]), half.as_pointer()), align=1), f32)  # fmt: skip
+                term = b.fmul(b.fmul(m, xd_i), b.sitofp(xsum, f32))
+            else:
+                term = b.fmul(b.fmul(scale, ir.Constant(f32, -float(kind[1]))), b.sitofp(xsum, f32))
+            b.store(b.fadd(b.load(side), term), side)
+    red = _fn(b, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f32])
+    return b.fadd(b.call(red, [ir.Constant(f32, 0.0), b.load(acc)]), b.load(side))
 
-    def typer(typingctx, w, o, nblocks, x, xd, xs):
-        sig = types.float32(w, o, nblocks, x, xd, xs)
 
-        def codegen(context, builder, signature, args):
-            b = builder
-            wp, xp, xdp, xsp = (_data(context, b, signature.args[i], args[i]) for i in (0, 3, 4, 5))
-            o, n = args[1], args[2]
-            acc = cgutils.alloca_once_value(b, ir.Constant(v8f32, None))
-            side = cgutils.alloca_once_value(b, ir.Constant(f32, 0.0))
-            fma = _fn(b, "llvm.fma.v8f32", v8f32, [v8f32, v8f32, v8f32])
-            with cgutils.for_range(b, n) as loop:
-                i = loop.index
-                p = b.add(o, b.mul(i, ir.Constant(i64, block_bytes)))
-                # the blocks some rows ahead: the hardware prefetcher alone left this loop waiting on RAM
-                pf = _fn(b, "llvm.prefetch.p0", ir.VoidType(), [ir.PointerType(i8), i32, i32, i32])
-                b.call(pf, [b.gep(wp, [b.add(p, ir.Constant(i64, PREFETCH))]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # fmt: skip
-                codes = codes_at(b, wp, p)
-                xv = _load(b, xp, b.mul(i, ir.Constant(i64, 32)))
-                lanes = b.sitofp(_lanes(b, codes, xv, signed), v8f32)
-                xd_i = b.load(b.gep(xdp, [i]))
-                if kind == "e8m0":
-                    e = b.zext(b.load(b.gep(wp, [p])), i32)  # 2^(e - 128) as float bits: (e - 1) << 23
-                    d = b.bitcast(b.shl(b.sub(e, ir.Constant(i32, 1)), ir.Constant(i32, 23)), f32)
-                else:
-                    d = b.fpext(b.load(b.bitcast(b.gep(wp, [p]), half.as_pointer()), align=1), f32)
-                scale = b.fmul(d, xd_i)
-                vs = b.shuffle_vector(b.insert_element(ir.Constant(ir.VectorType(f32, 1), ir.Undefined), scale, ir.Constant(i32, 0)),
-                                      ir.Constant(ir.VectorType(f32, 1), ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))  # fmt: skip
-                b.store(b.call(fma, [lanes, vs, b.load(acc)]), acc)
-                if kind != "d" and kind != "e8m0":
-                    two = b.mul(i, ir.Constant(i64, 2))
-                    xsum = b.add(
-                        b.load(b.gep(xsp, [two])), b.load(b.gep(xsp, [b.add(two, ir.Constant(i64, 1))]))
-                    )
-                    xsum_f = b.sitofp(xsum, f32)
-                    if kind == "dm":
-                        m = b.fpext(b.load(b.bitcast(b.gep(wp, [b.add(p, ir.Constant(i64, 2))]), half.as_pointer()), align=1), f32)  # fmt: skip
-                        term = b.fmul(b.fmul(m, xd_i), xsum_f)
-                    else:
-                        term = b.fmul(b.fmul(scale, ir.Constant(f32, -float(kind[1]))), xsum_f)
-                    b.store(b.fadd(b.load(side), term), side)
-            red = _fn(b, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f32])
-            return b.fadd(b.call(red, [ir.Constant(f32, 0.0), b.load(acc)]), b.load(side))
+@intrinsic
+def row32(typingctx, w, o, nblocks, x, xd, xs, kind):
+    """A row of 32-value blocks of type `kind` (one of ROW32's) . the quantized input (x int8, xd float32 scales
+    per 32, xs int32 sums per 16) -> float32; one loop per type in the IR, chosen by `kind`."""
+    sig = types.float32(w, o, nblocks, x, xd, xs, kind)
 
-        return sig, codegen
+    def codegen(context, builder, signature, args):
+        b = builder
+        wp, xp, xdp, xsp = (_data(context, b, signature.args[i], args[i]) for i in (0, 3, 4, 5))
+        out = cgutils.alloca_once_value(b, ir.Constant(ir.FloatType(), 0.0))
+        for kid, spec in ROW32.items():
+            with b.if_then(b.icmp_signed("==", args[6], ir.Constant(args[6].type, kid))):
+                b.store(_row32_loop(b, wp, xp, xdp, xsp, args[1], args[2], spec), out)
+        return b.load(out)
 
-    return intrinsic(lambda typingctx, w, o, nblocks, x, xd, xs: typer(typingctx, w, o, nblocks, x, xd, xs))
+    return sig, codegen
 
 
 def _at(off, make):
     return lambda b, wp, p: make(b, wp, b.add(p, ir.Constant(i64, off)))
 
 
-row_q8_0 = _row32(34, _at(2, lambda b, wp, p: _load(b, wp, p)), True, "d")
-row_q4_0 = _row32(18, _at(2, _nibbles16), False, ("off", 8))
-row_q4_1 = _row32(20, _at(4, _nibbles16), False, "dm")
-row_iq4_nl = _row32(18, _at(2, lambda b, wp, p: _pshufb(b, IQ4, _nibbles16(b, wp, p))), True, "d")
-row_mxfp4 = _row32(17, _at(1, lambda b, wp, p: _pshufb(b, MXFP4, _nibbles16(b, wp, p))), True, "e8m0")
-
-
 def _q5_codes(b, wp, p):  # p: the 4 bytes of high bits, then 16 bytes of nibbles
     return b.or_(_nibbles16(b, wp, b.add(p, ir.Constant(i64, 4))), _bits(b, wp, p, None, 4))
+
+
+ROW32 = {  # the 32-value block types read by row32: (block bytes, codes, signed codes, what else the block holds)
+    Q8_0: (34, _at(2, lambda b, wp, p: _load(b, wp, p)), True, "d"),
+    Q4_0: (18, _at(2, _nibbles16), False, ("off", 8)),
+    Q4_1: (20, _at(4, _nibbles16), False, "dm"),
+    Q5_0: (22, _at(2, _q5_codes), False, ("off", 16)),
+    Q5_1: (24, _at(4, _q5_codes), False, "dm"),
+    IQ4_NL: (18, _at(2, lambda b, wp, p: _pshufb(b, IQ4, _nibbles16(b, wp, p))), True, "d"),
+    MXFP4_ID: (17, _at(1, lambda b, wp, p: _pshufb(b, MXFP4, _nibbles16(b, wp, p))), True, "e8m0"),
+}
 
 
 # 16 bytes of nibbles through the IQ4 table (IQ4_XS's sub-blocks)
@@ -217,8 +224,6 @@ def _bits(b, wp, p, bit, n_bytes):
     return b.shl(b.and_(b.lshr(v, shv), _splat(v32i8, 1)), _splat(v32i8, 4))
 
 
-row_q5_0 = _row32(22, _at(2, _q5_codes), False, ("off", 16))
-row_q5_1 = _row32(24, _at(4, _q5_codes), False, "dm")
 # Q4_K: a sub-block's 32 codes, the low (shift 0) or high (shift 4) nibbles of 32 bytes
 dot_k4 = _dot_intrinsic(
     lambda b, wp, p, shift: _nibbles32(b, wp, p, shift), signed=False, extra=1, total=True
@@ -296,6 +301,21 @@ def _scale_min_k4(w, s, j):
 
 
 @nb.njit(inline="always")
+def _k_sub(w, p, j, f16):
+    """Q4_K/Q5_K sub-block j of the block at p: (its scale d * sc, its minimum dmin * m) as floats."""
+    sc, m = _scale_min_k4(w, p + 4, j)
+    return _h(w, p, f16) * np.float32(sc), _h(w, p + 2, f16) * np.float32(m)
+
+
+@nb.njit(inline="always")
+def _iq4xs_scale(w, p, j, f16):
+    """IQ4_XS sub-block j's scale: d * (a 6-bit value - 32), its low 4 bits in scales_l, its high 2 in scales_h."""
+    sh = np.int32(w[p + 2]) | (np.int32(w[p + 3]) << 8)
+    ls = ((np.int32(w[p + 4 + j // 2]) >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)
+    return _h(w, p, f16) * np.float32(ls - 32)
+
+
+@nb.njit(inline="always")
 def _same(sc, mn, g, n, d, m):
     for i in range(n):
         sc[g + i] = d
@@ -351,10 +371,9 @@ def unpack_row(w, kind, o, k, q, sc, mn, f16):
         size = 144 if kind == Q4_K else 176
         for b in range(k // 256):
             p = o + b * size
-            d, dmin = _h(w, p, f16), _h(w, p + 2, f16)
             for j in range(8):
-                s, m = _scale_min_k4(w, p + 4, j)
-                _same(sc, mn, 16 * b + 2 * j, 2, d * np.float32(s), -dmin * np.float32(m))
+                s, m = _k_sub(w, p, j, f16)
+                _same(sc, mn, 16 * b + 2 * j, 2, s, -m)
             qs = p + (16 if kind == Q4_K else 48)
             for c in range(4):
                 for i in range(32):
@@ -412,11 +431,8 @@ def unpack_row(w, kind, o, k, q, sc, mn, f16):
     elif kind == IQ4_XS:
         for b in range(k // 256):
             p = o + b * 136
-            d = _h(w, p, f16)
-            sh = np.int32(w[p + 2]) | (np.int32(w[p + 3]) << 8)
             for j in range(8):
-                ls = ((np.int32(w[p + 4 + j // 2]) >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)
-                _same(sc, mn, 16 * b + 2 * j, 2, d * np.float32(ls - 32), np.float32(0.0))
+                _same(sc, mn, 16 * b + 2 * j, 2, _iq4xs_scale(w, p, j, f16), np.float32(0.0))
                 for i in range(16):
                     x = w[p + 8 + 16 * j + i]
                     q[256 * b + 32 * j + i] = IQ4[x & 15]
@@ -445,38 +461,32 @@ def quantize(x, xq, xd, xs):
 
 
 @nb.njit(fastmath=True)
-def row_dot(w, wi, kind, o, k, x, xd, xs, f16):
+def row_dot(w, kind, o, k, x, xd, xs, f16):
     """One weight row (blocks at byte o) . one quantized input row (x int8 [k], xd its scales per 32, xs its sums
     per 16), for the types read in place; one vec-dot body per block type, as ggml has."""
     acc = np.float32(0.0)
-    nb32 = np.int64(k // 32)
-    if kind == Q8_0:
-        acc = row_q8_0(wi, o, nb32, x, xd, xs)
-    elif kind == Q4_0:
-        acc = row_q4_0(w, o, nb32, x, xd, xs)
-    elif kind == Q5_0:
-        acc = row_q5_0(w, o, nb32, x, xd, xs)
-    elif kind == Q4_1:
-        acc = row_q4_1(w, o, nb32, x, xd, xs)
-    elif kind == Q5_1:
-        acc = row_q5_1(w, o, nb32, x, xd, xs)
-    elif kind == IQ4_NL:
-        acc = row_iq4_nl(w, o, nb32, x, xd, xs)
-    elif kind == MXFP4_ID:
-        acc = row_mxfp4(w, o, nb32, x, xd, xs)
+    if (
+        kind == Q8_0
+        or kind == Q4_0
+        or kind == Q4_1
+        or kind == Q5_0
+        or kind == Q5_1
+        or kind == IQ4_NL
+        or kind == MXFP4_ID
+    ):
+        acc = row32(w, o, np.int64(k // 32), x, xd, xs, np.int64(kind))
     elif kind == Q4_K or kind == Q5_K:
         size = 144 if kind == Q4_K else 176
         for b in range(k // 256):
             p = o + b * size
-            d, dmin = _h(w, p, f16), _h(w, p + 2, f16)
             for j in range(8):
-                sc, m = _scale_min_k4(w, p + 4, j)
+                sc, m = _k_sub(w, p, j, f16)
                 g = 8 * b + j
                 if kind == Q4_K:
                     v = dot_k4(w, p + 16 + 32 * (j // 2), x, np.int64(32 * g), np.int64(4 * (j % 2)))
                 else:
                     v = dot_q5k(w, p, x, np.int64(32 * g), np.int64(j))
-                acc += xd[g] * (d * np.float32(sc) * v - dmin * np.float32(m * (xs[2 * g] + xs[2 * g + 1])))
+                acc += xd[g] * (sc * v - m * np.float32(xs[2 * g] + xs[2 * g + 1]))
     elif kind == Q6_K:
         for b in range(k // 256):
             p = o + b * 210
@@ -489,12 +499,9 @@ def row_dot(w, wi, kind, o, k, x, xd, xs, f16):
     elif kind == IQ4_XS:
         for b in range(k // 256):
             p = o + b * 136
-            d = _h(w, p, f16)
-            sh = np.int32(w[p + 2]) | (np.int32(w[p + 3]) << 8)
             for j in range(8):
-                ls = ((np.int32(w[p + 4 + j // 2]) >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)
                 g = 8 * b + j
-                acc += d * np.float32(ls - 32) * xd[g] * dot_iq4(w, p + 8 + 16 * j, x, np.int64(32 * g))
+                acc += _iq4xs_scale(w, p, j, f16) * xd[g] * dot_iq4(w, p + 8 + 16 * j, x, np.int64(32 * g))
     return acc
 
 
@@ -513,7 +520,6 @@ def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
     quantize(x, xq, xd, xs)
     groups = k // 16
     tasks = (n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    wi = w.view(np.int8)
     in_place = kind != Q2_K and kind != Q3_K
     for t in nb.prange(tasks):
         q = np.empty(k if not in_place else 32, np.int8)
@@ -523,7 +529,7 @@ def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
             o = np.int64(n) * row_bytes
             if in_place:
                 for r in range(t_rows):
-                    out[r, n] = row_dot(w, wi, kind, o, k, xq[r], xd[r], xs[r], f16)
+                    out[r, n] = row_dot(w, kind, o, k, xq[r], xd[r], xs[r], f16)
                 continue
             unpack_row(w, kind, o, k, q, sc, mn, f16)
             for r in range(t_rows):
@@ -572,8 +578,8 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, ws, x,
         e = np.int64(ids[j])
         for n in range(n0, min(f, n0 + ROWS_PER_TASK)):
             r = (e * f + n) * gate_row_bytes
-            a = row_dot(gate, gate, kinds[0], r, d, xq[0], xd[0], xs[0], f16)
-            b = row_dot(up, up, kinds[1], r, d, xq[0], xd[0], xs[0], f16)
+            a = row_dot(gate, kinds[0], r, d, xq[0], xd[0], xs[0], f16)
+            b = row_dot(up, kinds[1], r, d, xq[0], xd[0], xs[0], f16)
             h[j, n] = a / (np.float32(1.0) + np.exp(-a)) * b
     hq = np.empty((nt, f), np.int8)
     hd = np.empty((nt, f // 32), np.float32)
@@ -584,5 +590,5 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, ws, x,
             acc = np.float32(0.0)
             for j in range(nt):
                 r = (np.int64(ids[j]) * d + n) * down_row_bytes
-                acc += ws[j] * row_dot(down, down, kinds[2], r, f, hq[j], hd[j], hs[j], f16)
+                acc += ws[j] * row_dot(down, kinds[2], r, f, hq[j], hd[j], hs[j], f16)
             out[n] = acc
