@@ -748,15 +748,20 @@ def check_args(args: Sequence[str], command: str = "serve", source: str = "the c
 
 def free_cores(sample_s: float = 0.05) -> tuple[int, int]:
     """(cores this process may use that are not busy, those it may use): a core counts as busy when other
-    programs kept it over half busy during `sample_s`. One thread per free core is the default thread count:
-    a thread on a busy core stalls every parallel step of the others."""
+    programs kept it over half busy during `sample_s`. The process that started the engine (the app, a shell) is
+    not counted: it waits on the engine once it runs. One thread per free core is the default thread count: a
+    thread on a busy core stalls every parallel step of the others."""
     try:
         usable = sorted(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         usable = list(range(os.cpu_count() or 1))
     try:
+        parent = psutil.Process(os.getppid())
+        parent.cpu_percent(None)
         busy = psutil.cpu_percent(interval=sample_s, percpu=True)
-    except Exception:  # no /proc/stat (a sandbox): every core counts as free
+        parent_cores = round(parent.cpu_percent(None) / 100)
+    except Exception:  # no /proc (a sandbox), the parent gone: every core counts as free
         return len(usable), len(usable)
-    free = sum(1 for c in usable if c < len(busy) and busy[c] < 50.0)
+    taken = sum(1 for c in usable if c < len(busy) and busy[c] >= 50.0)
+    free = len(usable) - max(0, taken - parent_cores)
     return max(1, free), len(usable)

@@ -148,6 +148,18 @@ def test_one_thread_count_for_every_pool_from_the_flag_or_the_free_cores(
     assert eo.free_cores() == (1, 2)
     monkeypatch.setattr(eo.psutil, "cpu_percent", lambda interval, percpu: [99.0, 97.0])
     assert eo.free_cores() == (1, 2)  # never fewer than one
+
+    class BusyParent:  # the app that started the engine, drawing its window meanwhile: not counted
+        def __init__(self, pid: int) -> None:
+            pass
+
+        def cpu_percent(self, interval: float | None) -> float:
+            return 100.0
+
+    monkeypatch.setattr(eo.psutil, "Process", BusyParent)
+    assert eo.free_cores() == (1, 2)  # one core the parent's, the other busy with another program
+    monkeypatch.setattr(eo.psutil, "cpu_percent", lambda interval, percpu: [2.0, 99.0])
+    assert eo.free_cores() == (2, 2)  # the busy core is the parent's own
     for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(var, raising=False)
     cli._thread_policy(3)
