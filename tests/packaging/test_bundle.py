@@ -99,7 +99,10 @@ def test_bundle_builds_installs_runs_and_uninstalls(tmp_path: Path) -> None:
     # 4. The frozen engine generates exactly what the source tree's engine does (greedy).
     (home.data / "models").mkdir(parents=True)
     model = write_tiny_model(home.data / "models" / "tiny.gguf", "qwen3moe", qtype="Q8_0")
-    args = ["generate", "--model", str(model), "--prompt", PROMPT, "-n", str(N_TOKENS), "--device", "cpu"]
+    # the default activations, which the source tree's test run sets to float (tests/conftest.py): the frozen
+    # engine then compiles and runs the CPU block kernels (Numba, cached in the home for the app's engine below)
+    args = ["generate", "--model", str(model), "--prompt", PROMPT, "-n", str(N_TOKENS), "--device", "cpu",
+            "--activations", "int8"]  # fmt: skip
     frozen = run([prefix / "bin" / "strata-engine", *args], env=home.env())
     source = run(
         [sys.executable, "-m", "engine.cli", *args],
