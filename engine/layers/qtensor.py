@@ -149,7 +149,7 @@ class QTensor:
             return y.reshape(*x.shape[:-1], n_out)
         if residual is not None:
             return residual + self.linear(x).float()
-        if not x.is_cuda and self.dense is None and self._cpu_blocks():
+        if not x.is_cuda and self.dense is None and len(self.shape) == 2 and self._cpu_blocks():
             return self._cpu_linear(x)
         if self.dense is not None and self.dense.dtype == x.dtype:
             return x @ self.dense.T
@@ -168,25 +168,18 @@ class QTensor:
         return torch.cat(parts, dim=-1)
 
     def _cpu_blocks(self) -> bool:
-        """Whether a CPU matmul reads this weight's blocks in place: int8 activations (not --activations float),
-        a block type the CPU kernels read, and Numba."""
-        return (
-            not self.raw.is_cuda
-            and len(self.shape) == 2
-            and int8_activations()
-            and cpu_blocks.supports(self.qtype, self.shape[1])
-        )
-
-    def in_blocks_on_cpu(self) -> bool:
-        """Whether CPU matmuls of this weight (of each expert's slice, for a 3-D one) read its blocks in place."""
-        if self.qtype == QT.F32:
-            return True  # already floats: a view, no copy
+        """Whether CPU matmuls of this weight (of each expert's slice, for a 3-D one) run the block kernels: int8
+        activations (not --activations float), a block type they read, and Numba."""
         return (
             not self.raw.is_cuda
             and len(self.shape) in (2, 3)
             and int8_activations()
             and cpu_blocks.supports(self.qtype, self.shape[-1])
         )
+
+    def in_blocks_on_cpu(self) -> bool:
+        """Whether CPU matmuls of this weight read it where it lies: the block kernels, or F32 (a float view)."""
+        return self.qtype == QT.F32 or self._cpu_blocks()
 
     def _cpu_linear(self, x: torch.Tensor) -> torch.Tensor:
         n_out, n_in = self.shape
