@@ -68,9 +68,8 @@ def matmul(raw: torch.Tensor, qtype: QT, n_out: int, k: int, x: torch.Tensor) ->
     j = _jit()
     x2 = x.reshape(-1, k).to(torch.float32).contiguous().numpy()
     out = np.empty((x2.shape[0], n_out), np.float32)
-    row_bytes = k // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
     with LOCK:
-        j.matmul(_flat(raw), int(qtype), n_out, k, row_bytes, x2, out, j.F16)
+        j.matmul(_flat(raw), int(qtype), n_out, k, _row_bytes(qtype, k), x2, out, j.F16)
     return torch.from_numpy(out).reshape(*x.shape[:-1], n_out)
 
 
@@ -78,9 +77,8 @@ def dequantize(raw: torch.Tensor, qtype: QT, n_out: int, k: int) -> torch.Tensor
     """W's rows as float32 [n_out, k]."""
     j = _jit()
     out = np.empty((n_out, k), np.float32)
-    row_bytes = k // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
     with LOCK:
-        j.dequantize(_flat(raw), int(qtype), n_out, k, row_bytes, out, j.F16)
+        j.dequantize(_flat(raw), int(qtype), n_out, k, _row_bytes(qtype, k), out, j.F16)
     return torch.from_numpy(out)
 
 

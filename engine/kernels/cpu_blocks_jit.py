@@ -47,6 +47,20 @@ def _load(builder, base, off, ty=v32i8):
     return builder.load(builder.bitcast(builder.gep(base, [off]), ty.as_pointer()), align=1)
 
 
+def _broadcast(b, value, ty):
+    """A vector of type ty with every lane the IR value `value` (of ty's element type)."""
+    one = ir.VectorType(ty.element, 1)
+    vec = b.insert_element(ir.Constant(one, ir.Undefined), value, ir.Constant(i32, 0))
+    return b.shuffle_vector(
+        vec, ir.Constant(one, ir.Undefined), ir.Constant(ir.VectorType(i32, ty.count), [0] * ty.count)
+    )
+
+
+def _field(b, wp, p, shift, mask):
+    """(32 bytes at p >> shift) & mask, per byte; shift an i64 (the same for all 32)."""
+    return b.and_(b.lshr(_load(b, wp, p), _broadcast(b, b.trunc(shift, i8), v32i8)), _splat(v32i8, mask))
+
+
 def _splat(ty, v):
     return ir.Constant(ty, [v] * ty.count)
 
@@ -139,9 +153,7 @@ def _row32_loop(b, wp, xp, xdp, xsp, o, n, spec):
         else:
             d = b.fpext(b.load(b.bitcast(b.gep(wp, [p]), half.as_pointer()), align=1), f32)
         scale = b.fmul(d, xd_i)
-        vs = b.shuffle_vector(b.insert_element(ir.Constant(ir.VectorType(f32, 1), ir.Undefined), scale, ir.Constant(i32, 0)),
-                              ir.Constant(ir.VectorType(f32, 1), ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))  # fmt: skip
-        b.store(b.call(fma, [lanes, vs, b.load(acc)]), acc)
+        b.store(b.call(fma, [lanes, _broadcast(b, scale, v8f32), b.load(acc)]), acc)
         if kind != "d" and kind != "e8m0":
             two = b.mul(i, ir.Constant(i64, 2))
             xsum = b.add(b.load(b.gep(xsp, [two])), b.load(b.gep(xsp, [b.add(two, ir.Constant(i64, 1))])))
@@ -198,11 +210,7 @@ dot_iq4 = _dot_intrinsic(lambda b, wp, p: _pshufb(b, IQ4, _nibbles16(b, wp, p)),
 
 def _nibbles32(b, wp, p, shift):
     """32 bytes at p, each shifted right by `shift` (an i64: 0 or 4), low 4 bits (a Q4_K/Q5_K sub-block)."""
-    v = _load(b, wp, p)
-    sh = b.trunc(shift, i8)
-    shv = b.shuffle_vector(b.insert_element(ir.Constant(v32i8, ir.Undefined), sh, ir.Constant(i32, 0)),
-                           ir.Constant(v32i8, ir.Undefined), ir.Constant(ir.VectorType(i32, 32), [0] * 32))  # fmt: skip
-    return b.and_(b.lshr(v, shv), _splat(v32i8, 15))
+    return _field(b, wp, p, shift, 15)
 
 
 def _bits(b, wp, p, bit, n_bytes):
@@ -210,18 +218,13 @@ def _bits(b, wp, p, bit, n_bytes):
     (n_bytes 4: bit i of the little-endian word is value i; bit is then ignored), as <32 x i8> of 0 or 16."""
     if n_bytes == 4:
         word = b.load(b.bitcast(b.gep(wp, [p]), i32.as_pointer()), align=1)
-        vec = b.shuffle_vector(b.insert_element(ir.Constant(ir.VectorType(i32, 1), ir.Undefined), word, ir.Constant(i32, 0)),
-                               ir.Constant(ir.VectorType(i32, 1), ir.Undefined), ir.Constant(ir.VectorType(i32, 32), [0] * 32))  # fmt: skip
+        vec = _broadcast(b, word, ir.VectorType(i32, 32))
         one = b.and_(
             b.lshr(vec, ir.Constant(ir.VectorType(i32, 32), list(range(32)))),
             _splat(ir.VectorType(i32, 32), 1),
         )
         return b.shl(b.trunc(one, v32i8), _splat(v32i8, 4))
-    v = _load(b, wp, p)
-    sh = b.trunc(bit, i8)
-    shv = b.shuffle_vector(b.insert_element(ir.Constant(v32i8, ir.Undefined), sh, ir.Constant(i32, 0)),
-                           ir.Constant(v32i8, ir.Undefined), ir.Constant(ir.VectorType(i32, 32), [0] * 32))  # fmt: skip
-    return b.shl(b.and_(b.lshr(v, shv), _splat(v32i8, 1)), _splat(v32i8, 4))
+    return b.shl(_field(b, wp, p, bit, 1), _splat(v32i8, 4))
 
 
 # Q4_K: a sub-block's 32 codes, the low (shift 0) or high (shift 4) nibbles of 32 bytes
@@ -251,11 +254,8 @@ def _q6k(b, wp, p, k):
         p, b.add(b.mul(n, ir.Constant(i64, 64)), b.mul(b.urem(j, ir.Constant(i64, 2)), ir.Constant(i64, 32)))
     )
     lo = _nibbles32(b, wp, ql, b.mul(b.udiv(j, ir.Constant(i64, 2)), ir.Constant(i64, 4)))
-    qh = _load(b, wp, b.add(p, b.add(ir.Constant(i64, 128), b.mul(n, ir.Constant(i64, 32)))))
-    sh = b.trunc(b.mul(j, ir.Constant(i64, 2)), i8)
-    shv = b.shuffle_vector(b.insert_element(ir.Constant(v32i8, ir.Undefined), sh, ir.Constant(i32, 0)),
-                           ir.Constant(v32i8, ir.Undefined), ir.Constant(ir.VectorType(i32, 32), [0] * 32))  # fmt: skip
-    hi = b.shl(b.and_(b.lshr(qh, shv), _splat(v32i8, 3)), _splat(v32i8, 4))
+    qh = b.add(p, b.add(ir.Constant(i64, 128), b.mul(n, ir.Constant(i64, 32))))
+    hi = b.shl(_field(b, wp, qh, b.mul(j, ir.Constant(i64, 2)), 3), _splat(v32i8, 4))
     return b.or_(lo, hi)
 
 
@@ -503,9 +503,6 @@ def row_dot(w, kind, o, k, x, xd, xs, f16):
                 g = 8 * b + j
                 acc += _iq4xs_scale(w, p, j, f16) * xd[g] * dot_iq4(w, p + 8 + 16 * j, x, np.int64(32 * g))
     return acc
-
-
-IN_PLACE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4_ID)
 
 
 @nb.njit(parallel=True, fastmath=True, nogil=True, cache=True)
