@@ -225,6 +225,7 @@ class WorkersPage(QWidget):
             self.plan.set_chosen(choices[row], item.checkState() == Qt.CheckState.Checked)
 
     _filling = False
+    _flags_shown: tuple = ((), ())
 
     def _refresh_plan(self) -> None:
         plan = self.plan
@@ -282,6 +283,14 @@ class WorkersPage(QWidget):
         """A line and a Lock button per ticked card on a Windows worker PC (and the tuner's warnings)."""
         plan = self.plan
         assert plan is not None
+        flagged = plan.windows_cards()
+        shown = (
+            tuple((c.key, c.card.label, plan.clock_notes.get(c.key, "")) for c in flagged),
+            tuple(plan.warnings),
+        )
+        if shown == self._flags_shown:  # `changed` comes with every progress line: rebuild only what changed
+            return
+        self._flags_shown = shown
         while self.clock_flags.count():
             item = self.clock_flags.takeAt(0)
             w = item.widget() if item is not None else None
@@ -294,7 +303,7 @@ class WorkersPage(QWidget):
                 lay.deleteLater()
             elif w is not None:
                 w.deleteLater()
-        for c in plan.windows_cards():
+        for c in flagged:
             note = plan.clock_notes.get(c.key, "")
             row = QHBoxLayout()
             label = QLabel(
