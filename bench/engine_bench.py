@@ -8,6 +8,7 @@ prompt and decode are measured separately: decode starts from a short prompt."""
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections import Counter
@@ -220,6 +221,28 @@ def cpu_expert_timing(cpu, n: int = 64) -> dict:
     return {"us_per_expert_gpu_idle": idle, "us_per_expert_during_pcie_copies": busy}
 
 
+def _trace_profile(model_path: str) -> torch.Tensor:
+    """Usage counts [n_layer, n_expert] from the second half of the replayed trace (STRATA_ROUTE_TRACE)."""
+    import numpy as np
+
+    from engine.experts.trace import load_trace
+    from engine.gguf.reader import GGUFFile
+    from engine.models.registry import file_config
+    from engine.tokenizer import Tokenizer
+
+    gf = GGUFFile.open(model_path)
+    c = file_config(gf, Tokenizer.from_metadata(gf.metadata).vocab_size)
+    t = load_trace(os.environ["STRATA_ROUTE_TRACE"])
+    # a recorded trace names its layers; a generated one is replayed on the MoE layers in order (all, or the last)
+    moe = (
+        t.layers if t.meta.get("source") == "recorded" else list(range(c.n_layer - len(t.layers), c.n_layer))
+    )
+    counts = np.zeros((c.n_layer, c.n_expert), np.int64)
+    for j, li in enumerate(moe):
+        counts[li] = np.bincount(t.ids[t.tokens // 2 :, j].ravel().astype(np.int64), minlength=c.n_expert)
+    return torch.from_numpy(counts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -239,6 +262,18 @@ def main() -> None:
     )
     ap.add_argument("--expert-slots", type=int, default=None)
     ap.add_argument("--expert-misses", choices=("direct", "copy"), default="copy")
+    ap.add_argument(
+        "--expert-policy",
+        choices=("profile", "lru", "lfu"),
+        default="profile",
+        help="the engine's --expert-policy",
+    )
+    ap.add_argument(
+        "--profile-from-trace",
+        action="store_true",
+        help="with STRATA_ROUTE_TRACE: fill the cache from the usage counts of the trace's second half (a profile "
+        "recorded earlier on like text; the run replays from its start)",
+    )
     ap.add_argument(
         "--cpu-experts", type=float, default=None, help="the engine's --cpu-experts F (default: auto)"
     )
@@ -286,6 +321,7 @@ def main() -> None:
     context_mib = (total - free) // 2**20  # the CUDA context (nothing else allocated yet)
     if a.vram_process_mib:
         a.vram_budget_mib = a.vram_process_mib - context_mib
+    profile = _trace_profile(a.model) if a.profile_from_trace else None
     t0 = time.perf_counter()
     lm = load_model(
         a.model,
@@ -294,6 +330,8 @@ def main() -> None:
         experts=ExpertPolicy(
             slots=a.expert_slots,
             miss_path=a.expert_misses,
+            eviction=a.expert_policy,
+            profile=profile,
             cpu_share=a.cpu_experts,
             vram_budget_mib=a.vram_budget_mib,
             reserve_mib=a.vram_reserve_mib,
@@ -308,6 +346,11 @@ def main() -> None:
         "load_s": time.perf_counter() - t0,
         "expert_slots": a.expert_slots,
         "expert_misses": a.expert_misses,
+        "expert_policy": a.expert_policy,
+        "route_trace": Path(os.environ["STRATA_ROUTE_TRACE"]).name
+        if os.environ.get("STRATA_ROUTE_TRACE")
+        else None,
+        "profile_from_trace": a.profile_from_trace,
         "cpu_experts": a.cpu_experts,
         "threads": torch.get_num_threads(),
         "vram_budget_mib": a.vram_budget_mib,
@@ -339,9 +382,15 @@ def main() -> None:
     if cpu is not None and cpu.tuner is not None and a.tune_steps:
         # the share is tuned while serving: these steps are a server's first requests (figure kept apart)
         res["decode_while_tuning_tok_s"] = measure_decode(lm.model, a.tune_steps, 1)
+    before = lm.model.expert_cache.stats() if lm.model.expert_cache is not None else None
     res["decode_tok_s"] = measure_decode(
         lm.model, a.decode, a.reps
     )  # the engine's own choice of the CPU's share
+    if before is not None:
+        after = lm.model.expert_cache.stats()
+        hits, misses = after.hits - before.hits, after.misses - before.misses
+        res["decode_hit_rate"] = round(hits / max(hits + misses, 1), 4)  # the decode runs' selections
+        res["decode_admissions"] = after.swaps - before.swaps
     if cpu is not None:
         res["cpu_slots"], res["cpu_timing"] = cpu.slots, cpu.timing()
         print(f"cpu share {cpu.ratio}: decode {res['decode_tok_s']:.1f} tok/s "

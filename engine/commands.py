@@ -2,6 +2,7 @@
 this module loads torch, which --help does without)."""
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from engine.experts.profile import (
     save_profile,
     tokens_from_counts,
 )
+from engine.experts.replay import recorded
+from engine.experts.trace import save_trace
 from engine.layers.kv_cache import resolve_kv_type
 from engine.link.startup import load_split_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner, TextEvent, TokenEvent
@@ -161,7 +164,15 @@ def cmd_profile(args: EngineOptions) -> int:
             f"{PROG}: error: --no-profile does not go with profile, which writes one: leave it out"
         )
     prompts = read_prompts(Path(args.prompts))
-    lm = _load(args)
+    if args.trace:
+        # room for every prompt's tokens and its greedy ones, read before the model loads: the recorder is made
+        # with the model, before its CUDA graphs (a prompt's chat template and tokens cost a few more)
+        room = sum(len(p.encode()) + 256 + args.max_tokens for p in prompts)
+        os.environ["STRATA_ROUTE_RECORD"] = str(min(room, args.max_context * len(prompts)))
+    try:
+        lm = _load(args)
+    finally:
+        os.environ.pop("STRATA_ROUTE_RECORD", None)
     before = model_counts(lm.model)
     if before is None:
         raise SystemExit(
@@ -195,4 +206,14 @@ def cmd_profile(args: EngineOptions) -> int:
         f"expert profile {path}: {done} prompts, {added.summary()}"
         + (f"; the file now holds {total.tokens} tokens" if total.tokens != added.tokens else "")
     )
+    if args.trace:
+        local = getattr(lm.model, "local_models", None)
+        trace = recorded(local() if local is not None else [lm.model])
+        if trace is None:
+            raise SystemExit(f"{PROG}: error: no routing was recorded ({lm.config.arch} routes another way)")
+        trace.meta["model"] = lm.name
+        save_trace(args.trace, trace)
+        print(
+            f"routing trace {args.trace}: {trace.tokens} tokens x {len(trace.layers)} MoE layers x {trace.k}"
+        )
     return 0

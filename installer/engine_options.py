@@ -112,10 +112,12 @@ class EngineOptions:
     expert_cache: int | None = None
     vram_budget_mib: int | None = None
     expert_misses: str = "copy"
+    expert_policy: str = "profile"
     cpu_experts: float | None = None
     cpu_ratio: float | None = None
     profile: str | None = None
     no_profile: bool = False
+    trace: str | None = None  # profile --trace FILE
     cpu_weights_mib: int | None = None
     remote_stage: str | None = None
     remote_stage_key: str | None = None
@@ -180,6 +182,8 @@ ENVIRONMENT: dict[str, str] = {
     "STRATA_PROMPT_GRAPHS": "0: prompt chunks run eagerly, not from CUDA graphs (runtime_switches)",
     "STRATA_GEMV_TUNED": "another GEMV tuning file (runtime_switches)",
     "STRATA_ROWS_GEMM": "1: steps of 2-16 rows multiply dense weights with rows_gemm, not the GEMV (runtime_switches)",
+    "STRATA_ROUTE_TRACE": "a routing trace file replayed in place of the routers' choice: benchmarks, tests (runtime_switches)",
+    "STRATA_ROUTE_RECORD": "N: record the first N tokens' routing (profile --trace sets it; runtime_switches)",
     "STRATA_STAGE_TOKEN": "the shared secret of a hand-started stage link (engine/link/keys.py)",
     "STRATA_STAGE_SECRET_KEY": "a worker's own key, from its node agent (engine/link/keys.py)",
     "STRATA_STAGE_ALLOW": "the keys a worker admits, from its node agent (engine/link/keys.py)",
@@ -199,6 +203,8 @@ class RuntimeSwitches:
     prompt_graphs: bool = True
     gemv_tuned: str | None = None
     rows_gemm: bool = False  # measured slower than the GEMV at 2-16 rows on an H200 (bench/results/rows-gemm-vs-gemv-h200.json)
+    route_trace: str | None = None  # engine/experts/replay.py
+    route_record: int = 0
 
 
 # --cpu-weights-mib's automatic budget: a quarter of the RAM, at most 8 GiB (a small default model fits whole; a big
@@ -217,8 +223,8 @@ def int8_activations(env: Mapping[str, str] | None = None) -> bool:
 
 
 def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
-    """STRATA_ACTIVATIONS, STRATA_NORM_ROUTE, STRATA_PROMPT_GRAPHS, STRATA_GEMV_TUNED and STRATA_ROWS_GEMM, read now (a switch set
-    while the process runs takes effect at the next read)."""
+    """STRATA_ACTIVATIONS, STRATA_NORM_ROUTE, STRATA_PROMPT_GRAPHS, STRATA_GEMV_TUNED, STRATA_ROWS_GEMM and the
+    routing trace's two, read now (a switch set while the process runs takes effect at the next read)."""
     e = os.environ if env is None else env
     return RuntimeSwitches(
         activations="int8" if int8_activations(e) else "float",
@@ -226,7 +232,19 @@ def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
         prompt_graphs=e.get("STRATA_PROMPT_GRAPHS", "1") != "0",
         gemv_tuned=e.get("STRATA_GEMV_TUNED") or None,
         rows_gemm=e.get("STRATA_ROWS_GEMM", "0") == "1",
+        route_trace=e.get("STRATA_ROUTE_TRACE") or None,
+        route_record=_env_count("STRATA_ROUTE_RECORD", e.get("STRATA_ROUTE_RECORD", "0")),
     )
+
+
+def _env_count(name: str, value: str) -> int:
+    try:
+        n = int(value or "0")
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise OptionsError(f"{name} is {value!r}: set it to a count of tokens, or unset it")
+    return n
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -405,6 +423,14 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
         "one kernel a layer; the faster, default) or direct (the expert kernels read them over PCIe)",
     )
     e.add_argument(
+        "--expert-policy",
+        choices=("profile", "lru", "lfu"),
+        help="which experts a card keeps in VRAM as a conversation goes: profile (the usage profile's hottest, "
+        "adjusted now and then from the counts; the default), lru (each miss of a decode step takes the slot used "
+        "least recently, on the card, inside the step) or lfu (the slot with the lowest use count, decaying each "
+        "step)",
+    )
+    e.add_argument(
         "--cpu-experts",
         type=float,
         metavar="F",
@@ -555,6 +581,12 @@ def build_parser(
         "--out",
         metavar="PATH",
         help="the profile file to add to (default: --profile, else the one the engine reads for this file)",
+    )
+    pr.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="also write the routing trace of every token read (.npz: each layer's chosen experts and weights; "
+        "STRATA_ROUTE_TRACE=FILE replays it, docs/performance.md)",
     )
     add_split_args(pr)
 

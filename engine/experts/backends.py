@@ -135,8 +135,8 @@ def expert_tables(
     experts staged in VRAM, read with the identity. `claim` [k]: slots the CPU computes (not staged)."""
     staged = cache.staged_tables(layer, ids, claim)
     if staged is not None:
-        assert cache.stager is not None
-        return staged[0], staged[1], staged[2], cache.stager.identity
+        tabs, sid = staged
+        return tabs[0], tabs[1], tabs[2], sid
     le = cache.layers[layer]
     return le.gate.table, le.up.table, le.down.table, ids
 

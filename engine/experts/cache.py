@@ -19,10 +19,12 @@ from engine.layers.qtensor import QTensor
 
 if TYPE_CHECKING:
     from engine.experts.cpu_misses import CpuMisses
+    from engine.kernels.expert_lru import DeviceLru
     from engine.kernels.stage_copy import Stager
 
 log = logging.getLogger("strata.engine")
 GiB = 1 << 30
+MAX_STEP_ROWS = 8  # token rows a decode step's fused launches take (engine/models/fast_decode.py)
 
 
 class ExpertCacheError(ValueError):
@@ -71,6 +73,7 @@ class LayerExperts:
     misses_before: int = 0
     swaps: int = 0
     bytes_moved: int = 0
+    lru: "DeviceLru | None" = None  # --expert-policy lru/lfu: residency kept on the card, decode steps admit
 
     @property
     def projections(self) -> tuple[_Proj, _Proj, _Proj]:
@@ -164,6 +167,9 @@ class ExpertCache:
         profile: torch.Tensor | None = None,
         device_label: str = "",
         miss_path: str = "copy",
+        eviction: str = "profile",
+        lfu_decay: float = 0.9,
+        max_selections: int = 64,
     ) -> None:
         self.device = device
         self.miss_path = (
@@ -175,6 +181,9 @@ class ExpertCache:
         self._held: int | None = None  # the layer whose staged experts the next prompt chunks share
         self._held_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.layers: dict[int, LayerExperts] = {}
+        self.eviction = eviction
+        # the ids a step's expert kernels read per-selection tables with (the first T * k, viewed [T, k])
+        self.identity = torch.arange(max_selections, dtype=torch.int64, device=device)
         self.counts: torch.Tensor | None = None
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         for li, ew in experts.items():
@@ -220,6 +229,12 @@ class ExpertCache:
                 )
                 le.nbytes = torch.tensor([p.expert_bytes for p in projs], dtype=torch.int64, device=device)
             self._write_tables(le)
+            if eviction != "profile" and 0 < cap < n_e and device.type == "cuda":
+                assert le.host_tables is not None and le.nbytes is not None
+                le.lru = kernels.expert_lru.DeviceLru(
+                    device, slot_of, expert_in, tables, le.host_tables, [p.slots.data_ptr() for p in projs],
+                    le.nbytes, eviction, lfu_decay, max_selections,
+                )  # fmt: skip
             self.layers[li] = le
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -244,18 +259,21 @@ class ExpertCache:
 
     def staged_tables(
         self, li: int, ids: torch.Tensor, claim: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        """With `--expert-misses copy`, for a one-token step of layer li that has experts in host memory: stage
-        the missed ones in VRAM and return the per-slot tables [3, k] (read with `Stager.identity` as ids);
-        None where the kernels read the cache's own tables. `claim` [k]: slots the CPU computes (not copied)."""
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a decode step of layer li that has experts in host memory: with `--expert-policy lru/lfu`, admit
+        its misses into the layer's slots; else, with `--expert-misses copy` and one token, stage the missed ones
+        in VRAM. -> (per-selection tables [3, T * k], the ids [T, k] to read them with); None where the kernels
+        read the cache's own tables. `claim` [T * k]: selections the CPU computes (neither copied nor admitted)."""
         le = self.layers[li]
+        if le.lru is not None and ids.numel() <= self.identity.numel():
+            return le.lru.admit(ids, claim), self.identity[: ids.numel()].view(ids.shape)
         if self.miss_path != "copy" or le.host_tables is None or ids.shape[0] != 1:
             return None
         if self.stager is None or self.stager.slots != ids.numel():
             stride = max(p.expert_bytes for lx in self.layers.values() for p in lx.projections)
             self.stager = kernels.stage_copy.Stager(self.device, ids.numel(), stride)
         assert le.tables is not None and le.nbytes is not None
-        return self.stager.stage(ids, le.tables, le.host_tables, le.nbytes, claim)
+        return self.stager.stage(ids, le.tables, le.host_tables, le.nbytes, claim), self.stager.identity
 
     def prompt_tables(self, li: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The gate, up and down tables a prompt chunk's grouped kernels read for layer li. Where the layer has
@@ -269,6 +287,8 @@ class ExpertCache:
         if self._held == li and self._held_tables is not None:
             return self._held_tables
         self._held_tables = None  # another layer's experts take the staging area
+        if le.lru is not None:  # decode steps moved experts on the card: read where they are now
+            le.slot_of, le.expert_in = le.lru.slot_of.tolist(), le.lru.expert_in.tolist()
         missing = [e for e, c in enumerate(le.slot_of) if c < 0]
         if self.device.type == "cuda":  # a swap into a slot may still be in flight on the side stream
             torch.cuda.current_stream(self.device).wait_stream(self.side)
@@ -339,6 +359,9 @@ class ExpertCache:
     def _split(self, li: int) -> tuple[int, int]:
         """(hits, misses) of layer li since the start."""
         le = self.layers[li]
+        if le.lru is not None:  # counted by the admitting launch (decode steps)
+            hits, misses, _ = le.lru.stats.tolist()
+            return hits, misses
         if self.counts is None or le.counts_base is None:
             return le.hits_before, le.misses_before
         delta = self.counts[li] - le.counts_base
@@ -359,14 +382,16 @@ class ExpertCache:
         split = [self._split(li) for li in self.layers]
         hits = sum(h for h, _ in split)
         misses = sum(m for _, m in split)
+        admitted = {li: int(le.lru.stats[2].item()) for li, le in self.layers.items() if le.lru is not None}
         return CacheStats(
             experts_in_vram=in_vram,
             experts_total=total,
             vram_bytes=vram,
             hits=hits,
             misses=misses,
-            swaps=sum(le.swaps for le in self.layers.values()),
-            bytes_moved=sum(le.bytes_moved for le in self.layers.values()),
+            swaps=sum(le.swaps for le in self.layers.values()) + sum(admitted.values()),
+            bytes_moved=sum(le.bytes_moved for le in self.layers.values())
+            + sum(n * sum(p.expert_bytes for p in self.layers[li].projections) for li, n in admitted.items()),
             per_layer={li: le.capacity for li, le in self.layers.items()},
             cpu_computed=self.cpu_misses.slots if self.cpu_misses is not None else 0,
             cpu_share=self.cpu_misses.ratio if self.cpu_misses is not None else None,
@@ -377,7 +402,7 @@ class ExpertCache:
         `counts` [n_layer, E] are the usage counts (host copy). Returns the number of swaps started."""
         done = 0
         for li, le in self.layers.items():
-            if le.capacity in (0, le.n_expert):
+            if le.capacity in (0, le.n_expert) or le.lru is not None:  # lru/lfu: the card decides
                 continue
             heat = counts[li]
             cold_slot = min(range(le.capacity), key=lambda c: float(heat[le.expert_in[c]]))

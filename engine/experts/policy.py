@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.experts.cache import ExpertCache, plan_capacity
+from engine.experts.cache import MAX_STEP_ROWS, ExpertCache, plan_capacity
 from engine.kernels import int8_activations
 from installer.engine_options import D as OPTION_DEFAULTS
 
@@ -23,6 +23,7 @@ class PlacedModel(Protocol):
 log = logging.getLogger("strata.engine")
 MiB = 1 << 20
 MISS_PATHS = ("direct", "copy")
+EVICTIONS = ("profile", "lru", "lfu")
 # Room kept for activations, the dequantized tiles of prompt chunks and CUDA graphs.
 WORKSPACE_BYTES = 768 * MiB
 
@@ -42,6 +43,10 @@ class ExpertPolicy:
     # of the layers whose blocks the CPU reads in place (Q4_K, engine/experts/cpu_q4k.py), none elsewhere.
     cpu_share: float | None = None
     cpu_ratio: float | None = None  # the CPU's share of a step's misses, fixed (None: tuned while serving)
+    # --expert-policy: "profile" (the profile's hottest, swapped from the host now and then), or "lru" / "lfu":
+    # decode steps admit their misses on the card (engine/kernels/expert_lru.py)
+    eviction: str = "profile"
+    lfu_decay: float = 0.9
 
 
 def expert_budget(device: torch.device, policy: ExpertPolicy) -> int:
@@ -79,6 +84,8 @@ def build_expert_cache(model: PlacedModel, policy: ExpertPolicy) -> ExpertCache:
         )
     if policy.miss_path not in MISS_PATHS:
         raise ValueError(f"--expert-misses {policy.miss_path!r}: use one of {', '.join(MISS_PATHS)}")
+    if policy.eviction not in EVICTIONS:
+        raise ValueError(f"--expert-policy {policy.eviction!r}: use one of {', '.join(EVICTIONS)}")
     cache = ExpertCache(
         experts,
         model.device,
@@ -86,6 +93,9 @@ def build_expert_cache(model: PlacedModel, policy: ExpertPolicy) -> ExpertCache:
         policy.profile,
         device_label=_label(model.device),
         miss_path=policy.miss_path,
+        eviction=policy.eviction if model.device.type == "cuda" else "profile",
+        lfu_decay=policy.lfu_decay,
+        max_selections=MAX_STEP_ROWS * model.cfg.n_expert_used,
     )
     auto = policy.cpu_share is None
     if auto and (

@@ -42,14 +42,19 @@ def _stage_kernel(
         skip = tl.load(claim_ptr + s) != 0
     if a == h and not skip:  # a miss: this program's chunk of the expert crosses PCIe in wide loads
         words = tl.load(nbytes_ptr + p) // 8
-        src_w = h.to(tl.pointer_type(tl.int64))
-        dst_w = dst.to(tl.pointer_type(tl.int64))
-        lo = c * CHUNK
-        hi = tl.minimum(lo + CHUNK, words)
-        for off in range(lo, hi, BLOCK):
-            k = off + tl.arange(0, BLOCK)
-            m = k < hi
-            tl.store(dst_w + k, tl.load(src_w + k, mask=m), mask=m)
+        copy_chunk(
+            h.to(tl.pointer_type(tl.int64)), dst.to(tl.pointer_type(tl.int64)), c * CHUNK, words, CHUNK, BLOCK
+        )
+
+
+@triton.jit
+def copy_chunk(src_w, dst_w, lo, words, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """One program's chunk of an expert: 8-byte words lo .. lo + CHUNK (at most `words`), BLOCK a load."""
+    hi = tl.minimum(lo + CHUNK, words)
+    for off in range(lo, hi, BLOCK):
+        k = off + tl.arange(0, BLOCK)
+        m = k < hi
+        tl.store(dst_w + k, tl.load(src_w + k, mask=m), mask=m)
 
 
 CHUNK_WORDS = 8192  # 64 KB a program

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from engine.experts.replay import TraceRoute
 from engine.gguf import names
 from engine.gguf.reader import GGUFFile
 from engine.layers.attention import attention, causal_mask, project_qkv
@@ -93,6 +94,10 @@ class DecoderLM(FamilyLM):
     prenormed: tuple[int, torch.Tensor, torch.Tensor] | None = None
     # Decode rows of several slots as CUDA graphs (engine/pipeline/cuda_graphs.py SlotGraphs), made by the loader.
     slot_graphs: Any = None
+    # A routing trace replayed in place of the routers' choice, or recorded (engine/experts/replay.py): set by
+    # engine.pipeline.loader.prepare before the CUDA graphs are made.
+    traces_routes = True
+    route_trace: TraceRoute | None = None
 
     def _before_layers(self, gf: GGUFFile) -> None:
         freq_factors = Weights(gf, torch.device("cpu")).opt_f(
@@ -390,10 +395,12 @@ class DecoderLM(FamilyLM):
             return lw.ffn_down.linear(act(lw.ffn_gate.linear(x)) * lw.ffn_up.linear(x))
         counts = self.expert_counts[i] if self.expert_counts is not None else None
         real = self.counted_rows  # a prompt chunk padded to a captured size: its pad rows do not count
-        w, ids = route_and_count(
-            x, lw.experts.router, c.n_expert_used, c.expert_weights_norm, counts if real is None else None
-        )  # [T, k]
-        if real is not None:
+        trace = self.route_trace
+        own = counts if real is None and trace is None else None
+        w, ids = route_and_count(x, lw.experts.router, c.n_expert_used, c.expert_weights_norm, own)  # [T, k]
+        if trace is not None and counts is not None:
+            w, ids = trace.apply(i, w, ids, counts, real)  # it counts too
+        elif real is not None:
             count_experts(counts, ids, real)
         y = self.moe[i].mix(x, w, ids)
         if lw.shexp_gate is not None:

@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as QT
 
 from engine import kernels
 from engine.experts.backends import CachedExperts, expert_tables, fused_moe_available
+from engine.experts.cache import MAX_STEP_ROWS
 from engine.layers.kv_cache import KVCache, KVCacheError
 from engine.layers.moe import ACTIVATIONS, route_and_count
 from engine.layers.qtensor import QTensor
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from engine.models.decoder import DecoderLM
 
 # Token rows up to which a step takes this path (decode, and speculative verify windows).
-FAST_MAX_ROWS = 8
+FAST_MAX_ROWS = MAX_STEP_ROWS
 
 
 def available(model: "DecoderLM") -> bool:
@@ -160,6 +161,8 @@ def layer(
     xq = None
     q8 = wants_q8(g.qtype, f, d, "moe")
     counts = model.expert_counts[i] if model.expert_counts is not None else None
+    trace = model.route_trace  # a replayed or recorded routing trace counts what it passes on
+    own = counts if trace is None else None
     done = model.route_done.get(i) if model.route_done is not None else None
     experts = model.moe[i]
     assert isinstance(experts, CachedExperts)
@@ -170,7 +173,7 @@ def layer(
         shexp = lw.shexp_gate is not None
         x, x32, xq, w, ids = norm_route(
             h, lw.ffn_norm, c.rms_eps, le.router.raw.view(torch.float32), c.n_expert_used, c.expert_weights_norm,
-            counts, done[0], dt if shexp or not q8 else None, lw.shexp_gate_inp is not None or cpu is not None, q8,
+            own, done[0], dt if shexp or not q8 else None, lw.shexp_gate_inp is not None or cpu is not None, q8,
         )  # fmt: skip
     else:
         if q8:
@@ -178,7 +181,9 @@ def layer(
         else:
             x, x32 = rms_norm_pair(h, lw.ffn_norm, c.rms_eps, dt)
         assert x32 is not None
-        w, ids = route_and_count(x32, le.router, c.n_expert_used, c.expert_weights_norm, counts)  # [T, k]
+        w, ids = route_and_count(x32, le.router, c.n_expert_used, c.expert_weights_norm, own)  # [T, k]
+    if trace is not None and counts is not None:
+        w, ids = trace.apply(i, w, ids, counts)
     claim = None
     if cpu is not None and x32 is not None:  # the CPU's slots: not copied, and no weight in the GPU's sum
         claim, w = experts.hand_off(ids, w, x32)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from engine.experts import replay
 from engine.experts.policy import ExpertPolicy, build_expert_cache
 from engine.gguf.model_config import ModelConfig
 from engine.gguf.reader import GGUFFile
@@ -49,10 +50,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def prepare(model: DecoderLM, experts: ExpertPolicy | None = None, cuda_graphs: bool = True) -> DecoderLM:
     """Apply to a plain model what runs it on its card: the expert cache its routed experts need (CUDA, under
-    `experts`), then the decode step's CUDA graphs and, where the family allows them, the prompt chunks' graphs
+    `experts`), a routing trace where STRATA_ROUTE_TRACE or STRATA_ROUTE_RECORD asks for one, then the decode
+    step's CUDA graphs and, where the family allows them, the prompt chunks' graphs
     (STRATA_PROMPT_GRAPHS=0: chunks run eagerly, for comparisons). On the CPU nothing is applied."""
     if model.needs_expert_cache:
         model.attach_experts(build_expert_cache(model, experts or ExpertPolicy()))
+    model.route_trace = replay.attach(model)  # before the graphs: their steps replay (or record) it too
     if cuda_graphs and model.device.type == "cuda":
         model.graphs = DecodeGraphs(model)
         model.graphs.counts = model.expert_counts  # put back after the warm-up runs of a capture

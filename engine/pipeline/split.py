@@ -74,6 +74,9 @@ class SplitOptions:
     expert_slots: int | None = None  # --expert-cache N: routed experts in VRAM on each card
     vram_budget_mib: int | None = None  # --vram-budget-mib: each card behaves as one of this size
     expert_misses: str = "copy"  # --expert-misses copy|direct: how a decode step reads experts in host memory
+    expert_policy: str = (
+        "profile"  # --expert-policy profile|lru|lfu: which experts stay in VRAM as decode goes
+    )
     cpu_share: float | None = None  # --cpu-experts F (None: auto, engine/experts/policy.py)
     cpu_ratio: float | None = None  # --cpu-ratio R: the CPU's share of a step's misses (None: the default)
     cpu_weights_mib: int | None = None  # --cpu-weights-mib: float copies of CPU layers' weights (None: auto)
@@ -421,6 +424,7 @@ def _policies(
                 kv_bytes=kv[j] + keep,
                 profile=prof,
                 miss_path=opts.expert_misses,
+                eviction=opts.expert_policy,
                 cpu_share=opts.cpu_share,
                 cpu_ratio=opts.cpu_ratio,
             )

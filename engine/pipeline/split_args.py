@@ -35,6 +35,7 @@ def options_from_args(args: EngineOptions) -> SplitOptions:
         vram_budget_mib=args.vram_budget_mib,
         cpu_weights_mib=args.cpu_weights_mib,
         expert_misses=args.expert_misses,
+        expert_policy=args.expert_policy,
         cpu_share=share,
         cpu_ratio=ratio,
         device=args.device,

@@ -208,6 +208,10 @@ class SplitModel:
             if close is not None:
                 close()
 
+    def local_models(self) -> list[DecoderLM]:
+        """The models of the stages in this process (a remote stage's layers live in its worker)."""
+        return self._models()
+
     @property
     def expert_counts(self) -> torch.Tensor | None:
         """[n_layer, n_expert] selections since load, summed over the stages (each counts its own layers)."""

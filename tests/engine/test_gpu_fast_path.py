@@ -13,7 +13,6 @@ from engine.gguf.random_blocks import random_blocks
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
-from engine.testing.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.gpu
 KTYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0"]
@@ -63,17 +62,6 @@ def _greedy(path: Path, n: int = 24, **kw) -> tuple[list[int], object]:
         if isinstance(e, DoneEvent)
     ][0]
     return done.tokens, lm
-
-
-@pytest.fixture(scope="module")
-def moe_q4k(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(
-        tmp_path_factory.mktemp("fast") / "m.gguf",
-        "qwen3moe",
-        qtype="Q4_K",
-        types={"ffn_down": "Q6_K"},
-        seed=5,
-    )
 
 
 def test_cuda_graph_decode_equals_eager(moe_q4k: Path) -> None:

@@ -14,7 +14,6 @@ from engine.pipeline.batch import BatchRunner
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
-from engine.testing.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.gpu
 PROMPT = [1, 17, 42, 99, 150, 7, 300, 12, 5, 64, 128, 256, 33, 71]
@@ -99,17 +98,6 @@ def test_rope_store_writes_each_row_at_its_base() -> None:
         torch.testing.assert_close(qo[r : r + 1], qr)
         torch.testing.assert_close(kc[r * ctx : (r + 1) * ctx], kr)
         torch.testing.assert_close(vc[r * ctx : (r + 1) * ctx], vr)
-
-
-@pytest.fixture(scope="module")
-def moe_q4k(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(
-        tmp_path_factory.mktemp("slots") / "m.gguf",
-        "qwen3moe",
-        qtype="Q4_K",
-        types={"ffn_down": "Q6_K"},
-        seed=5,
-    )
 
 
 @pytest.mark.parametrize(
