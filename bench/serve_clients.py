@@ -112,6 +112,7 @@ def round_of(url: str, clients: int, requests: int, tokens: int, offset: int) ->
         "aggregate_tok_s": round(total / wall, 2),
         "latency_median_s": round(statistics.median(lat), 3) if lat else None,
         "latency_max_s": round(max(lat), 3) if lat else None,
+        "latencies_s": [round(x, 3) for x in lat],
     }
 
 
@@ -124,12 +125,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--server-log", type=Path, help="our server's log, whole")
     a = ap.parse_args()
     proc = None
     url = a.url
     if url is None:
         model = a.model or default_model_path()
-        proc, url = start_server(model, shlex.split(a.serve_args))
+        proc, url = start_server(model, shlex.split(a.serve_args), a.server_log)
     try:
         with httpx.Client(base_url=url, timeout=600) as c:
             ask(c, "A warm-up request.", 8)
@@ -139,6 +141,7 @@ def main() -> None:
             r = round_of(url, clients, a.requests, a.tokens, offset=100 * n)
             rounds.append(r)
             print(json.dumps(r), flush=True)
+        after = httpx.get(url + "/stats", timeout=30).json() if a.url is None else None
     finally:
         if proc is not None:
             proc.terminate()
@@ -152,6 +155,7 @@ def main() -> None:
         "tokens": a.tokens,
         "machine": {"cpu_count": __import__("os").cpu_count(), "platform": platform.platform()},
         "rounds": rounds,
+        "stats_after": after,
         "over_one_client": {str(r["clients"]): round(r["aggregate_tok_s"] / one, 3) for r in rounds}
         if one
         else None,
