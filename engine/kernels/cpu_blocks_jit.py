@@ -185,6 +185,48 @@ def row32(typingctx, w, o, nblocks, x, xd, xs, kind):
     return sig, codegen
 
 
+def _scale(b, wp, p, kind):
+    """A 32-value block's scale as float: MXFP4's e8m0 byte, else the half at the block's start."""
+    if kind == "e8m0":
+        e = b.zext(b.load(b.gep(wp, [p])), i32)  # 2^(e - 128) as float bits: (e - 1) << 23
+        return b.bitcast(b.shl(b.sub(e, ir.Constant(i32, 1)), ir.Constant(i32, 23)), ir.FloatType())
+    return b.fpext(b.load(b.bitcast(b.gep(wp, [p]), ir.HalfType().as_pointer()), align=1), ir.FloatType())
+
+
+@intrinsic
+def deq32(typingctx, w, o, nblocks, out, oo, kind):
+    """A row of 32-value blocks of type `kind` (one of ROW32's), bytes from o, as float32 values into out's flat
+    data from element oo: per block 32 codes converted and scaled in one vector (the generic unpacking wrote one
+    value at a time: prompt chunks spent as long dequantizing as in the GEMM)."""
+    sig = types.none(w, o, nblocks, out, oo, kind)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        wp = _data(context, b, signature.args[0], args[0])
+        op = _data(context, b, signature.args[3], args[3])
+        v32f = ir.VectorType(ir.FloatType(), 32)
+        for kid, (block_bytes, codes_at, signed, what) in ROW32.items():
+            with b.if_then(b.icmp_signed("==", args[5], ir.Constant(args[5].type, kid))):
+                with cgutils.for_range(b, args[2]) as loop:
+                    i = loop.index
+                    p = b.add(args[1], b.mul(i, ir.Constant(i64, block_bytes)))
+                    codes = codes_at(b, wp, p)
+                    vals = b.sitofp(codes, v32f) if signed else b.uitofp(codes, v32f)
+                    d = _broadcast(b, _scale(b, wp, p, what), v32f)
+                    if isinstance(what, tuple):  # ("off", c): d * (code - c)
+                        vals = b.fmul(b.fsub(vals, _splat(v32f, float(what[1]))), d)
+                    elif what == "dm":  # d * code + m, m the half after d
+                        m = _broadcast(b, _scale(b, wp, b.add(p, ir.Constant(i64, 2)), "m"), v32f)
+                        vals = b.fadd(b.fmul(vals, d), m)
+                    else:
+                        vals = b.fmul(vals, d)
+                    at = b.gep(op, [b.add(args[4], b.mul(i, ir.Constant(i64, 32)))])
+                    b.store(vals, b.bitcast(at, v32f.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def _at(off, make):
     return lambda b, wp, p: make(b, wp, b.add(p, ir.Constant(i64, off)))
 
@@ -260,6 +302,42 @@ def _q6k(b, wp, p, k):
 
 
 dot_q6k = _dot_intrinsic(_q6k, signed=False, extra=1)
+
+
+def _deq_intrinsic(make_codes, off):
+    """An intrinsic (w, p, e, s0, m0, s1, m1, out, oo) writing a K-quant sub-block's 32 values, its codes made by
+    make_codes(builder, w pointer, p, e), as float32 into out's flat data from element oo: code * s + m (the
+    first 16 with s0, m0, the second with s1, m1), or with `off` (code - off) * s, as gguf computes them."""
+
+    def typer(typingctx, w, p, e, s0, m0, s1, m1, out, oo):
+        sig = types.none(w, p, e, s0, m0, s1, m1, out, oo)
+
+        def codegen(context, builder, signature, args):
+            b = builder
+            wp = _data(context, b, signature.args[0], args[0])
+            op = _data(context, b, signature.args[7], args[7])
+            v32f, v16f = ir.VectorType(ir.FloatType(), 32), ir.VectorType(ir.FloatType(), 16)
+            halves = ir.Constant(ir.VectorType(i32, 32), list(range(32)))
+
+            def pair(lo, hi):  # 16 lanes of lo, then 16 of hi
+                return b.shuffle_vector(_broadcast(b, lo, v16f), _broadcast(b, hi, v16f), halves)
+
+            vals = b.uitofp(make_codes(b, wp, args[1], args[2]), v32f)
+            if off:
+                vals = b.fmul(b.fsub(vals, _splat(v32f, float(off))), pair(args[3], args[5]))
+            else:
+                vals = b.fadd(b.fmul(vals, pair(args[3], args[5])), pair(args[4], args[6]))
+            b.store(vals, b.bitcast(b.gep(op, [args[8]]), v32f.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
+deq_k4 = _deq_intrinsic(lambda b, wp, p, shift: _nibbles32(b, wp, p, shift), 0)
+deq_q5k = _deq_intrinsic(_q5k, 0)
+deq_q6k = _deq_intrinsic(_q6k, 32)
 dot_codes = _dot_intrinsic(
     lambda b, wp, p: _load(b, wp, p), signed=True
 )  # unpacked int8 codes (the other types)
@@ -460,12 +538,10 @@ def quantize(x, xq, xd, xs):
                 xs[r, 2 * b + h] = t
 
 
-@nb.njit(fastmath=True)
-def row_dot(w, kind, o, k, x, xd, xs, f16):
-    """One weight row (blocks at byte o) . one quantized input row (x int8 [k], xd its scales per 32, xs its sums
-    per 16), for the types read in place; one vec-dot body per block type, as ggml has."""
-    acc = np.float32(0.0)
-    if (
+@nb.njit(inline="always")
+def _is_row32(kind):
+    """Whether `kind` is one of ROW32's 32-value block types (row32, deq32)."""
+    return (
         kind == Q8_0
         or kind == Q4_0
         or kind == Q4_1
@@ -473,7 +549,15 @@ def row_dot(w, kind, o, k, x, xd, xs, f16):
         or kind == Q5_1
         or kind == IQ4_NL
         or kind == MXFP4_ID
-    ):
+    )
+
+
+@nb.njit(fastmath=True)
+def row_dot(w, kind, o, k, x, xd, xs, f16):
+    """One weight row (blocks at byte o) . one quantized input row (x int8 [k], xd its scales per 32, xs its sums
+    per 16), for the types read in place; one vec-dot body per block type, as ggml has."""
+    acc = np.float32(0.0)
+    if _is_row32(kind):
         acc = row32(w, o, np.int64(k // 32), x, xd, xs, np.int64(kind))
     elif kind == Q4_K or kind == Q5_K:
         size = 144 if kind == Q4_K else 176
@@ -540,6 +624,30 @@ def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
                 out[r, n] = acc + off
 
 
+@nb.njit(fastmath=True)
+def deq_k_row(w, kind, o, k, out, oo, f16):
+    """A Q4_K, Q5_K or Q6_K row (blocks at byte o) as float32 values into out's flat data from element oo: a vector
+    store per 32 values."""
+    if kind == Q6_K:
+        for b in range(k // 256):
+            p = o + b * 210
+            d = _h(w, p + 208, f16)
+            for j in range(8):
+                s0, s1 = d * np.float32(_i8(w[p + 192 + 2 * j])), d * np.float32(_i8(w[p + 193 + 2 * j]))
+                deq_q6k(w, p, np.int64(j), s0, s0, s1, s1, out, oo + 256 * b + 32 * j)
+        return
+    size = 144 if kind == Q4_K else 176
+    for b in range(k // 256):
+        p = o + b * size
+        for j in range(8):
+            sc, m = _k_sub(w, p, j, f16)
+            at = oo + 256 * b + 32 * j
+            if kind == Q4_K:
+                deq_k4(w, p + 16 + 32 * (j // 2), np.int64(4 * (j % 2)), sc, -m, sc, -m, out, at)
+            else:
+                deq_q5k(w, p, np.int64(j), sc, -m, sc, -m, out, at)
+
+
 @nb.njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def dequantize(w, kind, n_out, k, row_bytes, out, f16):
     """out[n_out, k] float32: the rows' values (the same unpacking; for prompt chunks through a float GEMM)."""
@@ -550,6 +658,12 @@ def dequantize(w, kind, n_out, k, row_bytes, out, f16):
         sc = np.empty(groups, np.float32)
         mn = np.empty(groups, np.float32)
         for n in range(t * ROWS_PER_TASK, min(n_out, t * ROWS_PER_TASK + ROWS_PER_TASK)):
+            if _is_row32(kind):
+                deq32(w, np.int64(n) * row_bytes, np.int64(k // 32), out, np.int64(n) * k, np.int64(kind))
+                continue
+            if kind == Q4_K or kind == Q5_K or kind == Q6_K:
+                deq_k_row(w, kind, np.int64(n) * row_bytes, k, out, np.int64(n) * k, f16)
+                continue
             unpack_row(w, kind, np.int64(n) * row_bytes, k, q, sc, mn, f16)
             for g in range(groups):
                 for i in range(16):

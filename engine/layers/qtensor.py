@@ -47,7 +47,7 @@ class FloatCache:
 
 
 # Largest dequantized tile a matmul materialises at once (elements): bounds the transient memory of big heads.
-_TILE_ELEMS = 1 << 24
+_TILE_ELEMS = 1 << 20
 # Up to this many activation rows a CPU matmul multiplies the blocks in place (engine.kernels.cpu_blocks); more rows
 # (a prompt chunk) go through float tiles of the weight decoded for that product and a float GEMM.
 _CPU_BLOCK_ROWS = 8
