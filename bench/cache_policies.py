@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import emit
 from engine.experts.profile import UsageProfile, profile_location, save_profile
-from engine.experts.trace import hit_rate, load_trace, save_trace
+from engine.experts.trace import hit_rate, load_trace, save_trace, usage_counts
 from engine.experts.trace_gen import generate, preset
 from engine.gguf.reader import GGUFFile
 from engine.models.registry import file_config
@@ -62,12 +62,7 @@ def _profile_file(model: str, trace: Path, work: Path) -> Path:
     cfg = file_config(gf, Tokenizer.from_metadata(gf.metadata).vocab_size)
     path, ident = profile_location(gf, cfg, work / f"profile-{trace.stem}.json")
     t = load_trace(trace)
-    layers = (
-        t.layers if t.meta.get("source") == "recorded" else range(cfg.n_layer - len(t.layers), cfg.n_layer)
-    )
-    counts = np.zeros((cfg.n_layer, cfg.n_expert), np.int64)
-    for j, li in enumerate(layers):
-        counts[li] = np.bincount(t.ids[t.tokens // 2 :, j].ravel().astype(np.int64), minlength=cfg.n_expert)
+    counts = usage_counts(t, cfg.n_layer, t.tokens // 2)
     path.unlink(missing_ok=True)
     save_profile(path, UsageProfile(ident, counts, t.tokens - t.tokens // 2))
     return path

@@ -223,24 +223,13 @@ def cpu_expert_timing(cpu, n: int = 64) -> dict:
 
 def _trace_profile(model_path: str) -> torch.Tensor:
     """Usage counts [n_layer, n_expert] from the second half of the replayed trace (STRATA_ROUTE_TRACE)."""
-    import numpy as np
-
-    from engine.experts.trace import load_trace
+    from engine.experts.trace import load_trace, usage_counts
     from engine.gguf.reader import GGUFFile
-    from engine.models.registry import file_config
-    from engine.tokenizer import Tokenizer
 
-    gf = GGUFFile.open(model_path)
-    c = file_config(gf, Tokenizer.from_metadata(gf.metadata).vocab_size)
     t = load_trace(os.environ["STRATA_ROUTE_TRACE"])
-    # a recorded trace names its layers; a generated one is replayed on the MoE layers in order (all, or the last)
-    moe = (
-        t.layers if t.meta.get("source") == "recorded" else list(range(c.n_layer - len(t.layers), c.n_layer))
-    )
-    counts = np.zeros((c.n_layer, c.n_expert), np.int64)
-    for j, li in enumerate(moe):
-        counts[li] = np.bincount(t.ids[t.tokens // 2 :, j].ravel().astype(np.int64), minlength=c.n_expert)
-    return torch.from_numpy(counts)
+    gf = GGUFFile.open(model_path)
+    n_layer = gf.get(f"{gf.architecture}.block_count")
+    return torch.from_numpy(usage_counts(t, int(n_layer), t.tokens // 2))
 
 
 def main() -> None:

@@ -359,14 +359,20 @@ class ExpertCache:
     def _split(self, li: int) -> tuple[int, int]:
         """(hits, misses) of layer li since the start."""
         le = self.layers[li]
-        if le.lru is not None:  # counted by the admitting launch (decode steps)
-            hits, misses, _ = le.lru.stats.tolist()
-            return hits, misses
         if self.counts is None or le.counts_base is None:
             return le.hits_before, le.misses_before
         delta = self.counts[li] - le.counts_base
         hits = int((delta * le.resident).sum().item())
         return le.hits_before + hits, le.misses_before + int(delta.sum().item()) - hits
+
+    def _lru_stats(self) -> dict[int, list[int]]:
+        """(hits, misses, admissions) of each layer whose decode steps admit on the card (counted by the admitting
+        launch), read in one copy."""
+        lru = [li for li, le in self.layers.items() if le.lru is not None]
+        if not lru:
+            return {}
+        rows = torch.stack([self.layers[li].lru.stats for li in lru]).tolist()  # type: ignore[union-attr]
+        return dict(zip(lru, rows, strict=True))
 
     def _fold(self, li: int) -> None:
         """Close the current period of layer li before its residency changes."""
@@ -379,10 +385,11 @@ class ExpertCache:
         in_vram = sum(le.capacity for le in self.layers.values())
         total = sum(le.n_expert for le in self.layers.values())
         vram = sum(le.capacity * sum(p.expert_bytes for p in le.projections) for le in self.layers.values())
-        split = [self._split(li) for li in self.layers]
+        lru = self._lru_stats()
+        split = [(lru[li][0], lru[li][1]) if li in lru else self._split(li) for li in self.layers]
         hits = sum(h for h, _ in split)
         misses = sum(m for _, m in split)
-        admitted = {li: int(le.lru.stats[2].item()) for li, le in self.layers.items() if le.lru is not None}
+        admitted = {li: s[2] for li, s in lru.items()}
         return CacheStats(
             experts_in_vram=in_vram,
             experts_total=total,

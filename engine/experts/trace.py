@@ -153,6 +153,16 @@ def for_model(t: RoutingTrace, moe_layers: list[int], n_expert: int, k: int) -> 
     return RoutingTrace(t.ids[:, cols], t.weights[:, cols], list(moe_layers), t.n_expert, t.meta)
 
 
+def usage_counts(t: RoutingTrace, n_layer: int, start: int = 0) -> np.ndarray:
+    """Selection counts [n_layer, n_expert] of the trace's tokens from `start` on: a usage profile's counts (a
+    recorded trace names its layers; a generated one is laid on the last layers, where MoE layers are)."""
+    layers = t.layers if t.meta.get("source") == "recorded" else range(n_layer - len(t.layers), n_layer)
+    counts = np.zeros((n_layer, t.n_expert), np.int64)
+    for j, li in enumerate(layers):
+        counts[li] = np.bincount(t.ids[start:, j].ravel().astype(np.int64), minlength=t.n_expert)
+    return counts
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # What a trace says about caching (pure functions: the generator's calibration and the benches use them)
 

@@ -17,6 +17,7 @@ from engine.experts.trace import (
     hit_rate,
     load_trace,
     save_trace,
+    usage_counts,
 )
 from engine.experts.trace_gen import PRESETS, TraceParams, generate, preset
 from engine.link.startup import load_split_model
@@ -82,6 +83,17 @@ def test_a_trace_fits_a_model_or_says_why_not() -> None:
     with pytest.raises(TraceError, match=r"no routing for MoE layers \[2\]"):
         for_model(rec, [0, 2], 8, 2)
     assert for_model(rec, [1], 8, 2).layers == [1]  # a stage's part of the layers
+
+
+def test_a_traces_usage_counts_land_on_its_layers() -> None:
+    t = _trace(n=6, layers=2)
+    c = usage_counts(t, 3, start=2)  # generated: laid on the last two of three layers
+    assert c.shape == (3, 8) and c[0].sum() == 0
+    for j in range(2):
+        np.testing.assert_array_equal(c[1 + j], np.bincount(t.ids[2:, j].ravel().astype(np.int64), minlength=8))
+    rec = RoutingTrace(t.ids, t.weights, [0, 2], 8, {"source": "recorded"})
+    c = usage_counts(rec, 3)
+    assert c[1].sum() == 0 and c[0].sum() == c[2].sum() == 6 * 2
 
 
 def test_the_simulated_caches_follow_their_rules() -> None:
