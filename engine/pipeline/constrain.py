@@ -149,9 +149,60 @@ def _xml_calls_grammar(tools: list[dict[str, Any]], several: bool, glm: bool) ->
     return "\n".join([*head, *rules]) + "\n"
 
 
-def forced_calls_grammar(fmt: str, tools: list[dict[str, Any]], several: bool) -> str | None:
+HARMONY_MARKS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>")
+
+
+def special_marks(tok: Tokenizer, marks: tuple[str, ...]) -> set[str]:
+    """Which of `marks` are one control token of `tok` (written in a grammar as that token, not as text: llguidance
+    never matches a control token with text)."""
+    out = set()
+    for m in marks:
+        ids = tok.encode(m, add_special=False, parse_special=True)
+        if len(ids) == 1 and tok.is_special(ids[0]):
+            out.add(m)
+    return out
+
+
+def harmony_calls_grammar(
+    tools: list[dict[str, Any]], specials: set[str] | frozenset[str] = frozenset()
+) -> str:
+    """gpt-oss's harmony form, after the generation prompt's `<|start|>assistant`: one commentary message to one of
+    `tools` whose JSON body is its arguments, ended by `<|call|>` (which ends the turn: harmony calls one function
+    a turn), after an optional analysis message (the model's reasoning, any text up to `<|end|>`, then
+    `<|start|>assistant`) where `<|call|>` is the vocabulary's end-of-generation control token, as in gpt-oss's.
+    `specials`: the markers that are control tokens (special_marks); llama.cpp's reader makes the others text."""
+
+    def mark(m: str) -> str:
+        return m if m in specials else _lit(m)
+
+    rules = ["start: analysis? call" if "<|call|>" in specials else "start: call"]
+    rules.append(
+        f'analysis: {mark("<|channel|>")} "analysis" {mark("<|message|>")} thought {mark("<|start|>")} "assistant"'
+    )
+    if "<|end|>" in specials:  # the control token ends the text
+        rules.append(r"thought: THOUGHT <|end|>" + "\n" + r"THOUGHT: /(.|\n)*/")
+    else:  # the reasoning runs to the first "<|end|>" (a lazy lexeme: it may hold "<" and newlines)
+        rules.append(r"thought[lazy]: /(.|\n)*<\|end\|>/")
+    rules.append("call: " + " | ".join(f"f{i}" for i in range(len(tools))))
+    for i, t in enumerate(tools):
+        f = t["function"]
+        schema = {"x-guidance": JSON_OPTIONS, **(f.get("parameters") or {"type": "object"})}
+        rules.append(
+            f"f{i}: {mark('<|channel|>')} {_lit('commentary to=functions.' + f['name'] + ' ')} "
+            f'{mark("<|constrain|>")} "json" {mark("<|message|>")} a{i} {mark("<|call|>")}'
+        )
+        rules.append(f"a{i}: %json {json.dumps(schema)}")
+    return "\n".join(rules) + "\n"
+
+
+def forced_calls_grammar(
+    fmt: str, tools: list[dict[str, Any]], several: bool, specials: set[str] | frozenset[str] = frozenset()
+) -> str | None:
     """A grammar whose every output is a call of one of `tools` in the format `fmt` (tool_calls.CallFormat.name)
-    teaches, its arguments valid against the tool's parameters; None for a format with no such grammar here."""
+    teaches, its arguments valid against the tool's parameters; None for a format with no such grammar here.
+    `specials`: the format's markers that are control tokens of the vocabulary (harmony's)."""
+    if fmt == "harmony":
+        return harmony_calls_grammar(tools, specials)
     if fmt == "hermes":
         return hermes_calls_grammar(tools, several)
     if fmt == "mistral":

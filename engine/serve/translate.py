@@ -5,7 +5,14 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.pipeline.constrain import GrammarError, Kind, compile_grammar, forced_calls_grammar
+from engine.pipeline.constrain import (
+    HARMONY_MARKS,
+    GrammarError,
+    Kind,
+    compile_grammar,
+    forced_calls_grammar,
+    special_marks,
+)
 from engine.pipeline.generate import GenerationRequest
 from engine.pipeline.sampling import SamplingError, SamplingParams
 from engine.serve.errors import APIError
@@ -179,13 +186,18 @@ class RequestTranslation:
         if isinstance(r.tool_choice, NamedToolChoice):
             tools = [t for t in tools if t["function"]["name"] == r.tool_choice.function.name]
             several = False
-        grammar = forced_calls_grammar(fmt.name, tools, several) if fmt is not None else None
+        specials = (
+            special_marks(self.lm.tokenizer, HARMONY_MARKS)
+            if fmt is not None and fmt.name == "harmony"
+            else set()
+        )
+        grammar = forced_calls_grammar(fmt.name, tools, several, specials) if fmt is not None else None
         if grammar is None:
             taught = f"teaches the {fmt.name} format" if fmt is not None else "teaches no tool-call format"
             raise APIError(
                 400,
-                "tool_choice required or a named function is forced in the Hermes/Qwen, Qwen3-Coder, GLM-4.5 and "
-                f"Mistral formats, and this model's chat template {taught}: use tool_choice auto",
+                "tool_choice required or a named function is forced in the Hermes/Qwen, Qwen3-Coder, GLM-4.5, "
+                f"Mistral and gpt-oss harmony formats, and this model's chat template {taught}: use tool_choice auto",
                 code="invalid_value",
                 param="tool_choice",
             )

@@ -122,11 +122,12 @@ def write_tiny_model(
     seed: int = 0,
     types: Mapping[str, QT | str] | None = None,
     spec: TinySpec | None = None,
-    chat_template: bool = True,
+    chat_template: bool | str = True,
     **overrides: Any,
 ) -> Path:
     """Write a tiny `arch` model to `path`. `qtype` is the type of every weight matrix (norms and biases stay F32);
-    `types` maps a name fragment (e.g. "ffn_down", "token_embd") to another type."""
+    `types` maps a name fragment (e.g. "ffn_down", "token_embd") to another type; `chat_template`: the tokenizer's
+    own (True), none (False) or this one (a string)."""
     spec = spec or default_spec(arch, **overrides)
     qtype = QT[qtype] if isinstance(qtype, str) else qtype
     tmap = {k: QT[v] if isinstance(v, str) else v for k, v in (types or {}).items()}
@@ -138,6 +139,8 @@ def write_tiny_model(
         tok = tiny_bpe_metadata(seed=seed, vocab_size=spec.vocab)
     if not chat_template:
         tok = {k: v for k, v in tok.items() if k != "tokenizer.chat_template"}
+    elif isinstance(chat_template, str):
+        tok = {**tok, "tokenizer.chat_template": chat_template}
     n_vocab = len(tok["tokenizer.ggml.tokens"])
     spec = replace(spec, vocab=n_vocab)
     _add_tensors(w, spec)

@@ -90,7 +90,9 @@ def test_a_traces_usage_counts_land_on_its_layers() -> None:
     c = usage_counts(t, 3, start=2)  # generated: laid on the last two of three layers
     assert c.shape == (3, 8) and c[0].sum() == 0
     for j in range(2):
-        np.testing.assert_array_equal(c[1 + j], np.bincount(t.ids[2:, j].ravel().astype(np.int64), minlength=8))
+        np.testing.assert_array_equal(
+            c[1 + j], np.bincount(t.ids[2:, j].ravel().astype(np.int64), minlength=8)
+        )
     rec = RoutingTrace(t.ids, t.weights, [0, 2], 8, {"source": "recorded"})
     c = usage_counts(rec, 3)
     assert c[1].sum() == 0 and c[0].sum() == c[2].sum() == 6 * 2

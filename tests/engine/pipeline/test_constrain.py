@@ -6,21 +6,35 @@ grammars are refused with the reason."""
 import json
 import re
 
+import gguf
 import jsonschema
+import numpy as np
 import pytest
 
 from engine.pipeline.batch import BatchRunner
 from engine.pipeline.constrain import (
+    HARMONY_MARKS,
+    Constraint,
     GrammarError,
     compile_grammar,
     forced_calls_grammar,
     hermes_calls_grammar,
+    special_marks,
 )
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import SamplingParams
-from engine.serve.tool_calls import CallFormat, GlmCalls, HermesCalls, MistralCalls, QwenXmlCalls
+from engine.serve.tool_calls import (
+    CallFormat,
+    GlmCalls,
+    HarmonyCalls,
+    HermesCalls,
+    MistralCalls,
+    QwenXmlCalls,
+)
 from engine.testing.tiny_models import write_tiny_model
+from engine.testing.tokenizer_fixture import tiny_bpe_metadata
+from engine.tokenizer import Tokenizer
 
 SCHEMA = {
     "type": "object",
@@ -121,7 +135,62 @@ def test_a_forced_call_in_each_format_parses_with_that_formats_reader(tiny: obje
 
 
 def test_formats_without_a_forced_call_grammar_say_so() -> None:
-    assert forced_calls_grammar("harmony", TOOLS, several=False) is None
+    assert forced_calls_grammar("no-such-format", TOOLS, several=False) is None
+
+
+def _harmony_tokenizer() -> Tokenizer:
+    """The tiny vocabulary with gpt-oss's harmony markers added as control tokens, as its GGUF files type them
+    (the reader then treats <|channel|>, <|message|>, <|start|>, <|constrain|> and <|end|> as text-matched
+    user-defined tokens, as llama.cpp does, and <|call|> and <|return|> as end-of-generation controls)."""
+    meta = dict(tiny_bpe_metadata())
+    added = [*HARMONY_MARKS, "<|return|>"]
+    meta[gguf.Keys.Tokenizer.LIST] = list(meta[gguf.Keys.Tokenizer.LIST]) + added
+    types = np.asarray(meta[gguf.Keys.Tokenizer.TOKEN_TYPE], dtype=np.int32)
+    meta[gguf.Keys.Tokenizer.TOKEN_TYPE] = np.concatenate([types, np.full(len(added), 3, np.int32)])
+    return Tokenizer.from_metadata(meta)
+
+
+def test_a_forced_harmony_call_uses_the_vocabularys_control_tokens() -> None:
+    """In gpt-oss's vocabulary <|call|> is a control token (the others are text-matched, as llama.cpp reads them):
+    the answer gpt-oss writes - reasoning, then a commentary message to the function, ended by <|call|> - is
+    accepted token by token and complete; an undeclared function, invalid arguments or <|call|> spelled as text
+    are refused."""
+    tok = _harmony_tokenizer()
+    specials = special_marks(tok, HARMONY_MARKS)
+    assert specials == {"<|call|>"}
+    grammar = compile_grammar("lark", forced_calls_grammar("harmony", TOOLS, False, specials), tok)
+
+    def accepts(text: str, parse_special: bool = True) -> bool:
+        c = Constraint(grammar, tok)
+        for t in tok.encode(text, add_special=False, parse_special=parse_special):
+            if not c.matcher.consume_token(t):
+                return False
+        return c.matcher.is_accepting()
+
+    call = '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 1, "b": 2}<|call|>'
+    reasoning = "<|channel|>analysis<|message|>Add them: 1 < 2.\nThen call.<|end|><|start|>assistant"
+    assert accepts(reasoning + call)
+    assert accepts(call)  # the reasoning is optional
+    assert not accepts(call.replace("functions.add", "functions.mul"))
+    assert not accepts(call.replace('"b": 2', '"b": "two"'))
+    assert not accepts(call, parse_special=False)  # "<|call|>" as text is not the control token
+    parsed = HarmonyCalls().parse(reasoning + call, ["add"])
+    assert parsed.reasoning is not None and [c.name for c in parsed.calls] == ["add"]
+
+
+def test_a_forced_harmony_call_parses_with_its_reader(tiny: object) -> None:
+    """Where the markers are not control tokens (the tiny vocabulary) they are written as text: what a random model
+    writes under the grammar - each tool forced in turn, as a named tool_choice does - is read back by the harmony
+    reader as one call of that tool whose arguments validate."""
+    tok = tiny.tokenizer  # type: ignore[attr-defined]
+    assert special_marks(tok, HARMONY_MARKS) == set()
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for tool in TOOLS:
+        grammar = compile_grammar("lark", forced_calls_grammar("harmony", [tool], several=False), tok)
+        for text in _outputs(tiny, grammar, SEEDS // 8):
+            parsed = HarmonyCalls().parse(text, params)
+            assert [c.name for c in parsed.calls] == [tool["function"]["name"]] and not parsed.content, text
+            jsonschema.validate(json.loads(parsed.calls[0].arguments), params[parsed.calls[0].name])
 
 
 def test_gbnf_and_regex_grammars(tiny: object) -> None:
