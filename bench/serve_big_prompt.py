@@ -1,7 +1,7 @@
 """A prompt far beyond the context, as JSON: how long its 400 takes, how long /health takes meanwhile, and the
 server's resident memory before, after each request and a few seconds later (memory must come back).
 
-    python bench/serve_big_prompt.py [--model F] [--mib 10] [--out bench/results/serve-big-prompt.json]
+    python bench/serve_big_prompt.py [--model F] [--mib 10] [--rounds 1] [--out bench/results/serve-big-prompt.json]
 Without --model the embedded default model is served (its 262k-token vocabulary is the slowest to tokenize).
 """
 
@@ -25,6 +25,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path)
     ap.add_argument("--mib", type=float, default=10.0)
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="send the three requests this many times (memory must level)"
+    )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     model = a.model or default_model_path()
@@ -48,7 +51,7 @@ def main() -> None:
     try:
         th = threading.Thread(target=poll)
         th.start()
-        for path, body in (
+        for path, body in a.rounds * (
             ("/v1/completions", {"prompt": text, "max_tokens": 1}),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
             ("/v1/completions", {"prompt": text, "max_tokens": 1}),
