@@ -7,6 +7,7 @@ multiplied with each activation row, rounded to int8 with a scale per 32 values 
 integer sums per 16 are what LLVM vectorizes; the scales are applied once per 16 values. One unpack function per
 block type holds all that differs between the types (ggml's block layouts)."""
 
+import gguf.quants as gq
 import numba as nb
 import numpy as np
 from llvmlite import ir
@@ -20,6 +21,19 @@ PREFETCH = 1024  # bytes ahead of the block being read
 # codes of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl) and of MXFP4 (e2m1 values times 2)
 IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def _grid(cls) -> np.ndarray:
+    """An IQ type's grid of magnitudes from the gguf package (its values are small whole numbers) as int8 rows."""
+    cls.init_grid()
+    g = cls.grid.reshape(-1, cls.grid.shape[-1])
+    return g.astype(np.int8)
+
+
+GRID_IQ2XXS = _grid(gq.IQ2_XXS)  # [256, 8]
+GRID_IQ3XXS = _grid(gq.IQ3_XXS)  # [256, 4]
+GRID_IQ2XS = _grid(gq.IQ2_XS)  # [512, 8]
+KSIGNS = np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).copy()  # 7-bit index -> 8 sign bits (even parity)
 F16 = (
     np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 )  # every half's value
@@ -29,6 +43,7 @@ E8M0_HALF = np.array(
 
 # block types by ggml id, as the kernels know them
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4_ID = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 39  # fmt: skip
+IQ2_XXS, IQ2_XS, IQ3_XXS = 16, 17, 18
 
 
 i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -515,6 +530,48 @@ def unpack_row(w, kind, o, k, q, sc, mn, f16):
                     x = w[p + 8 + 16 * j + i]
                     q[256 * b + 32 * j + i] = IQ4[x & 15]
                     q[256 * b + 32 * j + 16 + i] = IQ4[x >> 4]
+    elif kind == IQ2_XXS or kind == IQ3_XXS:
+        # per 32 values: a 4-bit scale and four 7-bit sign indices in one uint32, magnitudes from the grid
+        size = 66 if kind == IQ2_XXS else 98
+        for b in range(k // 256):
+            p = o + b * size
+            d = _h(w, p, f16)
+            for g in range(8):
+                u = p + 2 + 8 * g + 4 if kind == IQ2_XXS else p + 66 + 4 * g
+                aux = np.uint32(w[u]) | (np.uint32(w[u + 1]) << 8) | (np.uint32(w[u + 2]) << 16) | (np.uint32(w[u + 3]) << 24)  # fmt: skip
+                half = np.float32(0.25) if kind == IQ2_XXS else np.float32(0.5)
+                db = d * (np.float32(0.5) + np.float32(aux >> 28)) * half
+                _same(sc, mn, 16 * b + 2 * g, 2, db, np.float32(0.0))
+                for sub in range(4):
+                    signs = KSIGNS[(aux >> (7 * sub)) & 127]
+                    for i in range(8):
+                        if kind == IQ2_XXS:
+                            m = GRID_IQ2XXS[w[p + 2 + 8 * g + sub], i]
+                        else:
+                            m = GRID_IQ3XXS[w[p + 2 + 8 * g + 2 * sub + i // 4], i % 4]
+                        q[256 * b + 32 * g + 8 * sub + i] = -m if (signs >> i) & 1 else m
+    elif kind == IQ2_XS:
+        # per 8 values a uint16: a 9-bit grid index and a 7-bit sign index; a 4-bit scale per 16 values
+        for b in range(k // 256):
+            p = o + b * 74
+            d = _h(w, p, f16)
+            for s in range(16):
+                ls = (w[p + 66 + s // 2] >> (4 * (s % 2))) & 15
+                _same(
+                    sc,
+                    mn,
+                    16 * b + s,
+                    1,
+                    d * (np.float32(0.5) + np.float32(ls)) * np.float32(0.25),
+                    np.float32(0.0),
+                )
+                for h in range(2):
+                    u = p + 2 + 2 * (2 * s + h)
+                    v = np.uint32(w[u]) | (np.uint32(w[u + 1]) << 8)
+                    signs = KSIGNS[v >> 9]
+                    for i in range(8):
+                        m = GRID_IQ2XS[v & 511, i]
+                        q[256 * b + 16 * s + 8 * h + i] = -m if (signs >> i) & 1 else m
 
 
 @nb.njit(fastmath=True, nogil=True, cache=True)
@@ -601,7 +658,7 @@ def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
     quantize(x, xq, xd, xs)
     groups = k // 16
     tasks = (n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    in_place = kind != Q2_K and kind != Q3_K
+    in_place = kind != Q2_K and kind != Q3_K and kind != IQ2_XXS and kind != IQ2_XS and kind != IQ3_XXS
     for t in nb.prange(tasks):
         q = np.empty(k if not in_place else 32, np.int8)
         sc = np.empty(groups, np.float32)
