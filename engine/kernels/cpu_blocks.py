@@ -20,9 +20,11 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 
-# Block types computed here (the others - IQ1_S/M, IQ2_S, IQ3_S, F16, BF16 - go through the float path); IN_PLACE:
+# Block types computed here (the others - F16, BF16, the ternary TQ types, NVFP4 - take the float path); IN_PLACE:
 # those read without unpacking a row first (all but Q2_K, Q3_K and the IQ grids), which routed experts need.
-UNPACKED = frozenset({QT.Q2_K, QT.Q3_K, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ3_XXS})
+UNPACKED = frozenset(
+    {QT.Q2_K, QT.Q3_K, QT.IQ1_S, QT.IQ1_M, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S}
+)
 KINDS = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS,
                    QT.MXFP4}) | UNPACKED  # fmt: skip
 IN_PLACE = KINDS - UNPACKED

@@ -33,6 +33,9 @@ def _grid(cls) -> np.ndarray:
 GRID_IQ2XXS = _grid(gq.IQ2_XXS)  # [256, 8]
 GRID_IQ3XXS = _grid(gq.IQ3_XXS)  # [256, 4]
 GRID_IQ2XS = _grid(gq.IQ2_XS)  # [512, 8]
+GRID_IQ2S = _grid(gq.IQ2_S)  # [1024, 8]
+GRID_IQ3S = _grid(gq.IQ3_S)  # [512, 4]
+GRID_IQ1S = _grid(gq.IQ1_S)  # [2048, 8] of -1, 0, 1 (IQ1_M shares it)
 KSIGNS = np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).copy()  # 7-bit index -> 8 sign bits (even parity)
 F16 = (
     np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -43,7 +46,7 @@ E8M0_HALF = np.array(
 
 # block types by ggml id, as the kernels know them
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4_ID = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 39  # fmt: skip
-IQ2_XXS, IQ2_XS, IQ3_XXS = 16, 17, 18
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
 
 
 i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -550,28 +553,88 @@ def unpack_row(w, kind, o, k, q, sc, mn, f16):
                         else:
                             m = GRID_IQ3XXS[w[p + 2 + 8 * g + 2 * sub + i // 4], i % 4]
                         q[256 * b + 32 * g + 8 * sub + i] = -m if (signs >> i) & 1 else m
-    elif kind == IQ2_XS:
-        # per 8 values a uint16: a 9-bit grid index and a 7-bit sign index; a 4-bit scale per 16 values
+    elif kind == IQ2_XS or kind == IQ2_S:
+        # a 4-bit scale per 16 values; per 8 values a grid index and a sign byte: IQ2_XS one uint16 (9-bit index,
+        # 7-bit sign index), IQ2_S a 10-bit index (8 bits in qs, 2 in qh) and the sign byte itself
+        size, at_scales = (74, 66) if kind == IQ2_XS else (82, 74)
         for b in range(k // 256):
-            p = o + b * 74
+            p = o + b * size
             d = _h(w, p, f16)
             for s in range(16):
-                ls = (w[p + 66 + s // 2] >> (4 * (s % 2))) & 15
-                _same(
-                    sc,
-                    mn,
-                    16 * b + s,
-                    1,
-                    d * (np.float32(0.5) + np.float32(ls)) * np.float32(0.25),
-                    np.float32(0.0),
-                )
+                ls = np.float32((w[p + at_scales + s // 2] >> (4 * (s % 2))) & 15)
+                _same(sc, mn, 16 * b + s, 1, d * (np.float32(0.5) + ls) * np.float32(0.25), np.float32(0.0))
                 for h in range(2):
-                    u = p + 2 + 2 * (2 * s + h)
-                    v = np.uint32(w[u]) | (np.uint32(w[u + 1]) << 8)
-                    signs = KSIGNS[v >> 9]
+                    j = 2 * s + h
+                    if kind == IQ2_XS:
+                        v = np.int64(w[p + 2 + 2 * j]) | (np.int64(w[p + 3 + 2 * j]) << 8)
+                        idx, signs = v & 511, KSIGNS[v >> 9]
+                    else:
+                        idx = np.int64(w[p + 2 + j]) | (
+                            np.int64((w[p + 66 + j // 4] >> (2 * (j % 4))) & 3) << 8
+                        )
+                        signs = w[p + 34 + j]
                     for i in range(8):
-                        m = GRID_IQ2XS[v & 511, i]
-                        q[256 * b + 16 * s + 8 * h + i] = -m if (signs >> i) & 1 else m
+                        m = GRID_IQ2XS[idx, i] if kind == IQ2_XS else GRID_IQ2S[idx, i]
+                        q[256 * b + 8 * j + i] = -m if (signs >> i) & 1 else m
+    elif kind == IQ3_S:
+        # per 4 values a 9-bit grid index (8 bits in qs, 1 in qh), a sign bit per value; a scale per 32 values
+        for b in range(k // 256):
+            p = o + b * 110
+            d = _h(w, p, f16)
+            for g in range(8):
+                ls = (w[p + 106 + g // 2] >> (4 * (g % 2))) & 15
+                _same(sc, mn, 16 * b + 2 * g, 2, d * np.float32(1 + 2 * np.int32(ls)), np.float32(0.0))
+                for m4 in range(8):
+                    j = 8 * g + m4
+                    idx = np.int64(w[p + 2 + j]) | (np.int64((w[p + 66 + j // 8] >> (j % 8)) & 1) << 8)
+                    for i in range(4):
+                        v = 32 * g + 4 * m4 + i
+                        m = GRID_IQ3S[idx, i]
+                        q[256 * b + v] = -m if (w[p + 74 + v // 8] >> (v % 8)) & 1 else m
+    elif kind == IQ1_S or kind == IQ1_M:
+        # value = dl * (grid + delta), delta = +-1/8: codes 8 * grid +- 1 with the scale dl / 8 (exact: a power of two)
+        size = 50 if kind == IQ1_S else 56
+        for b in range(k // 256):
+            p = o + b * size
+            if kind == IQ1_M:  # the half scale is the top nibbles of the four scale words
+                sw = p + 48
+                bits = (
+                    (w[sw + 1] >> 4)
+                    | (w[sw + 3] & 0xF0)
+                    | (np.int64(w[sw + 5] >> 4) << 8)
+                    | (np.int64(w[sw + 7] & 0xF0) << 8)
+                )
+                d = f16[bits]
+            else:
+                d = _h(w, p, f16)
+            for g in range(8):
+                for half in range(2):
+                    if kind == IQ1_S:
+                        qh = np.int64(w[p + 34 + 2 * g]) | (np.int64(w[p + 35 + 2 * g]) << 8)
+                        ls = (qh >> 12) & 7
+                    else:
+                        t = 2 * g + half  # scale t: word t // 4, field t % 4
+                        word = np.int64(w[p + 48 + 2 * (t // 4)]) | (np.int64(w[p + 49 + 2 * (t // 4)]) << 8)
+                        ls = (word >> (3 * (t % 4))) & 7
+                    _same(
+                        sc,
+                        mn,
+                        16 * b + 2 * g + half,
+                        1,
+                        d * np.float32(2 * ls + 1) / np.float32(8.0),
+                        np.float32(0.0),
+                    )
+                    for s2 in range(2):
+                        j = 4 * g + 2 * half + s2
+                        if kind == IQ1_S:
+                            idx = np.int64(w[p + 2 + j]) | (((qh >> (3 * (j % 4))) & 7) << 8)
+                            neg = (qh & 0x8000) != 0
+                        else:
+                            nib = (w[p + 32 + j // 2] >> (4 * (j % 2))) & 15
+                            idx = np.int64(w[p + j]) | (np.int64(nib & 7) << 8)
+                            neg = (nib & 8) != 0
+                        for i in range(8):
+                            q[256 * b + 8 * j + i] = 8 * GRID_IQ1S[idx, i] + (-1 if neg else 1)
 
 
 @nb.njit(fastmath=True, nogil=True, cache=True)
@@ -593,6 +656,22 @@ def quantize(x, xq, xd, xs):
                     xq[r, 32 * b + 16 * h + i] = v
                     t += v
                 xs[r, 2 * b + h] = t
+
+
+@nb.njit(inline="always")
+def _unpacked(kind):
+    """Whether rows of `kind` are unpacked into codes once per product (cpu_blocks.UNPACKED), not read in place."""
+    return (
+        kind == Q2_K
+        or kind == Q3_K
+        or kind == IQ2_XXS
+        or kind == IQ2_XS
+        or kind == IQ3_XXS
+        or kind == IQ2_S
+        or kind == IQ3_S
+        or kind == IQ1_S
+        or kind == IQ1_M
+    )
 
 
 @nb.njit(inline="always")
@@ -658,7 +737,7 @@ def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
     quantize(x, xq, xd, xs)
     groups = k // 16
     tasks = (n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    in_place = kind != Q2_K and kind != Q3_K and kind != IQ2_XXS and kind != IQ2_XS and kind != IQ3_XXS
+    in_place = not _unpacked(kind)
     for t in nb.prange(tasks):
         q = np.empty(k if not in_place else 32, np.int8)
         sc = np.empty(groups, np.float32)

@@ -45,7 +45,7 @@ def test_each_block_type_unpacks_as_gguf_and_multiplies_within_int8_rounding(qty
 def test_a_zero_input_gives_zeros_and_types_outside_the_kernels_are_not_claimed() -> None:
     raw = torch.from_numpy(random_blocks(QT.Q4_K, 16, 256, seed=1))
     assert cpu_blocks.matmul(raw, QT.Q4_K, 16, 256, torch.zeros(2, 256)).abs().max() == 0
-    assert not cpu_blocks.supports(QT.IQ2_S, 256) and not cpu_blocks.supports(QT.F16, 256)
+    assert not cpu_blocks.supports(QT.TQ1_0, 256) and not cpu_blocks.supports(QT.F16, 256)
     assert not cpu_blocks.supports(QT.Q4_K, 320)  # not a whole number of blocks
 
 
