@@ -426,7 +426,7 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
         "--expert-policy",
         choices=("profile", "lru", "lfu"),
         help="which experts a card keeps in VRAM as a conversation goes: profile (the usage profile's hottest, "
-        "adjusted now and then from the counts; the default), lru (each miss of a decode step takes the slot used "
+        "filled at start and kept; the default), lru (each miss of a decode step takes the slot used "
         "least recently, on the card, inside the step) or lfu (the slot with the lowest use count, decaying each "
         "step)",
     )

@@ -43,7 +43,7 @@ class ExpertPolicy:
     # of the layers whose blocks the CPU reads in place (Q4_K, engine/experts/cpu_q4k.py), none elsewhere.
     cpu_share: float | None = None
     cpu_ratio: float | None = None  # the CPU's share of a step's misses, fixed (None: tuned while serving)
-    # --expert-policy: "profile" (the profile's hottest, swapped from the host now and then), or "lru" / "lfu":
+    # --expert-policy: "profile" (the profile's hottest, filled at start and kept), or "lru" / "lfu":
     # decode steps admit their misses on the card (engine/kernels/expert_lru.py)
     eviction: str = "profile"
     lfu_decay: float = 0.9
