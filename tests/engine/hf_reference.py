@@ -40,6 +40,11 @@ def hf_model(path: Path) -> transformers.PreTrainedModel:
     rope = {"rope_type": "default", "rope_theta": float(g("rope.freq_base", 10000.0))}
     if g("rope.scaling.type") == "linear":
         rope = {**rope, "rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+    if (
+        g("rope.scaling.type") == "yarn"
+    ):  # llama.cpp's defaults: beta_fast 32, beta_slow 1, mscale 0.1 ln(factor) + 1
+        rope = {**rope, "rope_type": "yarn", "factor": float(g("rope.scaling.factor")),
+                "original_max_position_embeddings": int(g("rope.scaling.original_context_length"))}  # fmt: skip
     common = dict(
         vocab_size=vocab,
         hidden_size=d,

@@ -1,8 +1,7 @@
 """Positions past 8K against HF transformers (float32, the same weights): the RoPE tables and the attention at a
-depth of 8,448 tokens, for a RoPE base of 10^6 (Qwen3), linear scaling (Llama with factor 4, a file trained for
-4K read at 8K+) and Gemma 3's sliding window (8 tokens in the tiny model) crossed a thousand times over; two
-layers each. The last 256 positions' logits must match as the first ones do. (YaRN is checked against transformers
-on DeepSeek's family, tests/engine/test_families_vs_hf.py, at short positions only.)"""
+depth of 8,448 tokens, for a RoPE base of 10^6 (Qwen3), linear scaling (Llama, factor 4), YaRN (Qwen3, factor 4 over
+a 4K original context, llama.cpp's defaults) and Gemma 3's sliding window (8 tokens in the tiny model) crossed a
+thousand times over; two layers each. The last 256 positions' logits must match as the first ones do."""
 
 from pathlib import Path
 
@@ -23,9 +22,17 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
     [
         ("qwen3", {}),
         ("llama", {"rope.scaling.type": "linear", "rope.scaling.factor": 4.0}),
+        (
+            "qwen3",
+            {
+                "rope.scaling.type": "yarn",
+                "rope.scaling.factor": 4.0,
+                "rope.scaling.original_context_length": 4096,
+            },
+        ),
         ("gemma3", {}),
     ],
-    ids=["qwen3-base-1e6", "llama-linear-x4", "gemma3-sliding"],
+    ids=["qwen3-base-1e6", "llama-linear-x4", "qwen3-yarn-x4", "gemma3-sliding"],
 )
 @torch.inference_mode()
 def test_logits_past_8k_positions_match_transformers(tmp_path: Path, arch: str, extra: dict) -> None:
