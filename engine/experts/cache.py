@@ -181,7 +181,6 @@ class ExpertCache:
         self._held: int | None = None  # the layer whose staged experts the next prompt chunks share
         self._held_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.layers: dict[int, LayerExperts] = {}
-        self.eviction = eviction
         # the ids a step's expert kernels read per-selection tables with (the first T * k, viewed [T, k])
         self.identity = torch.arange(max_selections, dtype=torch.int64, device=device)
         self.counts: torch.Tensor | None = None

@@ -2,7 +2,7 @@
 
 A trace is recorded from a model a user runs (`strata-engine profile --trace FILE`), or made by
 engine/experts/trace_gen.py to match published statistics of real routing. Replayed in place of the router's choice
-(`--route-trace FILE`, for benchmarks and tests) it makes a model with random weights route like a real one, so the
+(`STRATA_ROUTE_TRACE=FILE`, for benchmarks and tests) it makes a model with random weights route like a real one, so the
 expert cache is measured on realistic locality; everything else the step computes stays the same.
 
 The file is a NumPy .npz archive (read with allow_pickle=False: no code runs on load):
@@ -49,10 +49,6 @@ class RoutingTrace:
     @property
     def k(self) -> int:
         return int(self.ids.shape[2])
-
-    def layer(self, li: int) -> np.ndarray:
-        """The choices of model layer li: int [N, k]."""
-        return self.ids[:, self.layers.index(li)]
 
 
 def check(t: RoutingTrace) -> None:
