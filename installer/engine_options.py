@@ -183,6 +183,7 @@ ENVIRONMENT: dict[str, str] = {
     "STRATA_GEMV_TUNED": "another GEMV tuning file (runtime_switches)",
     "STRATA_ROWS_GEMM": "1: steps of 2-16 rows multiply dense weights with rows_gemm, not the GEMV (runtime_switches)",
     "STRATA_ROUTE_TRACE": "a routing trace file replayed in place of the routers' choice: benchmarks, tests (runtime_switches)",
+    "STRATA_FLASH_PREFILL": "0: prompt chunks attend through torch, not the flash kernel (runtime_switches)",
     "STRATA_ROUTE_RECORD": "N: record the first N tokens' routing (profile --trace sets it; runtime_switches)",
     "STRATA_STAGE_TOKEN": "the shared secret of a hand-started stage link (engine/link/keys.py)",
     "STRATA_STAGE_SECRET_KEY": "a worker's own key, from its node agent (engine/link/keys.py)",
@@ -205,6 +206,7 @@ class RuntimeSwitches:
     rows_gemm: bool = False  # measured slower than the GEMV at 2-16 rows on an H200 (bench/results/rows-gemm-vs-gemv-h200.json)
     route_trace: str | None = None  # engine/experts/replay.py
     route_record: int = 0
+    flash_prefill: bool = True  # engine/kernels/prefill_attention.py; 0: torch's attention (comparisons)
 
 
 # --cpu-weights-mib's automatic budget: a quarter of the RAM, at most 8 GiB (a small default model fits whole; a big
@@ -223,8 +225,8 @@ def int8_activations(env: Mapping[str, str] | None = None) -> bool:
 
 
 def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
-    """STRATA_ACTIVATIONS, STRATA_NORM_ROUTE, STRATA_PROMPT_GRAPHS, STRATA_GEMV_TUNED, STRATA_ROWS_GEMM and the
-    routing trace's two, read now (a switch set while the process runs takes effect at the next read)."""
+    """STRATA_ACTIVATIONS, STRATA_NORM_ROUTE, STRATA_PROMPT_GRAPHS, STRATA_GEMV_TUNED, STRATA_ROWS_GEMM,
+    STRATA_FLASH_PREFILL and the routing trace's two, read now (a switch set while the process runs takes effect at the next read)."""
     e = os.environ if env is None else env
     return RuntimeSwitches(
         activations="int8" if int8_activations(e) else "float",
@@ -234,6 +236,7 @@ def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
         rows_gemm=e.get("STRATA_ROWS_GEMM", "0") == "1",
         route_trace=e.get("STRATA_ROUTE_TRACE") or None,
         route_record=_env_count("STRATA_ROUTE_RECORD", e.get("STRATA_ROUTE_RECORD", "0")),
+        flash_prefill=e.get("STRATA_FLASH_PREFILL", "1") != "0",
     )
 
 

@@ -1,10 +1,19 @@
 """Causal grouped-query attention over the KV cache, with sliding windows and logit soft-capping."""
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from engine import kernels
+from engine.layers.kv_cache import KVCache
 from engine.layers.qtensor import QTensor
+from installer.engine_options import runtime_switches
+
+# Steps of more rows than this attend through the flash prompt kernel on CUDA; decode-sized steps have their own
+# kernel (engine/kernels/attention.py) or are too small for a block of query rows to pay.
+FLASH_MIN_ROWS = 8
 
 
 def project_qkv(
@@ -85,3 +94,39 @@ def attention(
     scores = scores.masked_fill(~mask, float("-inf"))
     out = torch.softmax(scores, dim=-1).to(vh.dtype) @ vh  # [H, T, Dv]
     return out.transpose(0, 1)
+
+
+def flash_kernel(device: torch.device) -> Any:
+    """engine.kernels.prefill_attention for a model on a CUDA `device` with Triton (unless STRATA_FLASH_PREFILL=0);
+    None elsewhere. Read once, at load: a chunk of each layer would otherwise read the environment."""
+    if device.type != "cuda" or not runtime_switches().flash_prefill:
+        return None
+    return kernels.loaded("prefill_attention")
+
+
+def cached_attention(
+    cache: KVCache,
+    layer: int,
+    q: torch.Tensor,  # [T, H, Dk]
+    k: torch.Tensor,  # [T, Hkv, Dk]
+    v: torch.Tensor,  # [T, Hkv, Dv]
+    pos: torch.Tensor,  # [T] device positions
+    span: int,
+    window: int,
+    scale: float,
+    softcap: float = 0.0,
+    masks: dict[int, torch.Tensor] | None = None,
+    kernel: Any = None,
+) -> torch.Tensor:
+    """Store k, v at `pos` in `cache` and attend q to its positions below `span` -> [T, H, Dv]. `kernel`: the flash
+    prompt kernel (flash_kernel), which steps of more than FLASH_MIN_ROWS rows take: it reads the cache in place,
+    int8 included, and skips the keys the mask rules out. Otherwise the cache's keys and values up to `span` in the
+    compute dtype through torch, with `masks` (FamilyLM.step_masks) or a mask made here."""
+    if kernel is not None and q.shape[0] > FLASH_MIN_ROWS:
+        lk = cache.write(layer, pos, k, v, span)
+        return kernel.prefill_attention(
+            q, lk.k, lk.v, pos, span, window, scale, softcap, lk.k_scale, lk.v_scale
+        )
+    keys, values = cache.store(layer, pos, k, v, span)
+    mask = masks[window] if masks is not None and window in masks else causal_mask(pos, span, window)
+    return attention(q, keys, values, mask, scale, softcap)

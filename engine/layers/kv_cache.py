@@ -84,6 +84,16 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [T, Hkv, D] at the positions `pos` [T] (a device tensor) and return the keys and values of
         positions 0..span-1, in the dtype of k. No host synchronisation: the step can be captured in a CUDA graph."""
+        lk = self.write(layer, pos, k, v, span)
+        if self.kv_type == "int8":
+            keys = lk.k[:span].to(k.dtype) * lk.k_scale[:span].to(k.dtype)  # type: ignore[index]
+            values = lk.v[:span].to(v.dtype) * lk.v_scale[:span].to(v.dtype)  # type: ignore[index]
+            return keys, values
+        return lk.k[:span].to(k.dtype), lk.v[:span].to(v.dtype)
+
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int) -> _LayerKV:
+        """Write k, v [T, Hkv, D] at the positions `pos` [T] and return the layer's own tensors (for a kernel that
+        reads the cache as it lies); `span`: the positions the step attends to, checked against the cache's."""
         if span > self.max_ctx:
             raise KVCacheError(
                 f"the sequence needs {span} positions but the KV cache holds {self.max_ctx} (--max-context)"
@@ -96,12 +106,10 @@ class KVCache:
             lk.k_scale.index_copy_(0, pos, sk)  # type: ignore[union-attr]
             lk.v.index_copy_(0, pos, qv)
             lk.v_scale.index_copy_(0, pos, sv)  # type: ignore[union-attr]
-            keys = lk.k[:span].to(k.dtype) * lk.k_scale[:span].to(k.dtype)  # type: ignore[index]
-            values = lk.v[:span].to(v.dtype) * lk.v_scale[:span].to(v.dtype)  # type: ignore[index]
-            return keys, values
-        lk.k.index_copy_(0, pos, k.to(lk.k.dtype))
-        lk.v.index_copy_(0, pos, v.to(lk.v.dtype))
-        return lk.k[:span].to(k.dtype), lk.v[:span].to(v.dtype)
+        else:
+            lk.k.index_copy_(0, pos, k.to(lk.k.dtype))
+            lk.v.index_copy_(0, pos, v.to(lk.v.dtype))
+        return lk
 
     def truncate(self, length: int) -> None:
         """Forget positions >= length (a rejected draft, or a prompt-cache entry reused up to a prefix)."""

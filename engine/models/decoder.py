@@ -13,7 +13,7 @@ import torch
 from engine.experts.replay import TraceRoute
 from engine.gguf import names
 from engine.gguf.reader import GGUFFile
-from engine.layers.attention import attention, causal_mask, project_qkv
+from engine.layers.attention import cached_attention, project_qkv
 from engine.layers.kv_cache import KVCache, KVCacheError
 from engine.layers.moe import ACTIVATIONS, ExpertMath, ExpertWeights, count_experts, route_and_count
 from engine.layers.norm import rms_norm
@@ -366,10 +366,10 @@ class DecoderLM(FamilyLM):
     ) -> torch.Tensor:
         """Store k, v at `pos` and attend to cache positions below `span` -> [T, H * Dv]."""
         c = self.cfg
-        keys, values = cache.store(i, pos, k, v, span)
         window = c.sliding_window if c.is_swa(i) else 0
-        mask = masks[window] if masks is not None and window in masks else causal_mask(pos, span, window)
-        a = attention(q, keys, values, mask, c.attn_scale, c.attn_softcap)
+        a = cached_attention(
+            cache, i, q, k, v, pos, span, window, c.attn_scale, c.attn_softcap, masks, self.prefill_kernel
+        )
         return a.reshape(q.shape[0], c.n_head * c.head_dim_v)
 
     def attn_out_ffn(self, i: int, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:

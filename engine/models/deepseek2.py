@@ -194,6 +194,7 @@ class DeepseekLayer:
 
 
 class DeepseekLM(FamilyLM):
+    supports_flash_prefill = False  # MLA attends over its latents (its own attention, below)
     cfg: DeepseekConfig
     layers: dict[int, DeepseekLayer]  # type: ignore[assignment]
 

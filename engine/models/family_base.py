@@ -29,7 +29,7 @@ from engine.gguf import names
 from engine.gguf.model_config import ModelConfig
 from engine.gguf.quants import SUPPORTED_TYPES
 from engine.gguf.reader import GGUFError, GGUFFile
-from engine.layers.attention import causal_mask
+from engine.layers.attention import FLASH_MIN_ROWS, causal_mask, flash_kernel
 from engine.layers.kv_cache import KVCache
 from engine.layers.moe import ExpertBiases, ExpertMath, Experts, ExpertWeights, Glu, silu_glu
 from engine.layers.norm import rms_norm
@@ -171,6 +171,9 @@ class FamilyLM:
     supports_prompt_graphs = False
     prompt_graphs: Any = None
     graphs: Any = None
+    # Prompt chunks attend through engine/kernels/prefill_attention.py on CUDA (layers.attention.cached_attention)
+    # where the family's attention is plain or has sinks; set at load: `prefill_kernel`.
+    supports_flash_prefill = True
 
     def __init__(
         self,
@@ -186,6 +189,7 @@ class FamilyLM:
         self.device = torch.device(device)
         self.dtype = dtype
         self.layer_range = layers if layers is not None else range(cfg.n_layer)
+        self.prefill_kernel = flash_kernel(self.device) if self.supports_flash_prefill else None
         self.has_embed = embed
         self.has_head = head
         w = Weights(gf, self.device)
@@ -366,7 +370,10 @@ class FamilyLM:
 
     def step_masks(self, pos: torch.Tensor, span: int) -> dict[int, torch.Tensor]:
         """The attention masks of one step at device positions `pos`, one per window the layers use: made once
-        for all the layers a step runs, not once a layer (a few launches each)."""
+        for all the layers a step runs, not once a layer (a few launches each); none where the rows attend
+        through the flash kernel, which computes its own."""
+        if self.prefill_kernel is not None and pos.shape[0] > FLASH_MIN_ROWS:
+            return {}
         return {w: causal_mask(pos, span, w) for w in self._windows()}
 
     def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:

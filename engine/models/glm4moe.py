@@ -30,7 +30,7 @@ from gguf import Keys
 from engine.gguf import names
 from engine.gguf.model_config import Meta, ModelConfig, common_fields, rope_from_meta
 from engine.gguf.reader import GGUFFile
-from engine.layers.attention import attention, causal_mask, project_qkv
+from engine.layers.attention import cached_attention, project_qkv
 from engine.layers.kv_cache import KVCache
 from engine.layers.moe import ExpertMath, Experts, ExpertWeights, HostExperts
 from engine.layers.qtensor import QTensor
@@ -180,9 +180,9 @@ class Glm4MoeLM(FamilyLM):
         q, k, v = project_qkv(x, lw.q, lw.k, lw.v, lw.q_bias, lw.k_bias, lw.v_bias)
         q = self.rope.apply_at(q.view(t, c.n_head, c.head_dim_k), pos, lw.q_norm, c.rms_eps)
         k = self.rope.apply_at(k.view(t, c.n_head_kv, c.head_dim_k), pos, lw.k_norm, c.rms_eps)
-        keys, values = cache.store(i, pos, k, v.view(t, c.n_head_kv, c.head_dim_v), span)
-        mask = masks[0] if masks is not None and 0 in masks else causal_mask(pos, span, 0)
-        a = attention(q, keys, values, mask, c.attn_scale).reshape(t, c.n_head * c.head_dim_v)
+        v = v.view(t, c.n_head_kv, c.head_dim_v)
+        a = cached_attention(cache, i, q, k, v, pos, span, 0, c.attn_scale, 0.0, masks, self.prefill_kernel)
+        a = a.reshape(t, c.n_head * c.head_dim_v)
         h = h + lw.o.linear(a).float()
         x = self.norm(h, lw.ffn_norm, self.dtype)
         # The draft block's experts are on the device, not in the expert cache.

@@ -25,7 +25,7 @@ from engine.gguf.model_config import (
     rope_from_meta,
 )
 from engine.gguf.reader import GGUFFile
-from engine.layers.attention import causal_mask, project_qkv
+from engine.layers.attention import FLASH_MIN_ROWS, causal_mask, project_qkv
 from engine.layers.kv_cache import KVCache
 from engine.layers.moe import ExpertBiases, ExpertMath, ExpertWeights, count_experts
 from engine.layers.qtensor import QTensor
@@ -206,10 +206,19 @@ class GptOssLM(FamilyLM):
         q, k, v = project_qkv(x, lw.q, lw.k, lw.v, lw.q_bias, lw.k_bias, lw.v_bias)
         q = self.rope.apply_at(q.view(t, c.n_head, c.head_dim_k), pos)
         k = self.rope.apply_at(k.view(t, c.n_head_kv, c.head_dim_k), pos)
-        keys, values = cache.store(i, pos, k, v.view(t, c.n_head_kv, c.head_dim_v), span)
+        v = v.view(t, c.n_head_kv, c.head_dim_v)
         window = c.sliding_window if c.is_swa(i) else 0
-        mask = masks[window] if masks is not None and window in masks else causal_mask(pos, span, window)
-        a = sink_attention(q, keys, values, mask, c.attn_scale, lw.sinks)
+        if (
+            self.prefill_kernel is not None and t > FLASH_MIN_ROWS
+        ):  # the flash kernel starts each row at the sink
+            kv = cache.write(i, pos, k, v, span)
+            a = self.prefill_kernel.prefill_attention(
+                q, kv.k, kv.v, pos, span, window, c.attn_scale, 0.0, kv.k_scale, kv.v_scale, lw.sinks
+            )
+        else:
+            keys, values = cache.store(i, pos, k, v, span)
+            mask = masks[window] if masks is not None and window in masks else causal_mask(pos, span, window)
+            a = sink_attention(q, keys, values, mask, c.attn_scale, lw.sinks)
         a = lw.o.linear(a.reshape(t, c.n_head * c.head_dim_v))
         if lw.o_bias is not None:
             a = a + lw.o_bias.to(a.dtype)

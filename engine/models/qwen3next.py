@@ -36,7 +36,7 @@ from engine.gguf.model_config import (
     rope_from_meta,
 )
 from engine.gguf.reader import GGUFFile
-from engine.layers.attention import attention, causal_mask
+from engine.layers.attention import cached_attention
 from engine.layers.kv_cache import KVCache
 from engine.layers.moe import ExpertWeights, count_experts, route
 from engine.layers.qtensor import QTensor
@@ -268,9 +268,8 @@ class Qwen3NextLM(FamilyLM):
         q = self.rope.apply_at(q.contiguous(), pos, aw.q_norm, c.rms_eps)
         k = self.rope.apply_at(aw.k.linear(x).view(t, c.n_head_kv, hd), pos, aw.k_norm, c.rms_eps)
         v = aw.v.linear(x).view(t, c.n_head_kv, c.head_dim_v)
-        keys, values = cache.store(i, pos, k, v, span)
-        mask = masks[0] if masks is not None and 0 in masks else causal_mask(pos, span, 0)
-        a = attention(q, keys, values, mask, c.attn_scale).reshape(t, c.n_head * c.head_dim_v)
+        a = cached_attention(cache, i, q, k, v, pos, span, 0, c.attn_scale, 0.0, masks, self.prefill_kernel)
+        a = a.reshape(t, c.n_head * c.head_dim_v)
         return aw.o.linear(a * torch.sigmoid(gate.float()).to(a.dtype))
 
     def layer_at(

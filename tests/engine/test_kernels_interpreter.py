@@ -133,6 +133,50 @@ def test_decode_attention(t: int, h: int, hkv: int, d: int, span: int, window: i
     assert torch.equal(aq.view(torch.uint8)[:, :n], quantize_q8_torch(got).view(torch.uint8)[:, :n])
 
 
+@pytest.mark.parametrize(
+    "t,start,h,hkv,dk,dv,window,softcap,int8,sinks",
+    [(37, 0, 4, 2, 64, 64, 0, 0.0, False, False), (100, 50, 8, 2, 64, 64, 0, 0.0, False, False),
+     (70, 130, 4, 1, 32, 48, 40, 0.0, False, False), (33, 10, 4, 4, 64, 64, 0, 30.0, False, False),
+     (64, 90, 4, 2, 64, 64, 0, 0.0, True, False), (50, 20, 4, 2, 64, 64, 16, 0.0, False, True)],
+)  # fmt: skip
+def test_prefill_attention(
+    t: int,
+    start: int,
+    h: int,
+    hkv: int,
+    dk: int,
+    dv: int,
+    window: int,
+    softcap: float,
+    int8: bool,
+    sinks: bool,
+) -> None:
+    """The flash prompt kernel against the torch paths: causal rows deep into the cache, grouped heads, a window
+    (the masked blocks at both ends), soft-capping, int8 codes with their scales, and gpt-oss's sinks."""
+    from engine.kernels.prefill_attention import prefill_attention
+    from engine.layers.attention import attention, causal_mask
+    from engine.models.gpt_oss import sink_attention
+
+    span = start + t
+    q, kc, vc = torch.randn(t, h, dk), torch.randn(span + 5, hkv, dk), torch.randn(span + 5, hkv, dv)
+    ks = vs = None
+    keys, values = kc, vc
+    if int8:
+        ks, vs = (x.abs().amax(-1, keepdim=True) / 127 for x in (kc, vc))
+        kc, vc = (torch.round(x / s).to(torch.int8) for x, s in ((kc, ks), (vc, vs)))
+        ks, vs = ks.half(), vs.half()
+        keys, values = kc.float() * ks.float(), vc.float() * vs.float()
+    pos = torch.arange(start, span)
+    sk = torch.randn(h) if sinks else None
+    got = prefill_attention(q, kc, vc, pos, span, window, dk**-0.5, softcap, ks, vs, sk)
+    mask = causal_mask(pos, span, window)
+    if sk is not None:
+        ref = sink_attention(q, keys[:span], values[:span], mask, dk**-0.5, sk)
+    else:
+        ref = attention(q, keys[:span], values[:span], mask, dk**-0.5, softcap)
+    assert (got - ref).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("neox", [True, False])
 def test_rope_store(neox: bool) -> None:
     from engine.gguf.model_config import RopeConfig

@@ -1,0 +1,170 @@
+"""Long contexts: prompt tokens/s of long prompts and decode tokens/s deep into the context, ours and llama.cpp's in
+one run, as JSON.
+
+    python bench/long_context.py --model M.gguf [--prompts 4096,32768] [--depths 0,4096,16384,32768]
+        [--decode 128] [--torch-attention 32768] [--llama-bench PATH] [--out bench/results/long-context.json]
+
+Ours: the prompt is read as the server reads it (chunks of --prefill auto's size, bf16 KV); decode at depth D fills a
+cache with D prompt tokens first, then times greedy steps after a few untimed ones (the decode graphs of that span
+are captured there). `--torch-attention N` times an N-token prompt once more with the prompt chunks' attention in
+torch (STRATA_FLASH_PREFILL=0's path) in the same process, for the kernel's own share. llama.cpp: llama-bench with
+flash attention on, `-p N -n 0` for the prompts and `-d D -p 0 -n 128` for the depths, after ours (not at once)."""
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.engine_bench import _kv_bytes, measure_prompt
+from bench.report import emit
+from engine.experts.policy import ExpertPolicy
+from engine.pipeline.loader import load_model
+from engine.pipeline.prefill import device_chunk, device_span
+
+
+def _fill(model, cache, n: int, chunk: int) -> None:
+    ids = torch.randint(100, 10000, (n,), generator=torch.Generator().manual_seed(n))
+    for s in range(0, n, chunk):
+        model.forward(ids[s : s + chunk], cache, s, last_only=True)
+
+
+def decode_at(model, depth: int, n: int, chunk: int) -> dict:
+    """Greedy decode of n tokens after `depth` prompt tokens -> tok/s and the fill's own tok/s."""
+    cache = model.new_cache(depth + n + 32, "bf16")
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    _fill(model, cache, max(depth, 16), chunk)
+    torch.cuda.synchronize()
+    fill_s = time.perf_counter() - t
+    p = max(depth, 16)
+    tok = torch.tensor([42])
+    for _ in range(8):  # the span's graphs are captured in these
+        tok = model.forward(tok, cache, p)[-1].argmax().view(1).cpu()
+        p += 1
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        tok = model.forward(tok, cache, p)[-1].argmax().view(1).cpu()
+        p += 1
+    torch.cuda.synchronize()
+    out = {"decode_tok_s": round(n / (time.perf_counter() - t), 2), "fill_s": round(fill_s, 3)}
+    del cache
+    torch.cuda.empty_cache()
+    return out
+
+
+def llama_bench(
+    binary: str, model: str, prompts: list[int], depths: list[int], n: int, extra: list[str]
+) -> dict:
+    base = [binary, "-m", model, "-ngl", "99", "-fa", "1", "-r", "2", "-o", "json", *extra]
+    res: dict = {"args": extra}
+    runs = []
+    if prompts:
+        runs.append(["-p", ",".join(map(str, prompts)), "-n", "0"])
+    if depths:
+        runs.append(["-d", ",".join(map(str, depths)), "-p", "0", "-n", str(n)])
+    for args in runs:
+        r = subprocess.run(base + args, capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            res.setdefault("errors", []).append(r.stderr[-2000:])
+            continue
+        for row in json.loads(r.stdout):
+            if row["n_prompt"]:
+                res[f"prompt_{row['n_prompt']}_tok_s"] = round(row["avg_ts"], 2)
+            else:
+                res[f"decode_depth_{row.get('n_depth', 0)}_tok_s"] = round(row["avg_ts"], 2)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", default="4096,32768")
+    ap.add_argument("--depths", default="0,4096,16384,32768")
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument(
+        "--torch-attention", type=int, default=0, help="also time a prompt of N with torch's attention"
+    )
+    ap.add_argument("--vram-budget-mib", type=int, default=None)
+    ap.add_argument("--llama-bench", help="llama-bench binary: measured after ours")
+    ap.add_argument("--llama-args", default="", help="more llama-bench arguments, e.g. '-ncmoe 36 -t 16'")
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    prompts = [int(x) for x in a.prompts.split(",") if x]
+    depths = [int(x) for x in a.depths.split(",") if x]
+    max_ctx = max([*prompts, *(d + a.decode + 32 for d in depths)]) + 8
+    t0 = time.perf_counter()
+    lm = load_model(
+        a.model,
+        device="cuda",
+        dtype="bf16",
+        experts=ExpertPolicy(
+            vram_budget_mib=a.vram_budget_mib,
+            kv_bytes=_kv_bytes(a.model, max_ctx) if a.vram_budget_mib else 0,
+        ),
+    )
+    m = lm.model
+    chunk = device_chunk(m, max_ctx, "bf16", a.vram_budget_mib, 1024)
+    span = device_span(m, chunk, max_ctx, "bf16", a.vram_budget_mib, 1024)
+    res: dict = {
+        "model": Path(a.model).name,
+        "load_s": round(time.perf_counter() - t0, 1),
+        "gpu": torch.cuda.get_device_name(),
+        "vram_budget_mib": a.vram_budget_mib,
+        "prompt_chunk": chunk,
+        "prompt_span": span,
+        "flash_prefill": m.prefill_kernel is not None,
+        "ours": {},
+    }
+    ours = res["ours"]
+    for n in prompts:
+        ours[f"prompt_{n}_tok_s"] = round(measure_prompt(m, n, a.reps, chunk, span), 2)
+        print(f"prompt {n}: {ours[f'prompt_{n}_tok_s']} tok/s", flush=True)
+    if a.torch_attention:
+        kernel, m.prefill_kernel = m.prefill_kernel, None
+        ours[f"prompt_{a.torch_attention}_torch_attention_tok_s"] = round(
+            _once(m, a.torch_attention, chunk), 2
+        )
+        m.prefill_kernel = kernel
+    for d in depths:
+        ours[f"decode_depth_{d}"] = decode_at(m, d, a.decode, chunk)
+        print(f"depth {d}: {ours[f'decode_depth_{d}']}", flush=True)
+    res["vram_peak_mib"] = torch.cuda.max_memory_allocated() >> 20
+    if a.llama_bench:
+        del lm, m
+        torch.cuda.empty_cache()
+        res["llamacpp"] = llama_bench(a.llama_bench, a.model, prompts, depths, a.decode, a.llama_args.split())
+        lc = res["llamacpp"]
+        res["ratios"] = {
+            k: round(ours[k] / lc[k], 3) for k in ours if k.startswith("prompt_") and k in lc and lc[k]
+        }
+        for d in depths:
+            key = f"decode_depth_{d}_tok_s"
+            if lc.get(key):
+                res["ratios"][key] = round(ours[f"decode_depth_{d}"]["decode_tok_s"] / lc[key], 3)
+    emit(res, a.out)
+
+
+def _once(model, n: int, chunk: int) -> float:
+    """One timed n-token prompt (the kernels of this path are torch's own: nothing to build first)."""
+    ids = torch.randint(100, 10000, (n,), generator=torch.Generator().manual_seed(n))
+    cache = model.new_cache(n + 8, "bf16")
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for s in range(0, n, chunk):
+        model.forward(ids[s : s + chunk], cache, s, last_only=True)
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - t)
+
+
+if __name__ == "__main__":
+    main()
