@@ -2,19 +2,23 @@
 one run, as JSON.
 
     python bench/long_context.py --model M.gguf [--prompts 4096,32768] [--depths 0,4096,16384,32768]
-        [--decode 128] [--torch-attention 32768] [--llama-bench PATH] [--out bench/results/long-context.json]
+        [--decode 128] [--torch-attention 32768] [--llama-bench PATH [--llama-args '-ncmoe 36' --match-llama]]
+        [--out bench/results/long-context.json]
 
 Ours: the prompt is read as the server reads it (chunks of --prefill auto's size, bf16 KV); decode at depth D fills a
 cache with D prompt tokens first, then times greedy steps after a few untimed ones (the decode graphs of that span
 are captured there). `--torch-attention N` times an N-token prompt once more with the prompt chunks' attention in
 torch (STRATA_FLASH_PREFILL=0's path) in the same process, for the kernel's own share. llama.cpp: llama-bench with
-flash attention on, `-p N -n 0` for the prompts and `-d D -p 0 -n 128` for the depths, after ours (not at once)."""
+flash attention on, `-p N -n 0` for the prompts and `-d D -p 0 -n 128` for the depths, after ours (not at once);
+with --match-llama before ours, and ours then runs within the VRAM llama.cpp used (its experts in VRAM as that
+allows, the rest in host RAM)."""
 
 import argparse
 import json
 import logging
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,18 +33,23 @@ from engine.pipeline.loader import load_model
 from engine.pipeline.prefill import device_chunk, device_span
 
 
-def _fill(model, cache, n: int, chunk: int) -> None:
+def _fill(model, cache, n: int, chunk: int, span: int) -> None:
+    """n prompt tokens into `cache`, as measure_prompt reads them (spans of chunks where the card streams experts)."""
     ids = torch.randint(100, 10000, (n,), generator=torch.Generator().manual_seed(n))
-    for s in range(0, n, chunk):
-        model.forward(ids[s : s + chunk], cache, s, last_only=True)
+    step = max(span, chunk)
+    for s in range(0, n, step):
+        if min(n, s + step) - s > chunk:
+            model.forward_span(ids[s : s + step], cache, s, chunk)
+        else:
+            model.forward(ids[s : s + chunk], cache, s, last_only=True)
 
 
-def decode_at(model, depth: int, n: int, chunk: int) -> dict:
-    """Greedy decode of n tokens after `depth` prompt tokens -> tok/s and the fill's own tok/s."""
-    cache = model.new_cache(depth + n + 32, "bf16")
+def decode_at(model, depth: int, n: int, chunk: int, span: int, kv: str = "bf16") -> dict:
+    """Greedy decode of n tokens after `depth` prompt tokens on a `kv` cache -> tok/s, and the fill's time."""
+    cache = model.new_cache(depth + n + 32, kv)
     torch.cuda.synchronize()
     t = time.perf_counter()
-    _fill(model, cache, max(depth, 16), chunk)
+    _fill(model, cache, max(depth, 16), chunk, span)
     torch.cuda.synchronize()
     fill_s = time.perf_counter() - t
     p = max(depth, 16)
@@ -60,11 +69,31 @@ def decode_at(model, depth: int, n: int, chunk: int) -> dict:
     return out
 
 
+def _gpu_used_mib() -> int:
+    r = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return int(r.stdout.split()[0]) if r.returncode == 0 and r.stdout.strip() else 0
+
+
 def llama_bench(
     binary: str, model: str, prompts: list[int], depths: list[int], n: int, extra: list[str]
 ) -> dict:
+    """llama-bench's prompt and depth figures, and the most VRAM the card had in use while it ran (nvidia-smi every
+    0.2 s: with nothing else on the card, llama.cpp's own)."""
     base = [binary, "-m", model, "-ngl", "99", "-fa", "1", "-r", "2", "-o", "json", *extra]
     res: dict = {"args": extra}
+    peak = [0]
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.wait(0.2):
+            peak[0] = max(peak[0], _gpu_used_mib())
+
+    threading.Thread(target=poll, daemon=True).start()
     runs = []
     if prompts:
         runs.append(["-p", ",".join(map(str, prompts)), "-n", "0"])
@@ -80,6 +109,8 @@ def llama_bench(
                 res[f"prompt_{row['n_prompt']}_tok_s"] = round(row["avg_ts"], 2)
             else:
                 res[f"decode_depth_{row.get('n_depth', 0)}_tok_s"] = round(row["avg_ts"], 2)
+    done.set()
+    res["vram_peak_mib"] = peak[0]
     return res
 
 
@@ -89,12 +120,18 @@ def main() -> None:
     ap.add_argument("--prompts", default="4096,32768")
     ap.add_argument("--depths", default="0,4096,16384,32768")
     ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--kv-types", default="bf16", help="KV types decoded at each depth, e.g. bf16,int8")
     ap.add_argument(
         "--torch-attention", type=int, default=0, help="also time a prompt of N with torch's attention"
     )
     ap.add_argument("--vram-budget-mib", type=int, default=None)
     ap.add_argument("--llama-bench", help="llama-bench binary: measured after ours")
     ap.add_argument("--llama-args", default="", help="more llama-bench arguments, e.g. '-ncmoe 36 -t 16'")
+    ap.add_argument(
+        "--match-llama",
+        action="store_true",
+        help="run llama-bench first and give ours the VRAM it used (its peak, less our CUDA context)",
+    )
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -102,6 +139,13 @@ def main() -> None:
     prompts = [int(x) for x in a.prompts.split(",") if x]
     depths = [int(x) for x in a.depths.split(",") if x]
     max_ctx = max([*prompts, *(d + a.decode + 32 for d in depths)]) + 8
+    lc = None
+    if a.match_llama:
+        assert a.llama_bench, "--match-llama needs --llama-bench"
+        lc = llama_bench(a.llama_bench, a.model, prompts, depths, a.decode, a.llama_args.split())
+        torch.empty(1, device="cuda")
+        context_mib = _gpu_used_mib()  # our CUDA context alone
+        a.vram_budget_mib = lc["vram_peak_mib"] - context_mib
     t0 = time.perf_counter()
     lm = load_model(
         a.model,
@@ -113,8 +157,8 @@ def main() -> None:
         ),
     )
     m = lm.model
-    chunk = device_chunk(m, max_ctx, "bf16", a.vram_budget_mib, 1024)
-    span = device_span(m, chunk, max_ctx, "bf16", a.vram_budget_mib, 1024)
+    chunk = device_chunk(m, max_ctx, "bf16", a.vram_budget_mib, ExpertPolicy.reserve_mib)
+    span = device_span(m, chunk, max_ctx, "bf16", a.vram_budget_mib, ExpertPolicy.reserve_mib)
     res: dict = {
         "model": Path(a.model).name,
         "load_s": round(time.perf_counter() - t0, 1),
@@ -135,15 +179,19 @@ def main() -> None:
             _once(m, a.torch_attention, chunk), 2
         )
         m.prefill_kernel = kernel
-    for d in depths:
-        ours[f"decode_depth_{d}"] = decode_at(m, d, a.decode, chunk)
-        print(f"depth {d}: {ours[f'decode_depth_{d}']}", flush=True)
+    for kv in a.kv_types.split(","):
+        for d in depths:
+            key = f"decode_depth_{d}" + ("" if kv == "bf16" else f"_{kv}")
+            ours[key] = decode_at(m, d, a.decode, chunk, span, kv)
+            print(f"{kv} depth {d}: {ours[key]}", flush=True)
     res["vram_peak_mib"] = torch.cuda.max_memory_allocated() >> 20
+    res["vram_used_mib"] = _gpu_used_mib()  # the card's, ours alone on it (nvidia-smi)
     if a.llama_bench:
         del lm, m
         torch.cuda.empty_cache()
-        res["llamacpp"] = llama_bench(a.llama_bench, a.model, prompts, depths, a.decode, a.llama_args.split())
-        lc = res["llamacpp"]
+        if lc is None:
+            lc = llama_bench(a.llama_bench, a.model, prompts, depths, a.decode, a.llama_args.split())
+        res["llamacpp"] = lc
         res["ratios"] = {
             k: round(ours[k] / lc[k], 3) for k in ours if k.startswith("prompt_") and k in lc and lc[k]
         }

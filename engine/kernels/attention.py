@@ -27,8 +27,10 @@ def _rope_store_kernel(
     base_ptr,  # [T] int64: where each row's sequence starts in the caches (BASE), for slots sharing one cache
     inv_ptr,  # [ROT/2] float32 effective inverse frequencies
     qo_ptr,  # [T, H, Dh] out
-    kc_ptr,  # [ctx, Hkv, Dh] key cache
+    kc_ptr,  # [ctx, Hkv, Dh] key cache (float, or int8 codes: QUANT)
     vc_ptr,  # [ctx, Hkv, Dv]
+    ks_ptr,  # [ctx, Hkv] float16 scales of the int8 keys (QUANT)
+    vs_ptr,  # [ctx, Hkv]
     H,
     HKV,
     Dh,
@@ -41,6 +43,7 @@ def _rope_store_kernel(
     NORM: tl.constexpr,
     NEOX: tl.constexpr,
     BASE: tl.constexpr = False,
+    QUANT: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     hh = tl.program_id(1)  # 0..H-1 query heads, then H..H+HKV-1 key heads (each with its value head)
@@ -71,10 +74,30 @@ def _rope_store_kernel(
         cp = p  # the row's cache row
         if BASE:
             cp += tl.load(base_ptr + t)
-        tl.store(kc_ptr + (cp * HKV + hk) * Dh + offs, out.to(kc_ptr.dtype.element_ty), mask=m)
         mv = offs < Dv
         val = tl.load(v_ptr + t * row_stride + hk * Dv + offs, mask=mv, other=0.0)
-        tl.store(vc_ptr + (cp * HKV + hk) * Dv + offs, val.to(vc_ptr.dtype.element_ty), mask=mv)
+        if (
+            QUANT
+        ):  # as KVCache's own int8 write: the key in the compute dtype, a float32 scale stored as float16
+            out = out.to(qo_ptr.dtype.element_ty).to(tl.float32)
+            _store_q8(kc_ptr + (cp * HKV + hk) * Dh + offs, ks_ptr + cp * HKV + hk, out, m)
+            _store_q8(vc_ptr + (cp * HKV + hk) * Dv + offs, vs_ptr + cp * HKV + hk, val.to(tl.float32), mv)
+        else:
+            tl.store(kc_ptr + (cp * HKV + hk) * Dh + offs, out.to(kc_ptr.dtype.element_ty), mask=m)
+            tl.store(vc_ptr + (cp * HKV + hk) * Dv + offs, val.to(vc_ptr.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _store_q8(code_ptr, scale_ptr, x, m):
+    """x (float32, masked lanes 0) as int8 codes of one scale: amax / 127 (engine/layers/kv_cache.py _quant8)."""
+    sc = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8) / 127.0
+    q = x / sc
+    r = tl.floor(q + 0.5)
+    q = tl.where(
+        (r - q == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r
+    )  # half to even, as torch.round
+    tl.store(code_ptr, tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8), mask=m)
+    tl.store(scale_ptr, sc.to(tl.float16))
 
 
 def rope_store(
@@ -94,11 +117,14 @@ def rope_store(
     n_head: int,
     out_dtype: torch.dtype,
     base: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H*Dh], k [T, Hkv*Dh], v [T, Hkv*Dv] (rows of one stride; column slices of one tensor are fine) ->
-    normalised, rotated queries [T, H, Dh]; the rotated keys and the values are written into the float caches
+    normalised, rotated queries [T, H, Dh]; the rotated keys and the values are written into the caches
     [ctx, Hkv, D] at `pos` [T], or at base + pos where `base` [T] (int64) places each row's sequence in caches
-    that several sequences share."""
+    that several sequences share. int8 caches take `k_scale`/`v_scale` [ctx, Hkv, 1] (float16), a scale per
+    position and head, as KVCache writes them."""
     t = q.shape[0]
     _, hkv, dh = k_cache.shape
     dv = v_cache.shape[2]
@@ -119,6 +145,8 @@ def rope_store(
         qo,
         k_cache,
         v_cache,
+        k_scale if k_scale is not None else k_cache,
+        v_scale if v_scale is not None else v_cache,
         n_head,
         hkv,
         dh,
@@ -131,6 +159,7 @@ def rope_store(
         NORM=norm,
         NEOX=neox,
         BASE=base is not None,
+        QUANT=k_scale is not None,
     )
     return qo
 
@@ -138,8 +167,10 @@ def rope_store(
 @triton.jit
 def _decode_attn_kernel(
     q_ptr,  # [T, H, Dk]
-    kc_ptr,  # [ctx, HKV, Dk]
+    kc_ptr,  # [ctx, HKV, Dk] (float, or int8 codes: QUANT)
     vc_ptr,  # [ctx, HKV, Dv]
+    ks_ptr,  # [ctx, HKV] scales of the int8 keys (QUANT)
+    vs_ptr,  # [ctx, HKV]
     pos_ptr,  # [T] int64
     base_ptr,  # [T] int64: where each row's sequence starts in the caches (BASE)
     o_ptr,  # [T, H, Dv] (SPLITS == 1) or partials [T, H, SPLITS, Dv] float32
@@ -163,6 +194,7 @@ def _decode_attn_kernel(
     IEEE: tl.constexpr,
     Q8: tl.constexpr = False,
     BASE: tl.constexpr = False,
+    QUANT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)  # t * HKV + hk
     sp = tl.program_id(1)
@@ -174,6 +206,8 @@ def _decode_attn_kernel(
         row0 += tl.load(base_ptr + t) * HKV
     kc_ptr += row0 * Dk
     vc_ptr += row0 * Dv
+    ks_ptr += row0
+    vs_ptr += row0
     g = tl.arange(0, GP)
     gm = g < G
     dk = tl.arange(0, BLOCK_DK)
@@ -202,6 +236,8 @@ def _decode_attn_kernel(
             sc = tl.dot(q, tl.trans(kb.to(q.dtype)), input_precision="ieee") * scale  # [GP, BS]
         else:
             sc = tl.dot(q, tl.trans(kb.to(q.dtype))).to(tl.float32) * scale
+        if QUANT:  # int8 codes are exact in the compute dtype; their scales multiply the scores
+            sc = sc * tl.load(ks_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32)[None, :]
         if softcap > 0:
             sc = softcap * (2.0 / (1.0 + tl.exp(-2.0 * sc / softcap)) - 1.0)
         sc = tl.where(sm[None, :], sc, float("-inf"))
@@ -214,6 +250,8 @@ def _decode_attn_kernel(
             mask=sm[:, None] & (dv[None, :] < Dv),
             other=0.0,
         )  # [BS, DV]
+        if QUANT:
+            pr = pr * tl.load(vs_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32)[None, :]
         if IEEE:
             pv = tl.dot(pr, vb.to(tl.float32), input_precision="ieee")  # [GP, DV]
         else:
@@ -304,12 +342,15 @@ def decode_attention(
     chunk: int | None = None,
     q8_out: torch.Tensor | None = None,
     base: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, Dk] at positions `pos` [T] over the cache positions below `span` (each row sees positions <= its
     own, and within `window` of it when window > 0) -> [T, H*Dv] in q's dtype. `chunk`: positions a program
     covers (tests); by default chosen from the span and the GPU's size. `q8_out` (float32 [T, H*Dv], Dv a multiple
     of 32): also filled with the output rounded to 8 bits in engine.kernels.gemv.quantize_q8's layout. `base` [T]
-    (int64): where each row's sequence starts in caches several sequences share (rows of different slots)."""
+    (int64): where each row's sequence starts in caches several sequences share (rows of different slots). int8
+    caches take `k_scale`/`v_scale` [ctx, Hkv, 1], their scale per position and head."""
     t, h, dk = q.shape
     _, hkv, _ = k_cache.shape
     dvv = v_cache.shape[2]
@@ -328,22 +369,25 @@ def decode_attention(
         BLOCK_DV=triton.next_power_of_2(dvv),
         IEEE=q.dtype == torch.float32,
         BASE=base is not None,
+        QUANT=k_scale is not None,
     )
     bp = base if base is not None else pos
+    ks = k_scale if k_scale is not None else k_cache
+    vs = v_scale if v_scale is not None else v_cache
     q8 = q8_out is not None
     if q8 and (dvv % 32 or tuple(q8_out.shape) != (t, h * dvv) or q8_out.dtype != torch.float32):
         raise ValueError(f"q8_out must be float32 [{t}, {h * dvv}] with the value head size a multiple of 32")
     qo = q8_out if q8_out is not None else out
     if splits == 1:
         _decode_attn_kernel[(t * hkv, 1)](
-            q, k_cache, v_cache, pos, bp, out, out, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
+            q, k_cache, v_cache, ks, vs, pos, bp, out, out, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
             SPLITS=1, Q8=q8, **common,
         )  # fmt: skip
         return out.view(t, h * dvv)
     part = torch.empty(t * h, splits, dvv, dtype=torch.float32, device=q.device)
     ml = torch.empty(t * h, splits, 2, dtype=torch.float32, device=q.device)
     _decode_attn_kernel[(t * hkv, splits)](
-        q, k_cache, v_cache, pos, bp, part, ml, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
+        q, k_cache, v_cache, ks, vs, pos, bp, part, ml, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
         SPLITS=splits, **common,
     )  # fmt: skip
     _merge_kernel[(t * h,)](part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=common["BLOCK_DV"], Q8=q8)

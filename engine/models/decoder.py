@@ -210,7 +210,7 @@ class DecoderLM(FamilyLM):
         """One layer for the tokens at positions `pos` [T] (device), attending to cache positions below `span`
         (a static bound, so that a decode step can be captured in a CUDA graph)."""
         t = h.shape[0]
-        if self.fast and t <= fast_decode.FAST_MAX_ROWS and cache.kv_type != "int8" and h.is_cuda:
+        if self.fast and t <= fast_decode.FAST_MAX_ROWS and h.is_cuda:
             return fast_decode.layer(self, i, h, cache, pos, span)
         h, q, k, v = self.attn_in(i, h, pos)
         return self.attn_out_ffn(i, h, self.attn_core(i, q, k, v, cache, pos, span, masks))
@@ -224,7 +224,7 @@ class DecoderLM(FamilyLM):
 
     def slotted(self, kv_type: str) -> bool:
         """Whether decode rows of several sequences can share the fused decode path's launches."""
-        return self.fast and kv_type != "int8" and self.has_embed and self.has_head
+        return self.fast and self.has_embed and self.has_head
 
     def forward_batch(self, parts: Sequence[BatchPart]) -> torch.Tensor:
         """Several sequences in one step. Decode rows of slots that share one cache (new_caches) take the fused

@@ -136,18 +136,21 @@ def layer(
     q = rope_store(
         qkv[:, :qd], qkv[:, qd : qd + kd], qkv[:, qd + kd :], lw.q_norm, lw.k_norm, c.rms_eps, pos,
         rope.inv_effective(h.device), rope.cfg.dim, rope.cfg.neox, rope.mscale, lk.k, lk.v, c.n_head, dt, base,
+        lk.k_scale, lk.v_scale,
     )  # fmt: skip
     window = c.sliding_window if swa else 0
     if wants_q8(lw.o.qtype, *lw.o.shape):  # the attention kernel writes the 8-bit form beside its output
         aq = torch.empty(q.shape[0], lw.o.shape[1], dtype=torch.float32, device=h.device)
         a = decode_attention(
-            q, lk.k, lk.v, pos, span, window, c.attn_scale, c.attn_softcap, q8_out=aq, base=base
-        )
+            q, lk.k, lk.v, pos, span, window, c.attn_scale, c.attn_softcap, q8_out=aq, base=base,
+            k_scale=lk.k_scale, v_scale=lk.v_scale,
+        )  # fmt: skip
         h = lw.o.linear(a, residual=h, q8=aq)
     else:
         a = decode_attention(
-            q, lk.k, lk.v, pos, span, window, c.attn_scale, c.attn_softcap, base=base
-        )  # [T, H*Dv]
+            q, lk.k, lk.v, pos, span, window, c.attn_scale, c.attn_softcap, base=base,
+            k_scale=lk.k_scale, v_scale=lk.v_scale,
+        )  # fmt: skip
         h = lw.o.linear(a, residual=h)  # float32 [T, D]: h + o(a)
     if lw.experts is None:
         assert lw.ffn_gate is not None and lw.ffn_up is not None and lw.ffn_down is not None

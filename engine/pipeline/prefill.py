@@ -24,15 +24,16 @@ SPAN_MAX = 16384  # a longer span streams the experts less often still, but hold
 _SLACK = 1.5  # the caching allocator's rounding and fragmentation over the tensors themselves
 
 
-def chunk_bytes(c: ModelConfig, chunk: int, span: int) -> int:
+def chunk_bytes(c: ModelConfig, chunk: int, span: int, flash: bool = False) -> int:
     """Bytes of temporaries a prompt chunk of `chunk` tokens attending to `span` positions holds at its peak: the
     routed experts' per-slot outputs (float32) and hidden rows, the residual stream and norms, q/k/v, and attention's
-    keys and values repeated over the query heads; times the allocator's slack."""
+    keys and values repeated over the query heads (none where the flash kernel reads the cache in place: `flash`);
+    times the allocator's slack."""
     k = max(1, c.n_expert_used)
     ff = c.n_ff_exp if c.n_expert_used else c.n_ff
     qkv = c.n_head * c.head_dim_k + 2 * c.n_head_kv * c.head_dim_k
     per_token = 4 * k * c.n_embd + 2 * k * ff + 24 * c.n_embd + 4 * qkv + 2 * c.n_head * c.head_dim_v
-    attention = 2 * c.n_head * span * (c.head_dim_k + c.head_dim_v)
+    attention = 0 if flash else 2 * c.n_head * span * (c.head_dim_k + c.head_dim_v)
     dense = 2 * c.n_embd * max(qkv, c.n_head * c.head_dim_v, ff if not c.n_expert_used else 0)
     return int(_SLACK * (chunk * per_token + attention + dense))
 
@@ -44,13 +45,14 @@ def auto_chunk(
     kv_bytes: int,
     reserve_bytes: int,
     max_ctx: int = 4096,
+    flash: bool = False,
 ) -> int:
     """The chunk for `--prefill auto` (see the module's text)."""
     if not cuda:
         return CHUNKS[-1]
     room = free_bytes - kv_bytes - reserve_bytes
     for chunk in CHUNKS:
-        if chunk_bytes(c, chunk, max_ctx) <= room:
+        if chunk_bytes(c, chunk, max_ctx, flash) <= room:
             return chunk
     return CHUNKS[-1]
 
@@ -58,6 +60,11 @@ def auto_chunk(
 def span_row_bytes(c: ModelConfig, tokens: int) -> int:
     """VRAM a span's residual stream takes: float32 [tokens, D], with the allocator's slack."""
     return int(_SLACK * 4 * c.n_embd) * tokens
+
+
+def _flash(model: object) -> bool:
+    """Whether the model's prompt chunks attend through the flash kernel (no repeated keys and values)."""
+    return getattr(model, "prefill_kernel", None) is not None
 
 
 def _reads_spans(model: object) -> bool:
@@ -80,10 +87,13 @@ def _device_room(model: object, max_ctx: int, kv_type: str, budget_mib: int | No
     cfg = getattr(model, "cfg", None)
     if not isinstance(dev, torch.device) or dev.type != "cuda" or not isinstance(cfg, ModelConfig):
         return None
+    # the allocator's cached blocks are free for the chunk's temporaries too: count what is allocated, as the
+    # expert budget does (on an H200 held to 8,246 MiB, ~650 MiB cached after loading had left no room for a span)
+    cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     if budget_mib is not None:
-        free = budget_mib * (1 << 20) - torch.cuda.memory_reserved(dev)
+        free = budget_mib * (1 << 20) - torch.cuda.memory_allocated(dev)
     else:
-        free = torch.cuda.mem_get_info(dev)[0]
+        free = torch.cuda.mem_get_info(dev)[0] + cached
     ec = getattr(model, "expert_cache", None)
     free -= getattr(ec, "pending_bytes", 0)  # the experts' staging area, allocated at the first prompt
     layers = len(getattr(model, "layer_range", range(cfg.n_layer)))
@@ -101,11 +111,12 @@ def device_chunk(model: object, max_ctx: int, kv_type: str, budget_mib: int | No
         # a span's rows first: streaming each layer's experts once a span gains more than a longer chunk (on an H200
         # at llama.cpp -ncmoe 36's VRAM, 1,024-token chunks without spans read 4,096 tokens at 3,455 tok/s)
         free -= span_row_bytes(cfg, min(max_ctx, SPAN_MAX))
-    chunk = auto_chunk(cfg, True, free, kv, reserve_mib << 20, max_ctx)
+    flash = _flash(model)
+    chunk = auto_chunk(cfg, True, free, kv, reserve_mib << 20, max_ctx, flash)
     log.info(
         "prompt chunks of %d tokens (--prefill auto: ~%d MiB of temporaries; %d MiB free before the KV cache)",
         chunk,
-        chunk_bytes(cfg, chunk, max_ctx) >> 20,
+        chunk_bytes(cfg, chunk, max_ctx, flash) >> 20,
         free >> 20,
     )
     return chunk
@@ -123,7 +134,7 @@ def device_span(
     free, kv = room
     cfg: ModelConfig = model.cfg  # type: ignore[attr-defined]
     span = span_tokens(
-        cfg, chunk, free - kv - (reserve_mib << 20) - chunk_bytes(cfg, chunk, max_ctx), max_ctx
+        cfg, chunk, free - kv - (reserve_mib << 20) - chunk_bytes(cfg, chunk, max_ctx, _flash(model)), max_ctx
     )
     if span > chunk:
         log.info("prompts read layer by layer, %d tokens at a time: each layer's experts in host RAM cross PCIe "

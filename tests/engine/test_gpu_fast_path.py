@@ -179,14 +179,16 @@ def test_cpu_computed_misses_stay_close_to_the_gpu_ones(moe_q4k: Path, fraction:
 
 
 def _cpu_share_matches(
-    path: Path, kv: str, fraction: float = 0.0, ratio: float = 1.0
+    path: Path, kv: str, fraction: float = 0.0, ratio: float = 1.0, fast: bool = True
 ) -> tuple[object, object]:
     """The decode steps of `path` with the CPU computing `ratio` of the missed experts (`fraction` of them in
     VRAM) against all experts in VRAM, on `kv` caches: cosine >= 0.999 at each of 8 steps; (the hybrid's
-    CpuMisses or None, its model)."""
+    CpuMisses or None, its model). `fast=False`: the hybrid decodes through the general layer."""
     full = load_model(path, device="cuda", dtype="bf16")
     hyb = load_model(path, device="cuda", dtype="bf16",
                      experts=ExpertPolicy(slots=int(16 * fraction), cpu_share=1.0, cpu_ratio=ratio))  # fmt: skip
+    if not fast:  # before the first step: its graphs are captured from that layer
+        hyb.model.fast = False
     caches = [m.model.new_cache(64, kv) for m in (full, hyb)]
     ids = torch.tensor(PROMPT)
     for m, c in zip((full, hyb), caches, strict=True):
@@ -201,12 +203,33 @@ def _cpu_share_matches(
 
 
 def test_cpu_share_on_the_general_decode_path(moe_q4k: Path) -> None:
-    """An int8 KV cache takes the general layer (not fast_decode's) at decode: the CPU's share goes through the
-    expert backend there too, inside the decode graphs (before, the graphs waited 30 s for layers that never
-    posted and then failed)."""
-    cm, model = _cpu_share_matches(moe_q4k, "int8")
+    """Decode through the general layer (not fast_decode's; int8 KV against the fused path's): the CPU's share
+    goes through the expert backend there too, inside the decode graphs (before, the graphs waited 30 s for layers
+    that never posted and then failed)."""
+    cm, model = _cpu_share_matches(moe_q4k, "int8", fast=False)
     assert cm is not None and model.graphs.usable
     assert cm.slots > 0 and cm.timing()["requests"] >= 8
+
+
+def test_int8_kv_decodes_on_the_fused_path(moe_q4k: Path) -> None:
+    """An int8 KV cache decodes through fast_decode (rope_store writes the codes, decode_attention reads them),
+    one sequence and slots sharing a cache: logits against the general layer's on the same cache type."""
+    fused = load_model(moe_q4k, device="cuda", dtype="bf16")
+    plain = load_model(moe_q4k, device="cuda", dtype="bf16")
+    plain.model.fast = False
+    assert fused.model.fast and fused.model.slotted("int8")
+    caches = [m.model.new_cache(64, "int8") for m in (fused, plain)]
+    ids = torch.tensor(PROMPT)
+    for m, c in zip((fused, plain), caches, strict=True):
+        m.model.forward(ids, c, 0, last_only=True)
+    tok = torch.tensor([42])
+    for p in range(len(PROMPT), len(PROMPT) + 8):
+        ref = plain.model.forward(tok, caches[1], p)
+        got = fused.model.forward(tok, caches[0], p)
+        assert _cos(got, ref) >= 0.999, p
+        tok = ref[-1].argmax().view(1).cpu()
+    slots = fused.model.new_caches(2, 64, "int8")
+    assert slots[0].shared is not None and slots[0].layers[0].k_scale is not None
 
 
 def test_cpu_share_in_a_family_model(tmp_path: Path) -> None:

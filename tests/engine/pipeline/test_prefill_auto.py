@@ -22,6 +22,17 @@ def test_temporaries_grow_with_the_chunk() -> None:
     assert 100 * MiB < small < large < 1500 * MiB  # a 4,096-token chunk of this model: ~1 GB with slack
 
 
+def test_flash_attention_holds_no_repeated_keys() -> None:
+    """Where the flash kernel reads the cache in place, a long context adds nothing to a chunk's temporaries: a
+    4,096-token chunk fits beside a 131,072-position context in the room it needs at 4,096 positions."""
+    c = _a3b()
+    assert chunk_bytes(c, 4096, 131072, flash=True) == chunk_bytes(c, 4096, 4096, flash=True)
+    assert chunk_bytes(c, 4096, 131072) - chunk_bytes(c, 4096, 131072, flash=True) > 2 << 30
+    room = dict(free_bytes=4 << 30, kv_bytes=0, reserve_bytes=512 * MiB, max_ctx=131072)
+    assert auto_chunk(c, cuda=True, flash=True, **room) == 4096
+    assert auto_chunk(c, cuda=True, **room) < 4096
+
+
 def test_the_largest_chunk_that_fits() -> None:
     c = _a3b()
     assert auto_chunk(c, cuda=False, free_bytes=10**12, kv_bytes=0, reserve_bytes=0) == 512
@@ -59,9 +70,30 @@ def test_a_gpu_models_chunk_from_the_free_vram(monkeypatch) -> None:
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (40 << 30, 80 << 30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 5 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 5 << 30)
     assert device_chunk(Model(), 4096, "bf16", None, 512) == 4096
     assert device_chunk(Model(), 4096, "bf16", 5 * 1024 + 900, 512) == 512  # a budget with ~900 MiB left
     assert device_chunk(object(), 4096, "bf16", None, 512) == 512  # not a CUDA model
+
+
+def test_cached_blocks_count_as_room(monkeypatch) -> None:
+    """What the allocator holds cached but not allocated (loading's temporaries) is room for the chunk too: the
+    measured case, an H200 held to llama.cpp -ncmoe 36's VRAM at a 32K context, had ~650 MiB of it."""
+    import torch
+
+    from engine.pipeline.prefill import device_chunk
+
+    class Model:
+        device = torch.device("cuda", 0)
+        cfg = _a3b()
+        layer_range = range(48)
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 4 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 5 << 30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (1 << 30, 80 << 30))
+    budget = 5 * 1024 + 900  # ~900 MiB beyond what is reserved, 1,924 beyond what is allocated
+    assert device_chunk(Model(), 4096, "bf16", budget, 512) > 512
+    assert device_chunk(Model(), 4096, "bf16", None, 512) > 512  # 1 GiB free on the card, 1 GiB cached
 
 
 def test_a_card_that_streams_experts_keeps_room_for_a_span(monkeypatch) -> None:
@@ -85,6 +117,7 @@ def test_a_card_that_streams_experts_keeps_room_for_a_span(monkeypatch) -> None:
         streams_experts = False
 
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 4826 * MiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 4826 * MiB)
     budget = 4826 + 757 + 340
     m = Model()
     assert device_chunk(m, 4104, "bf16", budget, 0) == 1024
@@ -95,4 +128,5 @@ def test_a_card_that_streams_experts_keeps_room_for_a_span(monkeypatch) -> None:
     assert device_span(m, chunk, 4104, "bf16", budget, 0) == 4096
     Cache.pending_bytes = 0  # the area allocated: the same room is counted once, not twice
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: (4826 + 340) * MiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: (4826 + 340) * MiB)
     assert device_chunk(m, 4104, "bf16", budget, 0) == 512
