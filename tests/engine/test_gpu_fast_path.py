@@ -189,17 +189,23 @@ def _cpu_share_matches(
                      experts=ExpertPolicy(slots=int(16 * fraction), cpu_share=1.0, cpu_ratio=ratio))  # fmt: skip
     if not fast:  # before the first step: its graphs are captured from that layer
         hyb.model.fast = False
-    caches = [m.model.new_cache(64, kv) for m in (full, hyb)]
+    _steps_match(full.model, hyb.model, kv)
+    return hyb.model.expert_cache.cpu_misses, hyb.model
+
+
+def _steps_match(ref_model: object, model: object, kv: str) -> None:
+    """PROMPT, then 8 greedy steps (ref_model's tokens) on `kv` caches: model's logits within cosine 0.999 of
+    ref_model's at each step."""
+    caches = [m.new_cache(64, kv) for m in (ref_model, model)]  # type: ignore[attr-defined]
     ids = torch.tensor(PROMPT)
-    for m, c in zip((full, hyb), caches, strict=True):
-        m.model.forward(ids, c, 0, last_only=True)
+    for m, c in zip((ref_model, model), caches, strict=True):
+        m.forward(ids, c, 0, last_only=True)  # type: ignore[attr-defined]
     tok = torch.tensor([42])
     for p in range(len(PROMPT), len(PROMPT) + 8):
-        ref = full.model.forward(tok, caches[0], p)
-        got = hyb.model.forward(tok, caches[1], p)
+        ref = ref_model.forward(tok, caches[0], p)  # type: ignore[attr-defined]
+        got = model.forward(tok, caches[1], p)  # type: ignore[attr-defined]
         assert _cos(got, ref) >= 0.999, p
         tok = ref[-1].argmax().view(1).cpu()
-    return hyb.model.expert_cache.cpu_misses, hyb.model
 
 
 def test_cpu_share_on_the_general_decode_path(moe_q4k: Path) -> None:
@@ -218,16 +224,7 @@ def test_int8_kv_decodes_on_the_fused_path(moe_q4k: Path) -> None:
     plain = load_model(moe_q4k, device="cuda", dtype="bf16")
     plain.model.fast = False
     assert fused.model.fast and fused.model.slotted("int8")
-    caches = [m.model.new_cache(64, "int8") for m in (fused, plain)]
-    ids = torch.tensor(PROMPT)
-    for m, c in zip((fused, plain), caches, strict=True):
-        m.model.forward(ids, c, 0, last_only=True)
-    tok = torch.tensor([42])
-    for p in range(len(PROMPT), len(PROMPT) + 8):
-        ref = plain.model.forward(tok, caches[1], p)
-        got = fused.model.forward(tok, caches[0], p)
-        assert _cos(got, ref) >= 0.999, p
-        tok = ref[-1].argmax().view(1).cpu()
+    _steps_match(plain.model, fused.model, "int8")
     slots = fused.model.new_caches(2, 64, "int8")
     assert slots[0].shared is not None and slots[0].layers[0].k_scale is not None
 
