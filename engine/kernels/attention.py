@@ -76,9 +76,8 @@ def _rope_store_kernel(
             cp += tl.load(base_ptr + t)
         mv = offs < Dv
         val = tl.load(v_ptr + t * row_stride + hk * Dv + offs, mask=mv, other=0.0)
-        if (
-            QUANT
-        ):  # as KVCache's own int8 write: the key in the compute dtype, a float32 scale stored as float16
+        # int8 as KVCache's own write makes it: the key in the compute dtype, a float32 scale stored as float16
+        if QUANT:
             out = out.to(qo_ptr.dtype.element_ty).to(tl.float32)
             _store_q8(kc_ptr + (cp * HKV + hk) * Dh + offs, ks_ptr + cp * HKV + hk, out, m)
             _store_q8(vc_ptr + (cp * HKV + hk) * Dv + offs, vs_ptr + cp * HKV + hk, val.to(tl.float32), mv)
@@ -93,9 +92,8 @@ def _store_q8(code_ptr, scale_ptr, x, m):
     sc = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8) / 127.0
     q = x / sc
     r = tl.floor(q + 0.5)
-    q = tl.where(
-        (r - q == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r
-    )  # half to even, as torch.round
+    # half to even, as torch.round
+    q = tl.where((r - q == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)
     tl.store(code_ptr, tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8), mask=m)
     tl.store(scale_ptr, sc.to(tl.float16))
 

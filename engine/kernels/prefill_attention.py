@@ -61,9 +61,8 @@ def _block(
             ok = ok & (p[:, None] - s[None, :] < window)
         sc = tl.where(ok, sc, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    m_use = tl.where(
-        m_new == float("-inf"), 0.0, m_new
-    )  # a row with nothing seen yet: no NaN from -inf - -inf
+    # a row with nothing seen yet: no NaN from -inf - -inf
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_use)
     pr = tl.math.exp2(sc - m_use[:, None])
     l_i = l_i * alpha + tl.sum(pr, axis=1)
@@ -171,9 +170,8 @@ def _prefill_attn_kernel(
 
 def _tiles(t: int, d: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) for t rows of head size d (padded) in `dtype`."""
-    wide = (
-        dtype == torch.float32 or d > 128
-    )  # float32 tiles and large heads: half the shared memory per block
+    # float32 tiles and large heads: half the shared memory per block
+    wide = dtype == torch.float32 or d > 128
     bm = 64 if wide else 128
     bm = min(bm, max(16, triton.next_power_of_2(t)))
     bn = 32 if wide else 64

@@ -1,4 +1,4 @@
-"""Causal grouped-query attention over the KV cache, with sliding windows and logit soft-capping."""
+"""Causal grouped-query attention over the KV cache, with sliding windows, logit soft-capping and attention sinks."""
 
 from typing import Any
 
@@ -96,6 +96,33 @@ def attention(
     return out.transpose(0, 1)
 
 
+_QUERY_BLOCK = 128  # queries per score block: bounds the [H, block, S] scores of long prompt chunks
+
+
+def sink_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [S, Hkv, D]
+    v: torch.Tensor,  # [S, Hkv, Dv]
+    mask: torch.Tensor,  # [T, S] bool
+    scale: float,
+    sinks: torch.Tensor,  # [H] float32 logits
+) -> torch.Tensor:
+    """Attention whose softmax has one more column per head, the sink logit, that is dropped afterwards."""
+    n_head, n_kv = q.shape[1], k.shape[1]
+    rep = n_head // n_kv
+    kh = k.transpose(0, 1).float().repeat_interleave(rep, dim=0)  # [H, S, D]
+    vh = v.transpose(0, 1).float().repeat_interleave(rep, dim=0)  # [H, S, Dv]
+    outs = []
+    for a in range(0, q.shape[0], _QUERY_BLOCK):
+        qh = q[a : a + _QUERY_BLOCK].transpose(0, 1).float()  # [H, t, D]
+        scores = (qh @ kh.transpose(1, 2)) * scale  # [H, t, S]
+        scores = scores.masked_fill(~mask[a : a + _QUERY_BLOCK], float("-inf"))
+        sink = sinks.view(n_head, 1, 1).expand(n_head, qh.shape[1], 1)
+        p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]  # [H, t, S]
+        outs.append((p @ vh).transpose(0, 1))  # [t, H, Dv]
+    return torch.cat(outs).to(q.dtype)
+
+
 def flash_kernel(device: torch.device) -> Any:
     """engine.kernels.prefill_attention for a model on a CUDA `device` with Triton (unless STRATA_FLASH_PREFILL=0);
     None elsewhere. Read once, at load: a chunk of each layer would otherwise read the environment."""
@@ -117,16 +144,20 @@ def cached_attention(
     softcap: float = 0.0,
     masks: dict[int, torch.Tensor] | None = None,
     kernel: Any = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store k, v at `pos` in `cache` and attend q to its positions below `span` -> [T, H, Dv]. `kernel`: the flash
     prompt kernel (flash_kernel), which steps of more than FLASH_MIN_ROWS rows take: it reads the cache in place,
     int8 included, and skips the keys the mask rules out. Otherwise the cache's keys and values up to `span` in the
-    compute dtype through torch, with `masks` (FamilyLM.step_masks) or a mask made here."""
+    compute dtype through torch, with `masks` (FamilyLM.step_masks) or a mask made here. `sinks` [H] (gpt-oss):
+    a logit per head that joins each row's softmax with no value (sink_attention on the torch path)."""
     if kernel is not None and q.shape[0] > FLASH_MIN_ROWS:
         lk = cache.write(layer, pos, k, v, span)
         return kernel.prefill_attention(
-            q, lk.k, lk.v, pos, span, window, scale, softcap, lk.k_scale, lk.v_scale
+            q, lk.k, lk.v, pos, span, window, scale, softcap, lk.k_scale, lk.v_scale, sinks
         )
     keys, values = cache.store(layer, pos, k, v, span)
     mask = masks[window] if masks is not None and window in masks else causal_mask(pos, span, window)
+    if sinks is not None:
+        return sink_attention(q, keys, values, mask, scale, sinks)
     return attention(q, keys, values, mask, scale, softcap)

@@ -25,7 +25,7 @@ from engine.gguf.model_config import (
     rope_from_meta,
 )
 from engine.gguf.reader import GGUFFile
-from engine.layers.attention import FLASH_MIN_ROWS, causal_mask, project_qkv
+from engine.layers.attention import cached_attention, project_qkv
 from engine.layers.kv_cache import KVCache
 from engine.layers.moe import ExpertBiases, ExpertMath, ExpertWeights, count_experts
 from engine.layers.qtensor import QTensor
@@ -40,7 +40,6 @@ from engine.models.family_base import (
 ARCH = "gpt-oss"
 DEFAULT_SWIGLU_ALPHA = 1.702
 DEFAULT_SWIGLU_LIMIT = 7.0
-_QUERY_BLOCK = 128  # queries per score block: bounds the [H, block, S] scores of long prompt chunks
 
 
 @dataclass(frozen=True)
@@ -95,30 +94,6 @@ class UntruncatedYarnRope(Rope):
         eff = self.inv_freq * (self.interp_scale * (1 - self.ramp_mix) + self.ramp_mix)
         self.inv_freq_effective = eff.float()
         self._eff_cache.clear()
-
-
-def sink_attention(
-    q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [S, Hkv, D]
-    v: torch.Tensor,  # [S, Hkv, Dv]
-    mask: torch.Tensor,  # [T, S] bool
-    scale: float,
-    sinks: torch.Tensor,  # [H] float32 logits
-) -> torch.Tensor:
-    """Attention whose softmax has one more column per head, the sink logit, that is dropped afterwards."""
-    n_head, n_kv = q.shape[1], k.shape[1]
-    rep = n_head // n_kv
-    kh = k.transpose(0, 1).float().repeat_interleave(rep, dim=0)  # [H, S, D]
-    vh = v.transpose(0, 1).float().repeat_interleave(rep, dim=0)  # [H, S, Dv]
-    outs = []
-    for a in range(0, q.shape[0], _QUERY_BLOCK):
-        qh = q[a : a + _QUERY_BLOCK].transpose(0, 1).float()  # [H, t, D]
-        scores = (qh @ kh.transpose(1, 2)) * scale  # [H, t, S]
-        scores = scores.masked_fill(~mask[a : a + _QUERY_BLOCK], float("-inf"))
-        sink = sinks.view(n_head, 1, 1).expand(n_head, qh.shape[1], 1)
-        p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]  # [H, t, S]
-        outs.append((p @ vh).transpose(0, 1))  # [t, H, Dv]
-    return torch.cat(outs).to(q.dtype)
 
 
 @dataclass
@@ -208,17 +183,9 @@ class GptOssLM(FamilyLM):
         k = self.rope.apply_at(k.view(t, c.n_head_kv, c.head_dim_k), pos)
         v = v.view(t, c.n_head_kv, c.head_dim_v)
         window = c.sliding_window if c.is_swa(i) else 0
-        if (
-            self.prefill_kernel is not None and t > FLASH_MIN_ROWS
-        ):  # the flash kernel starts each row at the sink
-            kv = cache.write(i, pos, k, v, span)
-            a = self.prefill_kernel.prefill_attention(
-                q, kv.k, kv.v, pos, span, window, c.attn_scale, 0.0, kv.k_scale, kv.v_scale, lw.sinks
-            )
-        else:
-            keys, values = cache.store(i, pos, k, v, span)
-            mask = masks[window] if masks is not None and window in masks else causal_mask(pos, span, window)
-            a = sink_attention(q, keys, values, mask, c.attn_scale, lw.sinks)
+        a = cached_attention(
+            cache, i, q, k, v, pos, span, window, c.attn_scale, 0.0, masks, self.prefill_kernel, lw.sinks
+        )
         a = lw.o.linear(a.reshape(t, c.n_head * c.head_dim_v))
         if lw.o_bias is not None:
             a = a + lw.o_bias.to(a.dtype)

@@ -154,8 +154,7 @@ def test_prefill_attention(
     """The flash prompt kernel against the torch paths: causal rows deep into the cache, grouped heads, a window
     (the masked blocks at both ends), soft-capping, int8 codes with their scales, and gpt-oss's sinks."""
     from engine.kernels.prefill_attention import prefill_attention
-    from engine.layers.attention import attention, causal_mask
-    from engine.models.gpt_oss import sink_attention
+    from engine.layers.attention import attention, causal_mask, sink_attention
 
     torch.manual_seed(t + start)
     span = start + t

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.layers.attention import FLASH_MIN_ROWS, attention, causal_mask
+from engine.layers.attention import FLASH_MIN_ROWS, attention, causal_mask, sink_attention
 from engine.pipeline.loader import load_model
 from engine.testing.tiny_families import write_tiny_family
 from engine.testing.tiny_models import write_tiny_model
@@ -28,8 +28,6 @@ class TorchPrefill:
             keys, values = keys * k_scale[:span].float(), values * v_scale[:span].float()
         mask = causal_mask(pos, span, window)
         if sinks is not None:
-            from engine.models.gpt_oss import sink_attention
-
             return sink_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, scale, sinks)
         return attention(q, keys.to(q.dtype), values.to(q.dtype), mask, scale, softcap)
 
