@@ -39,21 +39,34 @@ def _sync() -> None:
     torch.cuda.synchronize()
 
 
+def prompt_ids(n: int) -> torch.Tensor:
+    """n fixed token ids (seeded by n)."""
+    return torch.randint(100, 10000, (n,), generator=torch.Generator().manual_seed(n))
+
+
+def read_prompt(model, ids: torch.Tensor, cache, chunk: int, span: int = 0) -> None:
+    """ids into `cache` from position 0 as the Runner reads a prompt: chunks, or spans of chunks read layer by layer
+    where the card streams experts (span > chunk)."""
+    n, step = ids.shape[0], max(span, chunk)
+    for s in range(0, n, step):
+        if min(n, s + step) - s > chunk:
+            model.forward_span(ids[s : s + step], cache, s, chunk)
+        else:
+            model.forward(ids[s : s + chunk], cache, s, last_only=True)
+
+
 def measure_prompt(model, n: int, reps: int, chunk: int, span: int = 0) -> float:
-    ids = torch.randint(100, 10000, (n,), generator=torch.Generator().manual_seed(n))
+    """Best tok/s of `reps` timed n-token prompts, after an untimed one (kernels of new shapes compile there);
+    reps=0: the one run, timed."""
+    ids = prompt_ids(n)
     best = 0.0
-    step = max(span, chunk)
-    for rep in range(reps + 1):  # the first, untimed: kernels of new shapes compile there
+    for rep in range(reps + 1):
         cache = model.new_cache(n + 8, "bf16")
         _sync()
         t = time.perf_counter()
-        for s in range(0, n, step):  # as the Runner reads a prompt
-            if min(n, s + step) - s > chunk:
-                model.forward_span(ids[s : s + step], cache, s, chunk)
-            else:
-                model.forward(ids[s : s + chunk], cache, s, last_only=True)
+        read_prompt(model, ids, cache, chunk, span)
         _sync()
-        if rep:
+        if rep or not reps:
             best = max(best, n / (time.perf_counter() - t))
         del cache
     return best
@@ -132,7 +145,7 @@ def profile_step(model) -> dict:
 
 def profile_prompt(model, n: int) -> dict:
     """Kernels of one n-token prompt chunk (per chunk), and its wall time."""
-    ids = torch.randint(100, 10000, (n,), generator=torch.Generator().manual_seed(n))
+    ids = prompt_ids(n)
     cache = model.new_cache(n + 8, "bf16")
     model.forward(ids, cache, 0, last_only=True)  # warm: compile and tune first
     _sync()
@@ -153,7 +166,7 @@ def host_profile(model, n: int) -> dict:
     import cProfile
     import pstats
 
-    ids = torch.randint(100, 10000, (n,), generator=torch.Generator().manual_seed(n))
+    ids = prompt_ids(n)
     cache = model.new_cache(n + 8, "bf16")
     model.forward(ids, cache, 0, last_only=True)
     _sync()

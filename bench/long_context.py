@@ -26,22 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engine_bench import _kv_bytes, measure_prompt
+from bench.engine_bench import _kv_bytes, measure_prompt, prompt_ids, read_prompt
 from bench.report import emit
 from engine.experts.policy import ExpertPolicy
 from engine.pipeline.loader import load_model
 from engine.pipeline.prefill import device_chunk, device_span
-
-
-def _fill(model, cache, n: int, chunk: int, span: int) -> None:
-    """n prompt tokens into `cache`, as measure_prompt reads them (spans of chunks where the card streams experts)."""
-    ids = torch.randint(100, 10000, (n,), generator=torch.Generator().manual_seed(n))
-    step = max(span, chunk)
-    for s in range(0, n, step):
-        if min(n, s + step) - s > chunk:
-            model.forward_span(ids[s : s + step], cache, s, chunk)
-        else:
-            model.forward(ids[s : s + chunk], cache, s, last_only=True)
 
 
 def decode_at(model, depth: int, n: int, chunk: int, span: int, kv: str = "bf16") -> dict:
@@ -49,7 +38,7 @@ def decode_at(model, depth: int, n: int, chunk: int, span: int, kv: str = "bf16"
     cache = model.new_cache(depth + n + 32, kv)
     torch.cuda.synchronize()
     t = time.perf_counter()
-    _fill(model, cache, max(depth, 16), chunk, span)
+    read_prompt(model, prompt_ids(max(depth, 16)), cache, chunk, span)
     torch.cuda.synchronize()
     fill_s = time.perf_counter() - t
     p = max(depth, 16)
@@ -176,7 +165,7 @@ def main() -> None:
     if a.torch_attention:
         kernel, m.prefill_kernel = m.prefill_kernel, None
         ours[f"prompt_{a.torch_attention}_torch_attention_tok_s"] = round(
-            _once(m, a.torch_attention, chunk), 2
+            measure_prompt(m, a.torch_attention, 0, chunk, span), 2
         )
         m.prefill_kernel = kernel
     for kv in a.kv_types.split(","):
@@ -200,18 +189,6 @@ def main() -> None:
             if lc.get(key):
                 res["ratios"][key] = round(ours[f"decode_depth_{d}"]["decode_tok_s"] / lc[key], 3)
     emit(res, a.out)
-
-
-def _once(model, n: int, chunk: int) -> float:
-    """One timed n-token prompt (the kernels of this path are torch's own: nothing to build first)."""
-    ids = torch.randint(100, 10000, (n,), generator=torch.Generator().manual_seed(n))
-    cache = model.new_cache(n + 8, "bf16")
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for s in range(0, n, chunk):
-        model.forward(ids[s : s + chunk], cache, s, last_only=True)
-    torch.cuda.synchronize()
-    return n / (time.perf_counter() - t)
 
 
 if __name__ == "__main__":
