@@ -62,6 +62,22 @@ def _graph_us(fn: Callable[[int], object], layers: int) -> float:
     return start.elapsed_time(end) * 1e3 / (10 * layers)
 
 
+def _expert_tables(
+    layers: int, n: int, rb: int, up: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
+    """Every expert of every layer as the cache holds them (random blocks), and each layer's address tables of its
+    own (the gate's, and the up projection's where `up`) -> (the weights to keep alive, tables, up tables)."""
+    w = torch.randint(0, 256, (layers, E, n, rb), dtype=torch.uint8, device="cuda")
+    u = torch.randint(0, 256, (layers, E, n, rb), dtype=torch.uint8, device="cuda") if up else None
+    tables = [torch.tensor([w[i, e].data_ptr() for e in range(E)], device="cuda") for i in range(layers)]
+    utables = (
+        [torch.tensor([u[i, e].data_ptr() for e in range(E)], device="cuda") for i in range(layers)]
+        if u is not None
+        else None
+    )
+    return [w] if u is None else [w, u], tables, utables
+
+
 def _measure(
     name: str, tname: str, n: int, k: int, kind: str, variants: set[int] | None = None, quick: bool = False
 ) -> list[dict]:
@@ -87,14 +103,9 @@ def _measure(
     else:
         # Every expert of every layer, as the cache holds them; the table of each layer points at its own.
         up = kind == "moe"
-        w = torch.randint(0, 256, (layers, E, n, rb), dtype=torch.uint8, device="cuda")
-        u = torch.randint(0, 256, (layers, E, n, rb), dtype=torch.uint8, device="cuda") if up else None
-        tables = [torch.tensor([w[i, e].data_ptr() for e in range(E)], device="cuda") for i in range(layers)]
-        utables = (
-            [torch.tensor([u[i, e].data_ptr() for e in range(E)], device="cuda") for i in range(layers)]
-            if u is not None
-            else None
-        )
+        _keep, tables, utables = _expert_tables(
+            layers, n, rb, up
+        )  # the tables hold addresses: keep the weights
         ids = [torch.randperm(E, device="cuda")[:TOPK].view(1, TOPK) for _ in range(layers)]
         wts = torch.rand(1, TOPK, device="cuda")
         x = torch.randn(1 if up else TOPK, k, device="cuda", dtype=torch.bfloat16)
@@ -131,6 +142,98 @@ def _measure(
         wf = w.view(torch.float32)  # [layers, n, k]
         us = _graph_us(lambda i: x @ wf[i].T, layers)
         rows.append({"shape": name, "type": "F32", "kind": "torch", "us": round(us, 2)})
+    return rows
+
+
+# batched launches (--tokens): (rows a program, super-blocks a step, warps, G)
+LAUNCH_ROWS = [(bn, sb, w, g) for bn in (1, 2, 4) for g in (1, 2, 4, 8) if 4 <= bn * g <= 16 for sb in (2, 4)
+               for w in (1, 2, 4)]  # fmt: skip
+
+
+def _measure_rows(
+    name: str,
+    tname: str,
+    n: int,
+    k: int,
+    kind: str,
+    tokens: int,
+    quick: bool,
+    warm: tuple[int, int] | None = None,
+) -> list[dict]:
+    """A step of `tokens` rows (distinct random routing per layer) through the batched launches at every launch
+    shape, and through each row's own launches (the tuned per-row shape: "launch": "per-row"). `warm` (i, n):
+    only compile the i-th of every n shapes (run once, not timed), so that n processes fill Triton's cache at
+    once before the timed run."""
+    import engine.kernels.gemv as gm
+
+    qt, rb = QT[tname], _row_bytes(tname, k)
+    variant = gm._config(qt, n, k, kind)[3]
+    if variant not in APPROXIMATE:
+        return []
+    layers = 2 if name == "head" else LAYERS
+    if kind == "dense":
+        w = torch.randint(0, 256, (layers, n, rb), dtype=torch.uint8, device="cuda")
+        xq = quantize_q8(torch.randn(tokens, k, device="cuda"))
+        nbytes = n * rb
+
+        def call(i: int) -> object:
+            return gemv(w[i], qt, n, k, xq, q8=True)
+    else:
+        up = kind == "moe"
+        _keep, tables, utables = _expert_tables(
+            layers, n, rb, up
+        )  # the tables hold addresses: keep the weights
+        ids = [
+            torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(tokens)])
+            for _ in range(layers)
+        ]
+        distinct = sum(len(set(t.flatten().tolist())) for t in ids) / layers
+        wts = torch.rand(tokens, TOPK, device="cuda")
+        xq = quantize_q8(torch.randn(tokens if up else tokens * TOPK, k, device="cuda"))
+        res = torch.randn(tokens, n, device="cuda")
+        nbytes = int(distinct * n * rb * (2 if up else 1))
+
+        def call(i: int) -> object:
+            if utables is not None:
+                return moe_gemv(
+                    tables[i], qt, rb, ids[i], xq, n, k, TOPK, up_table=utables[i], act="silu", q8=True
+                )
+            return moe_down_combine(tables[i], qt, rb, ids[i], wts, xq, res, n, k, q8=True)
+
+    rows: list[dict] = []
+    real = gm.rows_config
+    launches: list = [None] + (LAUNCH_ROWS[::3] if quick else LAUNCH_ROWS)
+    try:
+        for j, lc in enumerate(launches):
+            if lc is not None and kind != "dense" and lc[3] > tokens:
+                continue
+            if warm is not None and j % warm[1] != warm[0]:
+                continue
+            gm.rows_config = (
+                (lambda *a: None) if lc is None else (lambda *a, lc=lc: (lc[0], lc[1], lc[2], variant, lc[3]))
+            )
+            row = {"shape": name, "type": tname, "kind": kind, "tokens": tokens, "variant": variant,
+                   "launch": "per-row" if lc is None else list(lc)}  # fmt: skip
+            try:
+                if warm is not None:
+                    call(0)
+                    torch.cuda.synchronize()
+                    continue
+                us = _graph_us(call, layers)
+            except Exception as e:  # a launch shape that does not compile is reported, not fatal
+                rows.append({**row, "error": str(e)[:100]})
+                continue
+            rows.append({**row, "us": round(us, 2), "GBps": round(nbytes / (us * 1e-6) / 1e9, 1)})
+    finally:
+        gm.rows_config = real
+    done = [r for r in rows if "us" in r]
+    per_row = next((r["us"] for r in done if r["launch"] == "per-row"), None)
+    best = min((r for r in done if r["launch"] != "per-row"), key=lambda r: r["us"], default=None)
+    if best is not None:
+        print(
+            f"{name:8s} {tokens:2d} rows: per-row {per_row} us, batched {best['us']} us {best['launch']}",
+            flush=True,
+        )
     return rows
 
 
@@ -181,8 +284,15 @@ def main() -> None:
         "--variants", help="comma-separated kernel variants to measure (default: all of the type's)"
     )
     ap.add_argument("--quick", action="store_true", help="fewer launch shapes (12-16 a variant)")
+    ap.add_argument("--warm", help="i/n: with --tokens, only compile every n-th launch shape from the i-th")
+    ap.add_argument(
+        "--tokens", help="comma-separated token rows a step: the batched launches (e.g. 2,4,8,16)"
+    )
     a = ap.parse_args()
     rows: list[dict] = []
+    if a.tokens:
+        _rows_main(a)
+        return
     for shape in SHAPES:
         if a.shapes and shape[0] not in a.shapes.split(","):
             continue
@@ -242,6 +352,48 @@ def main() -> None:
             merged.setdefault(t, {}).update(classes)
         path.write_text(json.dumps(merged, indent=1) + "\n")
         print(json.dumps(out))
+
+
+def _rows_main(a: argparse.Namespace) -> None:
+    """--tokens: the batched launches' sweep; with --tuned, the best shape per type, class and row bucket goes
+    into the tuning file as "<class>:q8:r<bucket>" = [rows a program, super-blocks a step, warps, variant, G]."""
+    from engine.kernels.gemv import row_bucket
+
+    cls_of = {"qkv": "small", "o": "small", "head": "large", "gate_up": "moe", "down": "moe_down"}
+    rows: list[dict] = []
+    for tokens in (int(t) for t in a.tokens.split(",")):
+        for shape in SHAPES:
+            if shape[0] not in cls_of or (a.shapes and shape[0] not in a.shapes.split(",")):
+                continue
+            warm = tuple(int(v) for v in a.warm.split("/")) if a.warm else None
+            rows += _measure_rows(*shape, tokens=tokens, quick=a.quick, warm=warm)  # type: ignore[arg-type]
+            torch.cuda.empty_cache()
+    if a.warm:
+        return
+    if a.out:
+        Path(a.out).write_text(json.dumps({"all": rows}, indent=1))
+    if a.tuned:
+        # per (type, class, bucket): the shape whose summed time over the class's shapes is least
+        total: dict[tuple, float] = {}
+        for r in rows:
+            if "us" in r and r["launch"] != "per-row":
+                key = (
+                    r["type"],
+                    f"{cls_of[r['shape']]}:q8:r{row_bucket(r['tokens'])}",
+                    tuple(r["launch"]),
+                    r["variant"],
+                )
+                total[key] = total.get(key, 0.0) + r["us"]
+        best: dict[tuple, tuple] = {}
+        for (t, cls, lc, v), us in total.items():
+            if (t, cls) not in best or us < best[(t, cls)][0]:
+                best[(t, cls)] = (us, [lc[0], lc[1], lc[2], v, lc[3]])
+        path = Path(a.tuned)
+        merged = json.loads(path.read_text()) if path.exists() else {}
+        for (t, cls), (_, entry) in best.items():
+            merged.setdefault(t, {})[cls] = entry
+        path.write_text(json.dumps(merged, indent=1) + "\n")
+        print(json.dumps({f"{t} {c}": e for (t, c), (_, e) in best.items()}))
 
 
 if __name__ == "__main__":

@@ -207,6 +207,7 @@ class RuntimeSwitches:
     route_trace: str | None = None  # engine/experts/replay.py
     route_record: int = 0
     flash_prefill: bool = True  # engine/kernels/prefill_attention.py; 0: torch's attention (comparisons)
+    batched_gemv: bool = True  # engine/kernels/gemv.py rows_config; 0: each row of a step its own programs
 
 
 # --cpu-weights-mib's automatic budget: a quarter of the RAM, at most 8 GiB (a small default model fits whole; a big
@@ -226,7 +227,7 @@ def int8_activations(env: Mapping[str, str] | None = None) -> bool:
 
 def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
     """STRATA_ACTIVATIONS, STRATA_NORM_ROUTE, STRATA_PROMPT_GRAPHS, STRATA_GEMV_TUNED, STRATA_ROWS_GEMM,
-    STRATA_FLASH_PREFILL and the routing trace's two, read now (a switch set while the process runs takes effect at the next read)."""
+    STRATA_FLASH_PREFILL, STRATA_BATCHED_GEMV and the routing trace's two, read now (a switch set while the process runs takes effect at the next read)."""
     e = os.environ if env is None else env
     return RuntimeSwitches(
         activations="int8" if int8_activations(e) else "float",
@@ -237,6 +238,7 @@ def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
         route_trace=e.get("STRATA_ROUTE_TRACE") or None,
         route_record=_env_count("STRATA_ROUTE_RECORD", e.get("STRATA_ROUTE_RECORD", "0")),
         flash_prefill=e.get("STRATA_FLASH_PREFILL", "1") != "0",
+        batched_gemv=e.get("STRATA_BATCHED_GEMV", "1") != "0",
     )
 
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("strata.engine")
 GiB = 1 << 30
-MAX_STEP_ROWS = 8  # token rows a decode step's fused launches take (engine/models/fast_decode.py)
+MAX_STEP_ROWS = 16  # token rows a decode step's fused launches take (engine/models/fast_decode.py)
 
 
 class ExpertCacheError(ValueError):

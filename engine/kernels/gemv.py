@@ -18,6 +18,7 @@ from engine.kernels import int8_activations
 from engine.kernels.fused import last_to_finish, quantize_rows_q8, store_q8
 from engine.kernels.tuning import tuned as _tuned
 from engine.kernels.vec_dot import _row_dot
+from installer.engine_options import runtime_switches
 
 # qtype -> (constexpr id, elements per block, bytes per block)
 KERNEL_TYPES: dict[QT, tuple[int, int, int]] = {
@@ -110,6 +111,15 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _glu(gate, up, FUSE_GLU: tl.constexpr):
+    """act(gate) * up: 1 SiLU, 2 GELU (tanh form)."""
+    if FUSE_GLU == 1:
+        return gate / (1.0 + tl.exp(-gate)) * up
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+    return 0.5 * gate * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0)) * up
+
+
+@triton.jit
 def _moe_gemv_kernel(
     table_ptr,  # int64 [E]: address of each expert's first row (VRAM slot or pinned host memory)
     table2_ptr,  # int64 [E]: the up projection's table when FUSE_GLU
@@ -152,11 +162,7 @@ def _moe_gemv_kernel(
         both = _row_dot((base + offs2.to(tl.int64) * row_bytes)[:, None, None], x_rows, K, offs2 < N, lut_ptr, QTYPE,
                         2 * BLOCK_N, SB, ASM)  # fmt: skip
         gate, up = tl.split(tl.permute(tl.reshape(both, [2, BLOCK_N]), [1, 0]))  # [BLOCK_N] each
-        if FUSE_GLU == 1:
-            acc = gate / (1.0 + tl.exp(-gate)) * up
-        else:
-            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-            acc = 0.5 * gate * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0)) * up
+        acc = _glu(gate, up, FUSE_GLU)
         offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(y_ptr + s * N + offs, acc.to(y_ptr.dtype.element_ty), mask=offs < N)
 
@@ -221,6 +227,141 @@ def _moe_gemv_combine_kernel(
             tl.store(done_ptr + t, 0)
 
 
+@triton.jit
+def _gemv_rows_kernel(
+    w_ptr,
+    row_bytes,
+    x_ptr,
+    y_ptr,
+    r_ptr,
+    lut_ptr,
+    N,
+    K,
+    T,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    G: tl.constexpr,  # activation rows a program takes
+    SB: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    ASM: tl.constexpr = True,
+):
+    """_gemv_kernel for several activation rows (the decode rows of several slots): a program takes BLOCK_N
+    weight rows times G activation rows as one set of BLOCK_N * G dot products, so each weight block is fetched
+    from memory once for the G rows (the copies of its address in the set are served by the same load)."""
+    pid_n = tl.program_id(0)
+    r = tl.arange(0, BLOCK_N * G)
+    offs = pid_n * BLOCK_N + r // G
+    t = tl.program_id(1) * G + r % G
+    m = (offs < N) & (t < T)
+    tc = tl.minimum(t, T - 1)  # rows past T read a real row; their results are not stored
+    w_rows = (w_ptr + offs.to(tl.int64) * row_bytes)[:, None, None]
+    x_rows = (x_ptr + tc.to(tl.int64) * K)[:, None, None]
+    acc = _row_dot(w_rows, x_rows, K, m, lut_ptr, QTYPE, BLOCK_N * G, SB, ASM)
+    out = tc.to(tl.int64) * N + offs
+    if HAS_RES:
+        acc += tl.load(r_ptr + out, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _moe_gemv_grouped_kernel(
+    table_ptr,
+    table2_ptr,
+    row_bytes,
+    ids_ptr,  # int [S]: expert id of each (token, slot)
+    x_ptr,  # [T, K] (X_PER_SLOT == 0) or [S, K]
+    y_ptr,  # [S, N] float32
+    lut_ptr,
+    N,
+    K,
+    TOPK,
+    S,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SB: tl.constexpr,
+    G: tl.constexpr,  # (token, slot) pairs of one expert a program takes
+    SP: tl.constexpr,  # S rounded up to a power of two
+    X_PER_SLOT: tl.constexpr,
+    FUSE_GLU: tl.constexpr,
+    ASM: tl.constexpr = True,
+):
+    """_moe_gemv_kernel for a step of several token rows, the pairs that chose one expert taken together: the
+    program of pair s works only where s is the first, the (G+1)-th, ... pair of its expert in the step, and then
+    computes that pair and the next G - 1 of the same expert as one set of rows, so the expert's blocks are
+    fetched once for them. Found from the ids alone (no sort, no host): graph-safe, and the same every run."""
+    pid_n = tl.program_id(0)
+    s = tl.program_id(1)
+    e = tl.load(ids_ptr + s)
+    pos = tl.arange(0, SP)
+    same = tl.load(ids_ptr + pos, mask=pos < S, other=-1) == e
+    rank = tl.cumsum(same.to(tl.int32), axis=0) - 1  # each pair's place among its expert's pairs
+    mine = tl.sum(tl.where(pos == s, rank, 0), axis=0)
+    if mine % G == 0:
+        gi = tl.arange(0, G)
+        sel = same[None, :] & (rank[None, :] == mine + gi[:, None])  # [G, SP]: the pair of each place
+        pair = tl.sum(tl.where(sel, pos[None, :], 0), axis=1)
+        valid = tl.sum(sel.to(tl.int32), axis=1) > 0
+        nloc = tl.arange(0, BLOCK_N)
+        offs = tl.reshape(tl.broadcast_to((pid_n * BLOCK_N + nloc)[:, None], [BLOCK_N, G]), [BLOCK_N * G])
+        prs = tl.reshape(tl.broadcast_to(pair[None, :], [BLOCK_N, G]), [BLOCK_N * G])
+        ok = tl.reshape(tl.broadcast_to(valid[None, :], [BLOCK_N, G]), [BLOCK_N * G]) & (offs < N)
+        if X_PER_SLOT:
+            xr = prs
+        else:
+            xr = prs // TOPK
+        x_rows = (x_ptr + xr.to(tl.int64) * K)[:, None, None]
+        w_base = tl.load(table_ptr + e.to(tl.int64)).to(tl.pointer_type(tl.uint8))
+        if FUSE_GLU == 0:
+            acc = _row_dot((w_base + offs.to(tl.int64) * row_bytes)[:, None, None], x_rows, K, ok, lut_ptr, QTYPE,
+                           BLOCK_N * G, SB, ASM)  # fmt: skip
+        else:
+            u_base = tl.load(table2_ptr + e.to(tl.int64)).to(tl.pointer_type(tl.uint8))
+            r = tl.arange(0, 2 * BLOCK_N * G)
+            half = r // (BLOCK_N * G)
+            offs2 = tl.reshape(tl.broadcast_to(offs[None, :], [2, BLOCK_N * G]), [2 * BLOCK_N * G])
+            ok2 = tl.reshape(tl.broadcast_to(ok[None, :], [2, BLOCK_N * G]), [2 * BLOCK_N * G])
+            x2 = tl.reshape(tl.broadcast_to(xr[None, :], [2, BLOCK_N * G]), [2 * BLOCK_N * G])
+            base = tl.where(half == 0, w_base, u_base)
+            both = _row_dot((base + offs2.to(tl.int64) * row_bytes)[:, None, None],
+                            (x_ptr + x2.to(tl.int64) * K)[:, None, None], K, ok2, lut_ptr, QTYPE, 2 * BLOCK_N * G, SB,
+                            ASM)  # fmt: skip
+            gate, up = tl.split(tl.permute(tl.reshape(both, [2, BLOCK_N * G]), [1, 0]))
+            acc = _glu(gate, up, FUSE_GLU)
+        tl.store(y_ptr + prs.to(tl.int64) * N + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _combine_kernel(
+    yp_ptr,  # [T * TOPK, N] float32: each slot's down projection
+    w_ptr,  # [T * TOPK] routing weights
+    r_ptr,  # [T, N] float32 residual
+    y_ptr,  # [T, N] float32
+    N,
+    TOPK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NEXT_NORM: tl.constexpr = False,
+    nw_ptr=None,
+    q_ptr=None,
+    eps=0.0,
+):
+    """y[t] = r[t] + sum over the token's slots j (in order) of w[j] * yp[j]; with NEXT_NORM also the next
+    layer's attention norm rounded to 8 bits (as _moe_gemv_combine_kernel's), the whole row being this
+    program's."""
+    t = tl.program_id(0)
+    od = tl.arange(0, BLOCK_D)
+    md = od < N
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        wj = tl.load(w_ptr + t * TOPK + j)
+        acc += wj * tl.load(yp_ptr + (t * TOPK + j).to(tl.int64) * N + od, mask=md, other=0.0)
+    acc += tl.load(r_ptr + t * N + od, mask=md, other=0.0)
+    tl.store(y_ptr + t * N + od, acc, mask=md)
+    if NEXT_NORM:
+        yv = acc * tl.rsqrt(tl.sum(acc * acc, axis=0) / N + eps)
+        yv = yv * tl.load(nw_ptr + od, mask=md, other=0.0).to(tl.float32)
+        store_q8(tl.where(md, yv, 0.0), q_ptr + t * N, N, BLOCK_D)
+
+
 _BLOCK_N = 16
 
 
@@ -241,6 +382,32 @@ def _config(qtype: QT, n: int, k: int, kind: str = "dense") -> tuple[int, int, i
 
 
 _GLU = {"silu": 1, "gelu_tanh": 2}
+# Token rows of a batched launch (several slots' decode rows), as the tuning file's "<class>:q8:r<bucket>" keys.
+ROW_BUCKETS = (2, 4, 8, 16)
+# Untuned batched launches: [rows a program, super-blocks a step, warps, variant (the per-row one), G]
+_ROWS_DEFAULT = {"dense": (2, 4, 4, 2), "moe": (2, 4, 2, 2), "moe_down": (2, 4, 2, 2)}
+
+
+def row_bucket(rows: int) -> int:
+    return next((b for b in ROW_BUCKETS if rows <= b), ROW_BUCKETS[-1])
+
+
+def rows_config(qtype: QT, n: int, k: int, kind: str, rows: int) -> tuple[int, int, int, int, int] | None:
+    """(rows a program, super-blocks a step, warps, variant, G) of the batched launch for `rows` token rows, or
+    None where each row gets its own programs: one row, a float body (those give each row of a batch exactly the
+    sums it gets alone), or STRATA_BATCHED_GEMV=0. G: activation rows (dense) or pairs of one expert (moe) a
+    program takes."""
+    if rows < 2 or not runtime_switches().batched_gemv:
+        return None
+    variant = _config(qtype, n, k, kind)[3]
+    if variant not in APPROXIMATE:
+        return None
+    cls = kind if kind != "dense" else "small" if n <= 8192 else "large"
+    got = _tuned().get(qtype.name, {}).get(f"{cls}:q8:r{row_bucket(rows)}")
+    if got and len(got) == 5 and got[3] in APPROXIMATE:
+        return got[0], got[1], got[2], got[3], got[4]
+    dbn, dsb, dwarps, g = _ROWS_DEFAULT[kind]
+    return dbn, dsb, dwarps, variant, g
 
 
 def _activations(x: torch.Tensor, variant: int, q8: bool) -> torch.Tensor:
@@ -283,6 +450,16 @@ def gemv(
     x = x.contiguous()
     t = x.shape[0]
     y = torch.empty(t, n, dtype=out_dtype, device=x.device)
+    rc = rows_config(qtype, n, k, "dense", t) if variant is None else None
+    if rc is not None:
+        bn, step, warps, qid, g = rc
+        x = _activations(x, qid, q8)
+        res = residual.contiguous() if residual is not None else y
+        _gemv_rows_kernel[(triton.cdiv(n, bn), triton.cdiv(t, g))](
+            raw, raw.shape[-1], x, y, res, lut(qtype, x.device), n, k, t,
+            QTYPE=qid, BLOCK_N=bn, G=g, SB=step, HAS_RES=residual is not None, ASM=not _INTERPRETED, num_warps=warps,
+        )  # fmt: skip
+        return y
     bn, step, warps, tuned_variant = _config(qtype, n, k)
     block_n, sb, num_warps = block_n or bn, sb or step, num_warps or warps
     grid = (triton.cdiv(n, block_n), t)
@@ -319,6 +496,20 @@ def moe_gemv(
     s = flat.numel()
     y = torch.empty(s, n, dtype=torch.float32, device=x.device)
     glu = _GLU[act] if up_table is not None and act is not None else 0
+    rc = (
+        rows_config(qtype, n, k, "moe", ids.shape[0])
+        if ids.dim() == 2 and launch is None and variant is None
+        else None
+    )
+    if rc is not None:
+        block_n, sb, warps, qid, g = rc
+        x = _activations(x, qid, q8)
+        _moe_gemv_grouped_kernel[(triton.cdiv(n, block_n), s)](
+            table, up_table if up_table is not None else table, row_bytes, flat, x, y, lut(qtype, x.device), n, k,
+            topk, s, QTYPE=qid, BLOCK_N=block_n, SB=sb, G=g, SP=triton.next_power_of_2(s), X_PER_SLOT=int(x_per_slot),
+            FUSE_GLU=glu, ASM=not _INTERPRETED, num_warps=warps,
+        )  # fmt: skip
+        return y
     block_n, sb, warps, tuned_variant = _config(qtype, n, k, "moe")
     if launch is not None:
         block_n, sb, warps = launch
@@ -368,6 +559,27 @@ def moe_down_combine(
     to 8 bits (quantize_q8's layout) into out, from the same launch."""
     t, topk = ids.shape
     y = torch.empty(t, n, dtype=torch.float32, device=x.device)
+    rc = rows_config(qtype, n, k, "moe_down", t) if launch is None and variant is None else None
+    if rc is not None:  # each pair's product, the experts' shared ones together; then the combine by token
+        block_n, sb, warps, qid, g = rc
+        x = _activations(x.contiguous(), qid, q8)
+        flat = ids.reshape(-1).contiguous()
+        s = flat.numel()
+        part = torch.empty(s, n, dtype=torch.float32, device=x.device)
+        _moe_gemv_grouped_kernel[(triton.cdiv(n, block_n), s)](
+            table, table, row_bytes, flat, x, part, lut(qtype, x.device), n, k, topk, s,
+            QTYPE=qid, BLOCK_N=block_n, SB=sb, G=g, SP=triton.next_power_of_2(s), X_PER_SLOT=1, FUSE_GLU=0,
+            ASM=not _INTERPRETED, num_warps=warps,
+        )  # fmt: skip
+        extra = {}
+        if next_norm is not None:
+            nw, eps, q_out, _ = next_norm  # the whole row is one program's: no count of finished programs
+            extra = dict(NEXT_NORM=True, nw_ptr=nw, q_ptr=q_out, eps=eps)
+        _combine_kernel[(t,)](
+            part, weights.contiguous(), residual.contiguous(), y, n, TOPK=topk, BLOCK_D=triton.next_power_of_2(n),
+            num_warps=4, **extra,
+        )  # fmt: skip
+        return y
     block_n, sb, warps, tuned_variant = _config(qtype, n, k, "moe_down")
     if launch is not None:
         block_n, sb, warps = launch

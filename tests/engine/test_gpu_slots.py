@@ -110,7 +110,7 @@ def test_rows_of_several_slots_match_each_sequence_alone(
 ) -> None:
     lm = load_model(moe_q4k, device="cuda", dtype="bf16", cuda_graphs=graphs, experts=policy)
     m = lm.model
-    n = 10  # more rows than one pass takes (8): two passes a step
+    n = 18  # more rows than one pass takes (16): two passes a step
     caches = m.new_caches(n, 128, "bf16")
     assert all(c.shared is caches[0].shared is not None for c in caches)
     refs = [m.new_cache(128, "bf16") for _ in range(n)]

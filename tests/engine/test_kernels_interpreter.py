@@ -603,3 +603,59 @@ def test_rows_gemm_matches_the_dequantized_weight(qtype: str, k: int, rows: int)
     assert _cos(y8, q8_round(x) @ w.T) >= 0.9999
     with pytest.raises(ValueError, match="2-16 rows"):
         rows_gemm(raw, qt, n, k, x[:1])
+
+
+@pytest.mark.parametrize("qtype,variant", [("Q4_K", 12), ("Q6_K", 13)])
+@pytest.mark.parametrize("t,g", [(2, 2), (5, 4), (9, 2)])
+def test_batched_rows_give_each_rows_own_sums(
+    monkeypatch: pytest.MonkeyPatch, qtype: str, variant: int, t: int, g: int
+) -> None:
+    """A step of t token rows through the batched launches (dense rows together, each expert's pairs together,
+    then the combine with the next layer's norm) gives what each row's own launches give, and the reference."""
+    from engine.kernels import gemv as gm
+
+    qt, n, k, topk, e = QT[qtype], 40, 512, 3, 4
+    monkeypatch.setattr(gm, "_ROWS_DEFAULT", {kind: (4, 2, 4, g) for kind in ("dense", "moe", "moe_down")})
+    monkeypatch.setattr(gm, "_config", lambda *a, **kw: (4, 2, 4, variant))
+    raws = [_blocks(qt, n, k, 80 + i) for i in range(e)]
+    downs = [_blocks(qt, n, k, 90 + i) for i in range(e)]
+    deq, ddeq = [dequantize(r, qt) for r in raws], [dequantize(r, qt) for r in downs]
+    table, dtable = torch.tensor([w.data_ptr() for w in raws]), torch.tensor([w.data_ptr() for w in downs])
+    gen = torch.Generator().manual_seed(t)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(t)])  # experts shared by rows
+    x, r = gm.q8_round(torch.randn(t, k, generator=gen)), torch.randn(t, n, generator=gen)
+    xq = gm.quantize_q8_torch(x)
+    wt = torch.rand(t, topk, generator=gen)
+    hs = gm.q8_round(torch.randn(t * topk, k, generator=gen))
+    nw, done = torch.rand(n) + 0.5, torch.zeros(16, dtype=torch.int32)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        q_out = torch.zeros(t, n)
+        dense = gm.gemv(raws[0], qt, n, k, xq, residual=r, q8=True)
+        hid = gm.moe_gemv(
+            table, qt, raws[0].shape[1], ids, xq, n, k, topk, up_table=dtable, act="silu", q8=True
+        )
+        hq, norm = gm.quantize_q8_torch(hs), (nw, 1e-6, q_out, done)
+        down = gm.moe_down_combine(
+            dtable, qt, downs[0].shape[1], ids, wt, hq, r, n, k, q8=True, next_norm=norm
+        )
+        return dense, hid, down, q_out
+
+    assert gm.rows_config(qt, n, k, "moe", t) is not None
+    batched = step()
+    monkeypatch.setenv("STRATA_BATCHED_GEMV", "0")
+    assert gm.rows_config(qt, n, k, "moe", t) is None
+    alone = step()
+    for a, b in zip(batched[:3], alone[:3], strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
+    assert not done.any()
+    codes = (batched[3].view(torch.uint8)[:, :n].view(torch.int8).int()
+             - alone[3].view(torch.uint8)[:, :n].view(torch.int8).int()).abs()  # fmt: skip
+    assert codes.max().item() <= 1
+    assert _cos(batched[0], r + x @ deq[0].T) >= 0.99999
+    want = torch.stack([torch.nn.functional.silu(x[i] @ deq[j].T) * (x[i] @ ddeq[j].T) for i in range(t)
+                        for j in ids[i].tolist()])  # fmt: skip
+    assert _cos(batched[1], want) >= 0.99999
+    down = torch.stack([r[i] + sum(wt[i, j] * (hs[topk * i + j] @ ddeq[int(ids[i, j])].T) for j in range(topk))
+                        for i in range(t)])  # fmt: skip
+    assert _cos(batched[2], down) >= 0.99999
