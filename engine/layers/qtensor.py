@@ -10,7 +10,7 @@ from installer.engine_options import int8_activations
 
 _FLOAT_VIEWS = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 # Up to this many activation rows, CUDA matmuls on supported block types run the block-format GEMV kernels.
-_GEMV_MAX_ROWS = 8
+_GEMV_MAX_ROWS = 16
 
 
 def _gemv_for(qtype: QT, n_in: int):  # -> the kernel, or None where it does not apply (or no Triton)

@@ -37,7 +37,7 @@ from engine.pipeline.generate import (
     token_logprob,
 )
 from engine.pipeline.prompt_cache import PromptCache, common_prefix
-from engine.pipeline.sampling import Sampler
+from engine.pipeline.sampling import Sampler, sample_rows
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("strata.engine")
@@ -247,13 +247,23 @@ class BatchRunner:
                     self._leave(slot)
             return None
         ms = (time.perf_counter() - t0) * 1e3
+        # the decode rows' tokens together (one wait for the device), where their samplers allow
+        rows_at = [j for j, (_, n) in enumerate(plan) if n == 0]
+        pre = dict(
+            zip(
+                rows_at,
+                sample_rows([plan[j][0].request.sampler for j in rows_at], logits[rows_at]),
+                strict=True,
+            )
+        )  # type: ignore[union-attr]
         for j, (slot, n) in enumerate(plan):
             r = slot.request
             assert r is not None
             if n == 0:
                 assert r.token is not None
                 slot.tokens.append(r.token)
-                self._decided(slot, r.sampler.sample(logits[j], r.history), logits[j])
+                got = pre[j]
+                self._decided(slot, r.sampler.sample(logits[j], r.history) if got is None else got, logits[j])
                 continue
             slot.tokens.extend(r.prompt[r.read : r.read + n])
             r.emit(PromptChunkEvent(r.read, n, ms))

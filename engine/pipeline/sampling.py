@@ -44,6 +44,7 @@ class SamplingParams(SamplingDefaults):
 
 
 GREEDY = SamplingParams(temperature=0.0)
+ROWS_TOP_K = 256  # the most top-k sample_rows batches
 
 
 class Sampler:
@@ -138,6 +139,15 @@ class Sampler:
                 k *= 8
         else:
             vals, ids = x, torch.arange(v, device=x.device)
+            norm = torch.logsumexp(x, dim=-1)
+        return self._filter(vals, ids, norm)
+
+    def _filter(
+        self, vals: torch.Tensor, ids: torch.Tensor, norm: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-p, min-p and temperature on candidates sorted largest first (vals, ids), `norm` the log of their
+        total mass -> the kept ids and their probabilities, on the CPU."""
+        p = self.p
         if p.top_p < 1:
             pr = torch.exp(vals - norm)
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
@@ -150,6 +160,20 @@ class Sampler:
         law = torch.softmax(vals / p.temperature, dim=-1)
         return ids.cpu(), law.cpu()
 
+    @property
+    def plain(self) -> bool:
+        """No grammar, bias or penalty, and greedy or a top-k of at most ROWS_TOP_K: a draw needs only the row's
+        top tokens, so sample_rows can take it with other rows."""
+        p = self.p
+        return (
+            self.constraint is None
+            and not p.logit_bias
+            and p.repeat_penalty == 1
+            and p.presence_penalty == 0
+            and p.frequency_penalty == 0
+            and (p.greedy or 0 < p.top_k <= ROWS_TOP_K)
+        )
+
     def draw(self, probs: torch.Tensor) -> int:
         """An index drawn from probabilities (CPU; need not sum to 1), with this sampler's generator."""
         return int(torch.multinomial(probs, 1, generator=self.gen))
@@ -157,3 +181,26 @@ class Sampler:
     def uniform(self) -> float:
         """A draw from U[0, 1) with this sampler's generator (the accept test of speculative sampling)."""
         return float(torch.rand(1, generator=self.gen))
+
+
+def sample_rows(samplers: list["Sampler"], logits: torch.Tensor) -> list[int | None]:
+    """The next token of each row of logits [R, V] whose sampler is `plain`, None for the others (sample those
+    alone): greedy rows from one argmax, the others from one top-k over their rows, read to the host in one copy,
+    then each row's own top-p, min-p, temperature and draw. A step of several slots then waits for the device
+    once, not once a row."""
+    out: list[int | None] = [None] * len(samplers)
+    greedy = [j for j, s in enumerate(samplers) if s.plain and s.p.greedy]
+    drawn = [j for j, s in enumerate(samplers) if s.plain and not s.p.greedy]
+    if greedy:
+        for j, t in zip(greedy, logits[greedy].float().argmax(-1).tolist(), strict=True):
+            out[j] = int(t)
+    if drawn:
+        k = max(samplers[j].p.top_k for j in drawn)
+        vals, ids = torch.topk(logits[drawn].float(), min(k, logits.shape[-1]))
+        vals, ids = vals.cpu(), ids.cpu()
+        for n, j in enumerate(drawn):
+            s = samplers[j]
+            v, i = vals[n, : s.p.top_k], ids[n, : s.p.top_k]
+            kept, law = s._filter(v, i, torch.logsumexp(v, dim=-1))
+            out[j] = int(kept[s.draw(law)])
+    return out
