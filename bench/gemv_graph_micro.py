@@ -145,6 +145,8 @@ def _measure(
     return rows
 
 
+# int8 tensor-core launches of dense rows (engine/kernels/rows_mma.py): (columns a program, split along K, warps)
+LAUNCH_MMA = [(bn, sp, w) for bn in (16, 32, 64) for sp in (1, 2, 4) for w in (2, 4)]
 # batched launches (--tokens): (rows a program, super-blocks a step, warps, G)
 LAUNCH_ROWS = [(bn, sb, w, g) for bn in (1, 2, 4) for g in (1, 2, 4, 8) if 4 <= bn * g <= 16 for sb in (2, 4)
                for w in (1, 2, 4)]  # fmt: skip
@@ -201,17 +203,25 @@ def _measure_rows(
             return moe_down_combine(tables[i], qt, rb, ids[i], wts, xq, res, n, k, q8=True)
 
     rows: list[dict] = []
-    real = gm.rows_config
+    real, real_mma = gm.rows_config, gm.mma_config
     launches: list = [None] + (LAUNCH_ROWS[::3] if quick else LAUNCH_ROWS)
+    if kind == "dense" and gm.mma_takes(qt, k, tokens):  # int8 tensor cores: ("mma", columns, split, warps)
+        launches += [("mma", *lc) for lc in (LAUNCH_MMA[::2] if quick else LAUNCH_MMA)]
     try:
         for j, lc in enumerate(launches):
-            if lc is not None and kind != "dense" and lc[3] > tokens:
+            mma = lc is not None and lc[0] == "mma"
+            if lc is not None and not mma and kind != "dense" and lc[3] > tokens:
                 continue
             if warm is not None and j % warm[1] != warm[0]:
                 continue
             gm.rows_config = (
-                (lambda *a: None) if lc is None else (lambda *a, lc=lc: (lc[0], lc[1], lc[2], variant, lc[3]))
+                (lambda *a: None)
+                if lc is None
+                else (lambda *a: (2, 2, 1, variant, 2))  # any: the MMA launch replaces it
+                if mma
+                else (lambda *a, lc=lc: (lc[0], lc[1], lc[2], variant, lc[3]))
             )
+            gm.mma_config = (lambda *a, lc=lc: lc[1:]) if mma else (lambda *a: None)
             row = {"shape": name, "type": tname, "kind": kind, "tokens": tokens, "variant": variant,
                    "launch": "per-row" if lc is None else list(lc)}  # fmt: skip
             try:
@@ -225,7 +235,7 @@ def _measure_rows(
                 continue
             rows.append({**row, "us": round(us, 2), "GBps": round(nbytes / (us * 1e-6) / 1e9, 1)})
     finally:
-        gm.rows_config = real
+        gm.rows_config, gm.mma_config = real, real_mma
     done = [r for r in rows if "us" in r]
     per_row = next((r["us"] for r in done if r["launch"] == "per-row"), None)
     best = min((r for r in done if r["launch"] != "per-row"), key=lambda r: r["us"], default=None)
@@ -373,27 +383,40 @@ def _rows_main(a: argparse.Namespace) -> None:
     if a.out:
         Path(a.out).write_text(json.dumps({"all": rows}, indent=1))
     if a.tuned:
-        # per (type, class, bucket): the shape whose summed time over the class's shapes is least
+        # per (type, class, bucket): the shape whose summed time over the class's shapes is least; an int8
+        # tensor-core ("mma") entry only where its best beats the GEMV bodies' best
         total: dict[tuple, float] = {}
         for r in rows:
             if "us" in r and r["launch"] != "per-row":
-                key = (
-                    r["type"],
-                    f"{cls_of[r['shape']]}:q8:r{row_bucket(r['tokens'])}",
-                    tuple(r["launch"]),
-                    r["variant"],
-                )
+                cls = f"{cls_of[r['shape']]}:q8:r{row_bucket(r['tokens'])}"
+                key = (r["type"], cls, tuple(r["launch"]), r["variant"])
                 total[key] = total.get(key, 0.0) + r["us"]
         best: dict[tuple, tuple] = {}
+        best_mma: dict[tuple, tuple] = {}
         for (t, cls, lc, v), us in total.items():
-            if (t, cls) not in best or us < best[(t, cls)][0]:
-                best[(t, cls)] = (us, [lc[0], lc[1], lc[2], v, lc[3]])
+            into = best_mma if lc[0] == "mma" else best
+            if (t, cls) not in into or us < into[(t, cls)][0]:
+                into[(t, cls)] = (us, list(lc[1:]) if lc[0] == "mma" else [lc[0], lc[1], lc[2], v, lc[3]])
         path = Path(a.tuned)
         merged = json.loads(path.read_text()) if path.exists() else {}
-        for (t, cls), (_, entry) in best.items():
+        for (t, cls), (us, entry) in best.items():
             merged.setdefault(t, {})[cls] = entry
+            mma_key = cls.replace(":q8:", ":q8:mma:")
+            got = best_mma.get((t, cls))
+            if got is not None and got[0] < us:
+                merged[t][mma_key] = got[1]
+            else:
+                merged[t].pop(mma_key, None)
         path.write_text(json.dumps(merged, indent=1) + "\n")
         print(json.dumps({f"{t} {c}": e for (t, c), (_, e) in best.items()}))
+        print(
+            json.dumps(
+                {
+                    f"{t} {c} mma": [e, round(u, 1), round(best[(t, c)][0], 1)]
+                    for (t, c), (u, e) in best_mma.items()
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

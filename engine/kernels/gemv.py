@@ -16,6 +16,8 @@ from gguf import GGMLQuantizationType as QT
 from engine.gguf.quants import code_values
 from engine.kernels import int8_activations
 from engine.kernels.fused import last_to_finish, quantize_rows_q8, store_q8
+from engine.kernels.rows_mma import rows_mma
+from engine.kernels.rows_mma import takes as mma_takes
 from engine.kernels.tuning import tuned as _tuned
 from engine.kernels.vec_dot import _row_dot
 from installer.engine_options import runtime_switches
@@ -392,6 +394,17 @@ def row_bucket(rows: int) -> int:
     return next((b for b in ROW_BUCKETS if rows <= b), ROW_BUCKETS[-1])
 
 
+def mma_config(qtype: QT, n: int, k: int, rows: int) -> tuple[int, int, int] | None:
+    """(columns a program, programs along K, warps) of engine.kernels.rows_mma for a batched dense launch, where
+    the tuning file has a "<class>:q8:mma:r<bucket>" entry (bench/gemv_graph_micro.py --tokens writes one where it
+    beat the GEMV bodies); None: the GEMV bodies."""
+    if not mma_takes(qtype, k, rows):
+        return None
+    cls = "small" if n <= 8192 else "large"
+    got = _tuned().get(qtype.name, {}).get(f"{cls}:q8:mma:r{row_bucket(rows)}")
+    return (got[0], got[1], got[2]) if got and len(got) == 3 else None
+
+
 def rows_config(qtype: QT, n: int, k: int, kind: str, rows: int) -> tuple[int, int, int, int, int] | None:
     """(rows a program, super-blocks a step, warps, variant, G) of the batched launch for `rows` token rows, or
     None where each row gets its own programs: one row, a float body (those give each row of a batch exactly the
@@ -454,6 +467,9 @@ def gemv(
     if rc is not None:
         bn, step, warps, qid, g = rc
         x = _activations(x, qid, q8)
+        mma = mma_config(qtype, n, k, t)
+        if mma is not None:  # int8 tensor cores, where the tuning file found them faster
+            return rows_mma(raw, qtype, n, k, x, out_dtype, residual, *mma)
         res = residual.contiguous() if residual is not None else y
         _gemv_rows_kernel[(triton.cdiv(n, bn), triton.cdiv(t, g))](
             raw, raw.shape[-1], x, y, res, lut(qtype, x.device), n, k, t,

@@ -643,6 +643,9 @@ def test_batched_rows_give_each_rows_own_sums(
 
     assert gm.rows_config(qt, n, k, "moe", t) is not None
     batched = step()
+    monkeypatch.setattr(gm, "mma_config", lambda *a: (16, 2, 4))  # the tuning file's pick of tensor cores
+    on_mma = gm.gemv(raws[0], qt, n, k, xq, residual=r, q8=True)
+    assert torch.allclose(on_mma, batched[0], rtol=1e-5, atol=1e-4)
     monkeypatch.setenv("STRATA_BATCHED_GEMV", "0")
     assert gm.rows_config(qt, n, k, "moe", t) is None
     alone = step()
@@ -659,3 +662,20 @@ def test_batched_rows_give_each_rows_own_sums(
     down = torch.stack([r[i] + sum(wt[i, j] * (hs[topk * i + j] @ ddeq[int(ids[i, j])].T) for j in range(topk))
                         for i in range(t)])  # fmt: skip
     assert _cos(batched[2], down) >= 0.99999
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows,split", [(2, 1), (7, 2), (16, 3)])
+def test_rows_mma_matches_the_8_bit_bodies(qtype: str, rows: int, split: int) -> None:
+    """Rows on int8 tensor cores: the 8-bit GEMV bodies' products (the same integer sums) and the reference."""
+    from engine.kernels.gemv import q8_round, quantize_q8_torch
+    from engine.kernels.rows_mma import rows_mma
+
+    qt, n, k = QT[qtype], 40, 768
+    raw = _blocks(qt, n, k, 21)
+    w = dequantize(raw, qt)
+    x, r = torch.randn(rows, k), torch.randn(rows, n)
+    y = rows_mma(raw, qt, n, k, quantize_q8_torch(x), residual=r, block_n=16, split=split)
+    want = r + q8_round(x) @ w.T
+    assert y.shape == (rows, n) and _cos(y, want) >= 0.99999
+    assert torch.allclose(y, want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
