@@ -116,6 +116,26 @@ def round_of(url: str, clients: int, requests: int, tokens: int, offset: int) ->
     }
 
 
+def _steps(url: str) -> tuple[float, float, float]:
+    """Our server's step counters: (steps, their milliseconds, rows) so far (/stats)."""
+    st = httpx.get(url + "/stats", timeout=30).json()
+    ms = st["stages"][0]["step_ms"] if st.get("stages") else {"count": 0, "total": 0.0}
+    rows = (st.get("slots") or {}).get("rows_per_step") or {"total": 0.0}
+    return float(ms["count"]), float(ms["total"]), float(rows["total"])
+
+
+def _round_steps(before: tuple[float, float, float], after: tuple[float, float, float], wall: float) -> dict:
+    """What the server's steps took of a round: their count, mean time and rows, and their share of the wall
+    time (the rest went to the server's own work between steps, HTTP and the clients)."""
+    n, ms, rows = (b - a for a, b in zip(before, after, strict=True))
+    return {
+        "steps": int(n),
+        "step_ms_mean": round(ms / n, 3) if n else None,
+        "rows_per_step": round(rows / n, 2) if n else None,
+        "steps_share_of_wall": round(ms / 1e3 / wall, 3) if wall else None,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path)
@@ -138,7 +158,10 @@ def main() -> None:
             stats = c.get("/stats").json() if a.url is None else None
         rounds = []
         for n, clients in enumerate(int(x) for x in a.clients.split(",")):
+            before = _steps(url) if a.url is None else None
             r = round_of(url, clients, a.requests, a.tokens, offset=100 * n)
+            if before is not None:
+                r["server_steps"] = _round_steps(before, _steps(url), r["wall_s"])
             rounds.append(r)
             print(json.dumps(r), flush=True)
         after = httpx.get(url + "/stats", timeout=30).json() if a.url is None else None

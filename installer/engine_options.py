@@ -184,6 +184,7 @@ ENVIRONMENT: dict[str, str] = {
     "STRATA_ROWS_GEMM": "1: steps of 2-16 rows multiply dense weights with rows_gemm, not the GEMV (runtime_switches)",
     "STRATA_ROUTE_TRACE": "a routing trace file replayed in place of the routers' choice: benchmarks, tests (runtime_switches)",
     "STRATA_FLASH_PREFILL": "0: prompt chunks attend through torch, not the flash kernel (runtime_switches)",
+    "STRATA_BATCHED_GEMV": "0: each decode row of a step gets its own GEMV launches, not the batched ones (runtime_switches)",
     "STRATA_ROUTE_RECORD": "N: record the first N tokens' routing (profile --trace sets it; runtime_switches)",
     "STRATA_STAGE_TOKEN": "the shared secret of a hand-started stage link (engine/link/keys.py)",
     "STRATA_STAGE_SECRET_KEY": "a worker's own key, from its node agent (engine/link/keys.py)",
