@@ -350,7 +350,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--parallel",
         type=int,
         help="slots: requests decoded together in shared steps, each with its own KV cache of --max-context "
-        "positions (default auto: up to 8, their KV within an eighth of the VRAM left; on the CPU up to 4, within an "
+        "positions (default auto: up to 16, their KV within an eighth of the VRAM left; on the CPU up to 4, within an "
         "eighth of the RAM)",
     )
     p.add_argument(

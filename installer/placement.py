@@ -109,7 +109,7 @@ class Geometry:
 
 
 MAX_PARALLEL = 64  # --parallel: slots one server runs at most
-AUTO_PARALLEL = 8  # --parallel left out: at most this many slots on a card
+AUTO_PARALLEL = 16  # --parallel left out: at most this many slots on a card (a decode step takes 16 rows)
 CPU_PARALLEL = 4  # and on the CPU, where host RAM holds the KV
 
 
