@@ -39,13 +39,17 @@ GRID_IQ1S = _grid(gq.IQ1_S)  # [2048, 8] of -1, 0, 1 (IQ1_M shares it)
 
 
 def _signed_fours(grid: np.ndarray) -> np.ndarray:
-    """Every 4-value grid row with every choice of its 4 signs: [rows * 16, 4] int8, row 16 * index + sign bits
-    (bit i negates value i), so that unpacking 4 values is one lookup instead of 4 grid reads and sign tests."""
+    """Every four values of a grid row with every choice of their 4 signs: [rows * (width / 4) * 16, 4] int8, row
+    16 * (width / 4 * index + quarter) + sign bits (bit i negates value i), so that unpacking 4 values is one
+    lookup instead of 4 grid reads and sign tests."""
     signs = np.array([[-1 if (s >> i) & 1 else 1 for i in range(4)] for s in range(16)], np.int8)
-    return (grid[:, None, :] * signs[None, :, :]).reshape(-1, 4).astype(np.int8)
+    fours = grid.reshape(-1, 4)
+    return (fours[:, None, :] * signs[None, :, :]).reshape(-1, 4).astype(np.int8)
 
 
-SIGNED_IQ3S = _signed_fours(GRID_IQ3S)  # [8192, 4]
+SIGNED_IQ3S = _signed_fours(GRID_IQ3S)  # [512 * 16, 4]
+SIGNED_IQ3XXS = _signed_fours(GRID_IQ3XXS)  # [256 * 16, 4]
+SIGNED_IQ2XXS = _signed_fours(GRID_IQ2XXS)  # [256 * 2 * 16, 4]: each 8-value row as two fours
 KSIGNS = np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).copy()  # 7-bit index -> 8 sign bits (even parity)
 F16 = (
     np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -556,13 +560,19 @@ def unpack_row(w, kind, o, k, q, sc, mn, f16):
                 db = d * (np.float32(0.5) + np.float32(aux >> 28)) * half
                 _same(sc, mn, 16 * b + 2 * g, 2, db, np.float32(0.0))
                 for sub in range(4):
-                    signs = KSIGNS[(aux >> (7 * sub)) & 127]
-                    for i in range(8):
-                        if kind == IQ2_XXS:
-                            m = GRID_IQ2XXS[w[p + 2 + 8 * g + sub], i]
-                        else:
-                            m = GRID_IQ3XXS[w[p + 2 + 8 * g + 2 * sub + i // 4], i % 4]
-                        q[256 * b + 32 * g + 8 * sub + i] = -m if (signs >> i) & 1 else m
+                    signs = np.int64(KSIGNS[(aux >> (7 * sub)) & 127])
+                    if kind == IQ2_XXS:  # one 8-value grid row: its two fours
+                        r0 = 16 * (2 * np.int64(w[p + 2 + 8 * g + sub])) + (signs & 15)
+                        r1 = r0 + 16 - (signs & 15) + (signs >> 4)
+                        tab = SIGNED_IQ2XXS
+                    else:  # two 4-value grid rows
+                        r0 = 16 * np.int64(w[p + 2 + 8 * g + 2 * sub]) + (signs & 15)
+                        r1 = 16 * np.int64(w[p + 3 + 8 * g + 2 * sub]) + (signs >> 4)
+                        tab = SIGNED_IQ3XXS
+                    v = 256 * b + 32 * g + 8 * sub
+                    for i in range(4):
+                        q[v + i] = tab[r0, i]
+                        q[v + 4 + i] = tab[r1, i]
     elif kind == IQ2_XS or kind == IQ2_S:
         # a 4-bit scale per 16 values; per 8 values a grid index and a sign byte: IQ2_XS one uint16 (9-bit index,
         # 7-bit sign index), IQ2_S a 10-bit index (8 bits in qs, 2 in qh) and the sign byte itself
