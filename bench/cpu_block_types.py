@@ -1,7 +1,7 @@
-"""The CPU's block kernels per block type: a decode-sized product (one activation row, and a prompt chunk of 64)
+"""The CPU's block kernels per block type: a decode-sized product (one activation row) and prompt chunks (--rows)
 with a weight of Qwen2.5-0.5B's down projection shape (896 x 4864), random blocks, as JSON.
 
-    python bench/cpu_block_types.py [--types IQ3_S,IQ3_XXS,...] [--threads N] [--reps 30] [--out F]
+    python bench/cpu_block_types.py [--types IQ3_S,IQ3_XXS,...] [--rows 1,64] [--threads N] [--reps 30] [--out F]
 
 Each figure is the median of --reps calls of engine.kernels.cpu_blocks.matmul after one warm-up call (Numba
 compiles at the first); GB/s counts the weight's bytes once a call."""
@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(sorted(q.name for q in cpu_blocks.KINDS)))
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rows", default="1,64", help="activation rows a product (comma-separated)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -51,7 +52,7 @@ def main() -> None:
         raw = torch.from_numpy(random_blocks(qt, N_OUT, K, seed=1))
         nbytes = raw.numel()
         row: dict = {"type": name, "weight_mib": round(nbytes / 2**20, 2)}
-        for t in (1, 64):
+        for t in (int(v) for v in a.rows.split(",")):
             s = _time(raw, qt, torch.randn(t, K), a.reps)
             row[f"rows_{t}_us"] = round(s * 1e6, 1)
             row[f"rows_{t}_GBps"] = round(nbytes / s / 1e9, 2)

@@ -699,6 +699,19 @@ def _unpacked(kind):
 
 
 @nb.njit(inline="always")
+def _unpack_from(kind):
+    """Activation rows from which a row of `kind` read in place is unpacked into codes once instead: its in-place
+    body decodes the row again for every activation row. bench/cpu_block_types.py on 2 cores, 64 rows of 896 x
+    4864: Q4_K 16.4 -> 10.8 ms, Q6_K 24.6 -> 11.4 ms unpacked; Q8_0 (5.7 against 10.7) and IQ4_XS (9.3 against
+    10.6) stay faster in place at every count."""
+    if kind == Q6_K:
+        return 8
+    if kind == Q4_K or kind == Q5_K:
+        return 16
+    return 1 << 30
+
+
+@nb.njit(inline="always")
 def _is_row32(kind):
     """Whether `kind` is one of ROW32's 32-value block types (row32, deq32)."""
     return (
@@ -753,7 +766,8 @@ def row_dot(w, kind, o, k, x, xd, xs, f16):
 def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
     """out[T, n_out] = x @ W.T for x float32 [T, k]: W's rows of `row_bytes` bytes of `kind` blocks in w (uint8,
     flat); x is quantized first (one call: the per-call cost counts at decode). Most types are read in place
-    (row_dot); Q2_K and Q3_K rows are unpacked once for all T rows."""
+    (row_dot) for a few rows; the IQ types, Q2_K and Q3_K, and the K-quants from _unpack_from rows on, are
+    unpacked into codes once for all T rows."""
     t_rows = x.shape[0]
     xq = np.empty((t_rows, k), np.int8)
     xd = np.empty((t_rows, k // 32), np.float32)
@@ -761,7 +775,7 @@ def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
     quantize(x, xq, xd, xs)
     groups = k // 16
     tasks = (n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    in_place = not _unpacked(kind)
+    in_place = not _unpacked(kind) and t_rows < _unpack_from(kind)
     for t in nb.prange(tasks):
         q = np.empty(k if not in_place else 32, np.int8)
         sc = np.empty(groups, np.float32)
