@@ -125,9 +125,9 @@ class Sampler:
         x = self._penalize(logits.float(), history)
         v = x.shape[-1]
         if 0 < p.top_k < v:
-            vals, ids = torch.topk(x, p.top_k)  # sorted, largest first
-            norm = torch.logsumexp(vals, dim=-1)  # probabilities within the top k
-        elif p.top_p < 1:
+            vals, ids = torch.topk(x, p.top_k)  # sorted, largest first: probabilities within the top k
+            return self._filter(vals, ids)
+        if p.top_p < 1:
             # No top-k: the nucleus is usually a few dozen tokens, so take the largest in growing batches until
             # they hold top_p of the mass instead of sorting the whole vocabulary.
             norm = torch.logsumexp(x, dim=-1)
@@ -137,19 +137,18 @@ class Sampler:
                 if k >= v or float(torch.exp(vals - norm).sum()) >= p.top_p:
                     break
                 k *= 8
-        else:
-            vals, ids = x, torch.arange(v, device=x.device)
-            norm = torch.logsumexp(x, dim=-1)
-        return self._filter(vals, ids, norm)
+            return self._filter(vals, ids, norm)
+        return self._filter(x, torch.arange(v, device=x.device))
 
     def _filter(
-        self, vals: torch.Tensor, ids: torch.Tensor, norm: torch.Tensor
+        self, vals: torch.Tensor, ids: torch.Tensor, norm: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-p, min-p and temperature on candidates sorted largest first (vals, ids), `norm` the log of their
-        total mass -> the kept ids and their probabilities, on the CPU."""
+        """Top-p, min-p and temperature on candidates sorted largest first (vals, ids), `norm` the log of the
+        total mass top-p measures against (default: the candidates' own) -> the kept ids and their probabilities,
+        on the CPU."""
         p = self.p
         if p.top_p < 1:
-            pr = torch.exp(vals - norm)
+            pr = torch.exp(vals - (torch.logsumexp(vals, dim=-1) if norm is None else norm))
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
             n = max(1, int(((pr.cumsum(-1) - pr) < p.top_p).sum()))
             vals, ids = vals[:n], ids[:n]
@@ -201,6 +200,6 @@ def sample_rows(samplers: list["Sampler"], logits: torch.Tensor) -> list[int | N
         for n, j in enumerate(drawn):
             s = samplers[j]
             v, i = vals[n, : s.p.top_k], ids[n, : s.p.top_k]
-            kept, law = s._filter(v, i, torch.logsumexp(v, dim=-1))
+            kept, law = s._filter(v, i)
             out[j] = int(kept[s.draw(law)])
     return out
