@@ -65,7 +65,7 @@ class BatchRows:
         for p in parts:
             self.cuts.append((at, at + p.tokens.shape[0]))
             at += p.tokens.shape[0]
-        self.tokens = torch.cat([p.tokens for p in parts]).to(device)
+        self.tokens = torch.cat([p.tokens.to(device, non_blocking=True) for p in parts])
         self.spans = [p.start + (b - a) for p, (a, b) in zip(parts, self.cuts, strict=True)]
         self.pos = torch.cat(
             [torch.arange(p.start, span) for p, span in zip(parts, self.spans, strict=True)]
@@ -263,7 +263,9 @@ class DecoderLM(FamilyLM):
                 raise KVCacheError(
                     f"the sequence needs {p.start + 1} positions but the KV cache holds {limit} (--max-context)"
                 )
-        tok = torch.cat([p.tokens for p in parts])
+        tok = torch.cat(
+            [p.tokens.to(self.device, non_blocking=True) for p in parts]
+        )  # some drawn on the device
         pos = torch.tensor([p.start for p in parts])
         base = torch.tensor([p.cache.base for p in parts])
         top = max(p.start for p in parts) + 1

@@ -7,6 +7,11 @@ turn reads only its new tokens), and from then on every `step` is one forward of
 within the step's token budget (chunked prefill), so a long prompt never holds the others' decode for more than
 one step. A finished, failed or cancelled request leaves its slot at the end of the step it was seen in.
 
+On a GPU the steps overlap the host's work (`overlap`): a step's plain rows draw their tokens on the device
+(sampling.draw_rows), the next step reads them from there and is queued before the host reads the tokens back and
+turns them into text and events, so the device does not wait for the host between steps. A request that ends on a
+token the next step already read loses that row's work; a request whose next token is its last is not fed again.
+
 The events each request gets are the single-sequence Runner's (engine/pipeline/generate.py): prompt chunks, tokens
 with their text (stop strings held back), the final text and the done event, in the same order, and greedy tokens
 are the same as a request served alone (float activations; the tests compare them)."""
@@ -37,8 +42,9 @@ from engine.pipeline.generate import (
     token_logprob,
 )
 from engine.pipeline.prompt_cache import PromptCache, common_prefix
-from engine.pipeline.sampling import Sampler, sample_rows
+from engine.pipeline.sampling import Sampler, draw_rows
 from engine.tokenizer import Tokenizer
+from installer.engine_options import runtime_switches
 
 log = logging.getLogger("strata.engine")
 
@@ -72,8 +78,46 @@ class _Request:
     read: int  # prompt tokens in the slot's KV
     out: list[int] = field(default_factory=list)
     token: int | None = None  # decided and emitted, to be read by the next step
+    pending: "_Flight | None" = None  # a step that drew its next token on the device, not read yet
+    pending_row: int = 0  # its row in that step
     t_prompt: float = 0.0
     t_decode: float = 0.0
+
+
+@dataclass
+class _Flight:
+    """A launched step: its rows, their logits and the plain rows' draws (on the device, and their host copy)."""
+
+    index: int
+    plan: list[
+        tuple["Slot", _Request, int, int]
+    ]  # (slot, request, prompt tokens read, start; 0 tokens: decode)
+    logits: torch.Tensor
+    draws: torch.Tensor | None  # [D] the drawn tokens where they were computed
+    host: torch.Tensor | None  # [D] their copy for the host (pinned on a GPU), valid once the step is done
+    drawn: dict[int, int]  # plan row -> its place in draws
+    timer: tuple[torch.cuda.Event, torch.cuda.Event] | None  # the step's start and end on the device
+    t0: float
+    rows: int
+    decode_rows: int
+    busy: int
+
+    @property
+    def deferrable(self) -> bool:
+        """Its tokens can wait for the next step: every row is a drawn decode row or a prompt chunk short of the
+        prompt's end (a row sampled on the host is read at once, its tokens feed the next step)."""
+        return all(
+            j in self.drawn if n == 0 else at + n < len(r.prompt) for j, (_, r, n, at) in enumerate(self.plan)
+        )
+
+
+def _timer(model: object) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+    dev = getattr(model, "device", None)
+    if not isinstance(dev, torch.device) or dev.type != "cuda":
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(torch.cuda.current_stream(dev))
+    return start, end
 
 
 class Slot:
@@ -101,7 +145,10 @@ class BatchRunner:
         step_tokens: int = 512,
         prompt_cache: PromptCache | None = None,
         prefill_span: int | None = None,
+        overlap: bool | None = None,
     ) -> None:
+        """`overlap`: read a step's tokens while the next one runs (default: on a GPU, where the device works
+        apart from the host)."""
         if slots < 1:
             raise ValueError(f"--parallel {slots}: give at least 1")
         if not hasattr(model, "forward_batch"):
@@ -131,6 +178,10 @@ class BatchRunner:
             else [model.new_cache(max_ctx, kv_type) for _ in range(slots)]  # type: ignore[attr-defined]
         )
         self.slots = [Slot(i, c) for i, c in enumerate(caches)]
+        dev = getattr(model, "device", None)
+        on_gpu = isinstance(dev, torch.device) and dev.type == "cuda"
+        self.overlap = overlap if overlap is not None else on_gpu and runtime_switches().step_overlap
+        self._flight: _Flight | None = None
         self.steps = 0
         self._order: list[
             Slot
@@ -192,98 +243,160 @@ class BatchRunner:
 
     # ---- one step -------------------------------------------------------------------------------------------
 
+    @property
+    def in_flight(self) -> bool:
+        """A step was launched whose tokens the host has not read yet (`overlap`): the next `step` reads them."""
+        return self._flight is not None
+
     @torch.inference_mode()
-    def step(self) -> BatchStep | None:
-        """One forward over the busy slots; None when no slot had work (or the step failed: its requests were
-        told through `fail`)."""
+    def step(self) -> list[BatchStep]:
+        """Launch one forward over the busy slots and read the tokens of the steps that are done: with `overlap`,
+        a step of decode rows is read while the next one runs (its tokens feed the next step on the device), so
+        the host's work on each token (its text, stop strings, the events) hides behind the device's. -> the
+        steps read in this call ([] when no slot had work, or a step failed: its requests were told through
+        `fail`)."""
         for slot in list(self._order):
             if slot.request is not None and slot.request.cancelled():
                 self._leave(slot)
+        prev, self._flight = self._flight, None
+        parts, plan = self._plan()
+        done: list[BatchStep] = []
+        flight = self._launch(parts, plan) if parts else None
+        if prev is not None:
+            done += self._read(prev)
+        if flight is not None:
+            if self.overlap and flight.deferrable:
+                self._flight = flight
+            else:
+                done += self._read(flight)
+        return done
+
+    def _plan(self) -> tuple[list[BatchPart], list[tuple[Slot, _Request, int, int]]]:
+        """This step's rows: (slot, request, prompt tokens read, where they start; 0 tokens: a decode row)."""
         parts: list[BatchPart] = []
-        plan: list[tuple[Slot, int]] = []  # (slot, prompt tokens read; 0: a decode row)
+        plan: list[tuple[Slot, _Request, int, int]] = []
         for slot in self._order:
             r = slot.request
-            if r is not None and r.token is not None:
+            if r is None:
+                continue
+            if r.token is not None:
                 parts.append(BatchPart(torch.tensor([r.token]), slot.cache, len(slot.tokens)))
-                plan.append((slot, 0))
-        decode_rows = len(parts)
-        budget = self.step_tokens - decode_rows
+            elif r.pending is not None and len(r.out) + 1 < r.max_new:
+                # its token is still on the device, in the step that drew it; the last one is never read back
+                at = r.pending.drawn[r.pending_row]
+                parts.append(BatchPart(r.pending.draws[at : at + 1], slot.cache, len(slot.tokens)))
+            else:
+                continue
+            plan.append((slot, r, 0, len(slot.tokens)))
+        budget = self.step_tokens - len(parts)
         for slot in self._order:
             r = slot.request
             if budget <= 0:
                 break
-            if r is None or r.token is not None or r.read >= len(r.prompt):
+            if r is None or r.token is not None or r.pending is not None or r.read >= len(r.prompt):
                 continue
             n = min(len(r.prompt) - r.read, budget)
             parts.append(BatchPart(torch.tensor(r.prompt[r.read : r.read + n]), slot.cache, r.read))
-            plan.append((slot, n))
+            plan.append((slot, r, n, r.read))
             budget -= n
-        if not parts:
-            return None
-        alone = len(plan) == 1 and plan[0][1] > 0 and self.span is not None
-        if alone:  # one prompt and nothing else to run: a span of it, layer by layer
-            slot, r = plan[0][0], plan[0][0].request
-            assert r is not None and self.span is not None
-            n = min(len(r.prompt) - r.read, self.span)
-            parts, plan = (
-                [BatchPart(torch.tensor(r.prompt[r.read : r.read + n]), slot.cache, r.read)],
-                [(slot, n)],
-            )
+        if len(plan) == 1 and plan[0][2] > 0 and self.span is not None:
+            # one prompt and nothing else to run: a span of it, layer by layer
+            slot, r, _, at = plan[0]
+            n = min(len(r.prompt) - at, self.span)
+            parts, plan = [BatchPart(torch.tensor(r.prompt[at : at + n]), slot.cache, at)], [(slot, r, n, at)]
+        return parts, plan
+
+    def _launch(
+        self, parts: list[BatchPart], plan: list[tuple[Slot, _Request, int, int]]
+    ) -> "_Flight | None":
+        """Queue the step on the device, and its plain rows' draws with it; the slots' bookkeeping moves on (what
+        each slot's KV will hold), the events wait for `_read`."""
         t0 = time.perf_counter()
+        timer = _timer(self.model)
         try:
-            if alone and parts[0].tokens.shape[0] > self.step_tokens:
+            if len(parts) == 1 and parts[0].tokens.shape[0] > self.step_tokens:
                 p = parts[0]
                 logits = self.model.forward_span(p.tokens, p.cache, p.start, self.step_tokens)  # type: ignore[attr-defined]
             else:
                 logits = self.model.forward_batch(parts)  # type: ignore[attr-defined]
-            sync_device(self.model)
+            rows = [j for j, (_, r, n, _) in enumerate(plan) if n == 0 and r.sampler.plain]
+            draws = draw_rows([plan[j][1].sampler for j in rows], logits[rows]) if rows else None
         except Exception as e:  # every request of the step fails; the slots are cleared, the runner goes on
             log.exception("a step of %d sequences failed", len(parts))
-            for slot, _ in plan:
-                if slot.request is not None:
-                    slot.request.fail(e)
-                    slot.tokens = []
-                    slot.cache.truncate(0)
-                    self._leave(slot)
+            self._fail([(s, r) for s, r, _, _ in plan], e)
             return None
-        ms = (time.perf_counter() - t0) * 1e3
-        # the decode rows' tokens together (one wait for the device), where their samplers allow
-        rows_at = [j for j, (_, n) in enumerate(plan) if n == 0]
-        pre = dict(
-            zip(
-                rows_at,
-                sample_rows([plan[j][0].request.sampler for j in rows_at], logits[rows_at]),
-                strict=True,
-            )
-        )  # type: ignore[union-attr]
-        for j, (slot, n) in enumerate(plan):
-            r = slot.request
-            assert r is not None
+        host = None
+        if draws is not None:
+            host = torch.empty(draws.shape, dtype=draws.dtype, pin_memory=draws.is_cuda)
+            host.copy_(draws, non_blocking=True)
+        if timer is not None:
+            timer[1].record(torch.cuda.current_stream(logits.device))
+        n_rows = sum(p.tokens.shape[0] for p in parts)
+        decode = sum(1 for _, _, n, _ in plan if n == 0)
+        f = _Flight(self.steps, plan, logits, draws, host, {j: i for i, j in enumerate(rows)}, timer, t0,
+                    n_rows, decode, self.busy)  # fmt: skip
+        self.steps += 1
+        for j, (slot, r, n, at) in enumerate(plan):
             if n == 0:
-                assert r.token is not None
-                slot.tokens.append(r.token)
-                got = pre[j]
-                self._decided(slot, r.sampler.sample(logits[j], r.history) if got is None else got, logits[j])
+                if r.token is not None:  # read on the host: in the slot's tokens from now on
+                    slot.tokens.append(r.token)
+                    r.token = None
+                if j in f.drawn:
+                    r.pending, r.pending_row = f, j
+            else:
+                slot.tokens.extend(r.prompt[at : at + n])
+                r.read = at + n
+        return f
+
+    def _read(self, f: "_Flight") -> list[BatchStep]:
+        """Wait for step `f` and give its requests their tokens and events, in the order the steps ran."""
+        try:
+            if f.timer is not None:
+                f.timer[1].synchronize()
+            else:
+                sync_device(self.model)
+            drawn = f.host.tolist() if f.host is not None else []
+            ms = (time.perf_counter() - f.t0) * 1e3
+            if f.timer is not None and f.logits.device == self.model.device:  # type: ignore[attr-defined]
+                ms = f.timer[0].elapsed_time(
+                    f.timer[1]
+                )  # the device's own time (the host may have been away)
+        except Exception as e:
+            log.exception("a step of %d sequences failed", len(f.plan))
+            self._fail([(s, r) for s, r, _, _ in f.plan], e)
+            return []
+        for j, (slot, r, n, at) in enumerate(f.plan):
+            if slot.request is not r:  # it left (cancelled, failed, or ended on an earlier token)
                 continue
-            slot.tokens.extend(r.prompt[r.read : r.read + n])
-            r.emit(PromptChunkEvent(r.read, n, ms))
-            r.read += n
-            if r.read == len(r.prompt):  # the prompt is read: its last row's logits give the first token
+            if n == 0:
+                later = r.pending is not None and r.pending is not f  # a later step already read its token
+                if r.pending is f:
+                    r.pending = None
+                i = f.drawn.get(j)
+                token = drawn[i] if i is not None else r.sampler.sample(f.logits[j], r.history)
+                self._decided(slot, token, f.logits[j], fed=later)
+                continue
+            r.emit(PromptChunkEvent(at, n, ms))
+            if at + n == len(r.prompt):  # the prompt is read: its last row's logits give the first token
                 now = time.perf_counter()
                 r.timings.prompt_ms = (now - r.t_prompt) * 1e3
                 r.t_decode = now
-                self._decided(slot, r.sampler.sample(logits[j], r.history), logits[j])
-        rows = sum(p.tokens.shape[0] for p in parts)
-        st = BatchStep(self.steps, ms, rows, decode_rows, rows - decode_rows, self.busy)
-        self.steps += 1
-        return st
+                self._decided(slot, r.sampler.sample(f.logits[j], r.history), f.logits[j], fed=False)
+        return [BatchStep(f.index, ms, f.rows, f.decode_rows, f.rows - f.decode_rows, f.busy)]
 
-    def _decided(self, slot: Slot, token: int, row: torch.Tensor) -> None:
+    def _fail(self, rows: list[tuple[Slot, _Request]], e: BaseException) -> None:
+        for slot, r in rows:
+            if slot.request is r:
+                r.fail(e)
+                slot.tokens = []
+                slot.cache.truncate(0)
+                self._leave(slot)
+
+    def _decided(self, slot: Slot, token: int, row: torch.Tensor, fed: bool) -> None:
         """A token was sampled for slot's request: emit it, or end the request (end of generation, a stop string,
-        its length)."""
+        its length). `fed`: a later step already read it (it is then in the slot's KV)."""
         r = slot.request
         assert r is not None
-        r.token = None
         if token in r.eog:
             self._done(slot, "stop", stopped_by_string=False)
             return
@@ -299,6 +412,8 @@ class BatchRunner:
             self._done(slot, "stop", stopped_by_string=False)
         elif len(r.out) >= r.max_new:
             self._done(slot, "length", stopped_by_string=False)
+        elif fed:
+            slot.tokens.append(token)
         else:
             r.token = token  # read by the next step
 

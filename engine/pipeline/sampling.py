@@ -174,32 +174,57 @@ class Sampler:
         )
 
     def draw(self, probs: torch.Tensor) -> int:
-        """An index drawn from probabilities (CPU; need not sum to 1), with this sampler's generator."""
-        return int(torch.multinomial(probs, 1, generator=self.gen))
+        """An index drawn from probabilities (CPU; need not sum to 1), with this sampler's generator: the first
+        whose running sum passes a uniform draw times the total (draw_rows makes the same draw on the device)."""
+        cdf = probs.float().cumsum(0)
+        return min(int((cdf <= self.uniform() * cdf[-1]).sum()), probs.shape[0] - 1)
 
     def uniform(self) -> float:
         """A draw from U[0, 1) with this sampler's generator (the accept test of speculative sampling)."""
         return float(torch.rand(1, generator=self.gen))
 
 
+def draw_rows(samplers: list["Sampler"], logits: torch.Tensor) -> torch.Tensor:
+    """The next token of each row of logits [R, V], every sampler `plain`, as a long tensor [R] on the logits'
+    device, with no wait for the device: greedy rows from one argmax, the others from one top-k over their rows
+    and each row's own top-p, min-p and temperature, drawn with a uniform from the row's own generator (the same
+    law and draw as Sampler.sample). A step of several slots then waits for the device once, and the tokens can
+    feed the next step before the host has read them (BatchRunner's overlap)."""
+    x = logits.float()
+    out = x.argmax(-1)
+    drawn = [j for j, s in enumerate(samplers) if not s.p.greedy]
+    if not drawn:
+        return out
+    dev, v = x.device, x.shape[-1]
+    ps = [samplers[j].p for j in drawn]
+    vals, ids = torch.topk(x[drawn], min(max(p.top_k for p in ps), v))  # sorted, largest first
+    k = vals.shape[-1]
+    par = torch.tensor(
+        [
+            [p.top_k, p.top_p, p.min_p, p.temperature, samplers[j].uniform()]
+            for p, j in zip(ps, drawn, strict=True)
+        ],
+        dtype=torch.float32,
+    ).to(dev, non_blocking=True)
+    top_k, top_p, min_p, temp, u = (par[:, i : i + 1] for i in range(5))
+    col = torch.arange(k, device=dev)
+    vals = vals.masked_fill(col >= top_k, float("-inf"))
+    pr = torch.softmax(vals, dim=-1)  # top-p against the candidates' own mass, as _filter
+    keep = ((pr.cumsum(-1) - pr) < top_p) | (top_p >= 1) | (col == 0)
+    vals = vals.masked_fill(~keep, float("-inf"))
+    pr = torch.softmax(vals, dim=-1)
+    vals = vals.masked_fill(~((pr >= min_p * pr[:, :1]) | (min_p <= 0)), float("-inf"))
+    cdf = torch.softmax(vals / temp, dim=-1).cumsum(-1)
+    at = (cdf <= u * cdf[:, -1:]).sum(-1, keepdim=True).clamp(max=k - 1)
+    return out.index_copy(0, torch.tensor(drawn, device=dev), ids.gather(1, at)[:, 0])
+
+
 def sample_rows(samplers: list["Sampler"], logits: torch.Tensor) -> list[int | None]:
     """The next token of each row of logits [R, V] whose sampler is `plain`, None for the others (sample those
-    alone): greedy rows from one argmax, the others from one top-k over their rows, read to the host in one copy,
-    then each row's own top-p, min-p, temperature and draw. A step of several slots then waits for the device
-    once, not once a row."""
+    alone), read to the host in one copy (draw_rows)."""
     out: list[int | None] = [None] * len(samplers)
-    greedy = [j for j, s in enumerate(samplers) if s.plain and s.p.greedy]
-    drawn = [j for j, s in enumerate(samplers) if s.plain and not s.p.greedy]
-    if greedy:
-        for j, t in zip(greedy, logits[greedy].float().argmax(-1).tolist(), strict=True):
+    rows = [j for j, s in enumerate(samplers) if s.plain]
+    if rows:
+        for j, t in zip(rows, draw_rows([samplers[j] for j in rows], logits[rows]).tolist(), strict=True):
             out[j] = int(t)
-    if drawn:
-        k = max(samplers[j].p.top_k for j in drawn)
-        vals, ids = torch.topk(logits[drawn].float(), min(k, logits.shape[-1]))
-        vals, ids = vals.cpu(), ids.cpu()
-        for n, j in enumerate(drawn):
-            s = samplers[j]
-            v, i = vals[n, : s.p.top_k], ids[n, : s.p.top_k]
-            kept, law = s._filter(v, i)
-            out[j] = int(kept[s.draw(law)])
     return out

@@ -277,7 +277,8 @@ class SplitModel:
         local = all(isinstance(st, LocalStage) for st in self.stages)
         if len(parts) == 1 or not local or any(isinstance(p.cache, RecurrentCache) for p in parts):
             return forward_each(self, parts)
-        x = torch.cat([p.tokens for p in parts])
+        dev = self.stages[0].device  # type: ignore[union-attr]
+        x = torch.cat([p.tokens.to(dev, non_blocking=True) for p in parts])  # some may be drawn on a device
         self.clock = None  # host times only (stage_report): no device clock around shared steps yet
         for s, st in enumerate(self.stages):
             t0 = time.perf_counter()

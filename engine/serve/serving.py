@@ -442,7 +442,7 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
         forward over every busy slot; a request whose client left leaves its slot at the next step."""
         while True:
             with self._cv:
-                idle = not self._idle(lambda: bool(self._waiting or batch.busy))
+                idle = not self._idle(lambda: bool(self._waiting or batch.busy or batch.in_flight))
                 if self._stopping:
                     return
                 admit = []
@@ -454,15 +454,15 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
             for job in admit:
                 self._admit(batch, job)
             try:
-                st = batch.step()
+                steps = batch.step()
             except Exception:  # never let a step end the worker
                 log.exception("a step failed")
-                st = None
+                steps = []
             ended = [j for j in self.running if j.cancelled.is_set() or j.finished]
             with self._cv:
                 self.running = [j for j in self.running if j not in ended]
                 self.active = self.running[0] if self.running else None
-            if st is not None:
+            for st in steps:
                 self.rows.add(st.rows)
                 extra = {"tokens": st.decode_rows, "rows": st.rows, "slots": st.busy}
                 if st.decode_rows:

@@ -147,9 +147,7 @@ def test_the_batch_runner_decodes_slots_together_with_each_ones_tokens(moe_q4k: 
         br.admit(r, g.append)
     rows = []
     while br.busy:
-        st = br.step()
-        if st is not None:
-            rows.append(st.decode_rows)
+        rows += [st.decode_rows for st in br.step()]
     assert max(rows) == 6  # the six decoded in shared steps
     assert len(m.slot_graphs.graphs) == 6  # and found their graphs captured
     same = 0

@@ -20,7 +20,7 @@ from engine.pipeline.generate import (
     TokenEvent,
 )
 from engine.pipeline.loader import load_model
-from engine.pipeline.sampling import GREEDY
+from engine.pipeline.sampling import GREEDY, SamplingParams
 from engine.testing.tiny_families import FAMILIES, write_tiny_family
 from engine.testing.tiny_models import ARCHITECTURES, write_tiny_model
 
@@ -70,8 +70,9 @@ def _run(
     return got
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_eight_requests_at_once_give_each_ones_tokens_alone(tmp_path: Path, arch: str) -> None:
+def test_eight_requests_at_once_give_each_ones_tokens_alone(tmp_path: Path, arch: str, overlap: bool) -> None:
     lm = load_model(
         write_tiny_model(tmp_path / f"{arch}.gguf", arch, "Q8_0", seed=4), device="cpu", dtype="f32"
     )
@@ -79,7 +80,7 @@ def test_eight_requests_at_once_give_each_ones_tokens_alone(tmp_path: Path, arch
         GenerationRequest(p, max_tokens=4 + 3 * i, sampling=GREEDY, ignore_eos=True)
         for i, p in enumerate(_prompts(10, seed=1))
     ]
-    br = BatchRunner(lm.model, lm.tokenizer, 256, "f32", slots=8, step_tokens=24)
+    br = BatchRunner(lm.model, lm.tokenizer, 256, "f32", slots=8, step_tokens=24, overlap=overlap)
     got = _run(br, reqs, join_at={8: 3, 9: 7})  # two join while others decode (and wait for a free slot)
     for req, events in zip(reqs, got, strict=True):
         assert _summary(events) == _summary(_alone(lm, req))
@@ -114,9 +115,9 @@ def test_a_long_prompt_is_read_in_chunks_beside_the_decode_rows(qwen: object) ->
     br.admit(long_, b.append)
     steps = []
     while not any(isinstance(e, TokenEvent) for e in b):  # until the long prompt is read
-        st = br.step()
-        assert st is not None
-        steps.append(st)
+        got = br.step()
+        assert got
+        steps += got
     # the 100-token prompt took 7 steps of at most 15 prompt tokens, each beside the short request's decode row
     assert [s.prompt_tokens for s in steps] == [15] * 6 + [10]
     assert all(s.decode_rows == 1 and s.rows <= 16 for s in steps)
@@ -137,7 +138,7 @@ def test_a_cancelled_request_frees_its_slot_at_the_next_step(qwen: object) -> No
     br.step()
     assert br.free == 0
     gone = True
-    assert br.step() is None and br.free == 1  # nothing left to run
+    assert br.step() == [] and br.free == 1  # nothing left to run
     assert not any(isinstance(e, DoneEvent) for e in events)
     other: list[Event] = []
     br.admit(GenerationRequest([9, 8], max_tokens=2, sampling=GREEDY, ignore_eos=True), other.append)
@@ -192,7 +193,7 @@ def test_a_failed_step_tells_each_of_its_requests_and_frees_their_slots(qwen: ob
     failed: list[BaseException] = []
     for p in ([1, 2], [3, 4, 5]):
         br.admit(GenerationRequest(p), print, fail=failed.append)
-    assert br.step() is None
+    assert br.step() == []
     assert [str(e) for e in failed] == ["out of memory"] * 2 and br.free == 2
 
 
@@ -265,3 +266,36 @@ def test_both_runners_give_each_token_its_log_probability(qwen: object) -> None:
     for a, b in zip(alone, both, strict=True):
         assert a is not None and b is not None and len(a.top) == 2
         assert abs(a.logprob - b.logprob) <= 1e-5 and a.logprob == a.top[0][1]  # greedy: the likeliest
+
+
+def test_overlapped_steps_give_seeded_draws_stop_strings_and_cancels_as_alone(qwen: object) -> None:
+    """With `overlap` a step's tokens are read while the next step runs (each token feeds the next step on the
+    device): seeded top-k draws are each request's own alone, a request that meets its stop string mid-flight
+    ends there and its slot serves the next request correctly, and a request cancelled while a step holds its
+    token leaves without another event."""
+    sampled = [
+        GenerationRequest(p, max_tokens=9, ignore_eos=True,
+                          sampling=SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, seed=40 + i))
+        for i, p in enumerate(_prompts(3, seed=8))
+    ]  # fmt: skip
+    plain = GenerationRequest([4, 5, 6], max_tokens=12, sampling=GREEDY, ignore_eos=True)
+    tokens = _summary(_alone(qwen, plain))[0]
+    stop_at = qwen.tokenizer.decode(tokens[3:5])  # type: ignore[attr-defined]
+    stopped = GenerationRequest([4, 5, 6], max_tokens=12, sampling=GREEDY, ignore_eos=True, stop=[stop_at])
+    after = GenerationRequest([9, 9, 2, 3], max_tokens=7, sampling=GREEDY, ignore_eos=True)
+    reqs = [*sampled, stopped, after]
+    br = BatchRunner(qwen.model, qwen.tokenizer, 256, "f32", slots=4, overlap=True)  # type: ignore[attr-defined]
+    got = _run(br, reqs, join_at={4: 6})  # `after` waits for the slot `stopped` leaves
+    for req, events in zip(reqs, got, strict=True):
+        assert _summary(events) == _summary(_alone(qwen, req))
+    assert _summary(got[3])[1] == "stop" and len(_summary(got[3])[0]) < 12
+    gone = False
+    events: list[Event] = []
+    br.admit(GenerationRequest([1, 2, 3], max_tokens=50, sampling=GREEDY), events.append, lambda: gone)
+    for _ in range(4):
+        br.step()
+    assert br.in_flight  # its next token is still on the device
+    seen = len(events)
+    gone = True
+    br.step()
+    assert br.free == 4 and len(events) == seen and not any(isinstance(e, DoneEvent) for e in events)
