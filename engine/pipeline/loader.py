@@ -59,8 +59,8 @@ def prepare(model: DecoderLM, experts: ExpertPolicy | None = None, cuda_graphs: 
     if cuda_graphs and model.device.type == "cuda":
         model.graphs = DecodeGraphs(model)
         model.graphs.counts = model.expert_counts  # put back after the warm-up runs of a capture
-        if model.graphs.usable and getattr(model, "fast", False) and model.has_embed and model.has_head:
-            # several slots' decode rows in one step (DecoderLM.decode_rows)
+        if model.graphs.usable and getattr(model, "fast", False):
+            # several slots' decode rows in one step (DecoderLM.decode_rows; a split's LocalStage.run_rows)
             model.slot_graphs = SlotGraphs(model)
         if (
             runtime_switches().prompt_graphs

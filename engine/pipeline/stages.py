@@ -29,6 +29,7 @@ from engine.gguf.model_config import ModelConfig
 from engine.layers.kv_cache import KVCache
 from engine.models.decoder import BatchRows, DecoderLM
 from engine.models.family_base import BatchPart, forward_each
+from engine.models.fast_decode import FAST_MAX_ROWS
 from engine.models.gated_delta import RecurrentCache
 from engine.pipeline.cuda_graphs import StepGraphs, cpu_misses
 from engine.pipeline.handoff import Handoff, HandoffMode
@@ -107,6 +108,27 @@ class LocalStage:
             h = m.layers_batch(h, parts, rows, self.layers)
             return m.head(h.index_select(0, rows.last)) if self.with_head else h
 
+    @property
+    def takes_rows(self) -> bool:
+        """Whether decode rows of several slots sharing one cache run here through the fused decode path."""
+        return bool(getattr(self.model, "fast", False)) and self.device.type == "cuda"
+
+    def run_rows(self, x: torch.Tensor, parts: Sequence[BatchPart]) -> torch.Tensor:
+        """One decode row of each part (token ids [P] for the first stage, else hidden [P, D]), the parts' caches
+        rows of one shared cache (SplitModel.new_caches) -> hidden [P, D], or logits [P, V] from the stage with
+        the head: the fused decode path, from the stage's slot graphs where it has them."""
+        with on_device(self.device):
+            m = self.model
+            shared = parts[0].cache.shared
+            assert shared is not None
+            pos = torch.tensor([p.start for p in parts])
+            base = torch.tensor([p.cache.base for p in parts])
+            top = max(p.start for p in parts) + 1
+            if m.slot_graphs is not None:
+                return m.slot_graphs.step(x, pos, base, shared, top, parts[0].cache.max_ctx)
+            dev = self.device
+            return m.forward_rows(x.to(dev), shared, pos.to(dev), base.to(dev), top)
+
     def body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int) -> torch.Tensor:
         """The stage at device positions `pos` and a static span: the capturable form of `run`."""
         m = self.model
@@ -120,7 +142,7 @@ class LocalStage:
 # Verify windows (--spec) on a split's stages run as graphs of their row count, as one-token steps do: run eagerly,
 # a window's few hundred launches went one by one (on one H200 --spec 4 on a 2-stage split decoded at half the
 # speed of --spec 0; as graphs, at 2.05x it).
-_WINDOW_ROWS = 8  # the fused decode step's most rows (engine.models.fast_decode.FAST_MAX_ROWS)
+_WINDOW_ROWS = 8  # a verify window's most rows (--spec): their graphs are captured per row count
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -220,6 +242,32 @@ class SplitModel:
             return None
         return torch.stack(parts).sum(0)
 
+    def _rows_ready(self) -> bool:
+        return all(isinstance(st, LocalStage) and st.takes_rows for st in self.stages)
+
+    def new_caches(self, n: int, max_ctx: int, kv_type: str) -> list[KVCache]:
+        """The caches of n sequences: where every stage runs the fused decode path, rows of one cache whose layers
+        live on their stages' devices (KVCache.split), so that a step's decode rows cross each stage together."""
+        if n > 1 and self._rows_ready():
+            return self.new_cache(n * max_ctx, kv_type).split(n)
+        return [self.new_cache(max_ctx, kv_type) for _ in range(n)]
+
+    def warm_rows(self, caches: Sequence[KVCache]) -> int:
+        """Capture the stages' decode rows of 1 .. FAST_MAX_ROWS of these slots (DecoderLM.warm_rows for a split);
+        -> the most rows warmed (0: none here)."""
+        if not caches or caches[0].shared is None or not self._rows_ready():
+            return 0
+        saved = [(m, m.expert_counts.clone()) for m in self._models() if m.expert_counts is not None]
+        n = min(len(caches), FAST_MAX_ROWS)
+        for t in range(1, n + 1):
+            self.forward_batch([BatchPart(torch.zeros(1, dtype=torch.long), c, 0) for c in caches[:t]])
+        for c in caches:
+            c.length = 0
+        for m, counts in saved:
+            assert m.expert_counts is not None
+            m.expert_counts.copy_(counts)
+        return n
+
     def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
         """One KV cache object whose layers live on their stages' devices. A family with recurrent states
         (qwen3next) gets its own cache class, merged from the stages' caches: each state stays on its stage's
@@ -275,14 +323,39 @@ class SplitModel:
         each stage together and cross each hand-off as one tensor. A chain with a stage in another process, or with
         recurrent state, runs a forward per part."""
         local = all(isinstance(st, LocalStage) for st in self.stages)
-        if len(parts) == 1 or not local or any(isinstance(p.cache, RecurrentCache) for p in parts):
+        if not local or any(isinstance(p.cache, RecurrentCache) for p in parts):
             return forward_each(self, parts)
+        # decode rows of slots that share one cache: the fused path of every stage, up to FAST_MAX_ROWS a pass
+        rows = [j for j, p in enumerate(parts) if p.tokens.shape[0] == 1 and p.cache.shared is not None]
+        rows = rows if self._rows_ready() else []
+        out: list[torch.Tensor | None] = [None] * len(parts)
+        for at in range(0, len(rows), FAST_MAX_ROWS):
+            js = rows[at : at + FAST_MAX_ROWS]
+            logits = self._through_stages([parts[j] for j in js], fused=True)
+            for n, j in enumerate(js):
+                out[j] = logits[n : n + 1]
+        rest = [parts[j] for j, o in enumerate(out) if o is None]
+        if len(rest) == 1:
+            got = forward_each(self, rest)
+        elif rest:
+            got = self._through_stages(rest, fused=False)
+        n = 0
+        for j, o in enumerate(out):
+            if o is None:
+                out[j] = got[n : n + 1]
+                n += 1
+        return torch.cat(out)  # type: ignore[arg-type]
+
+    def _through_stages(self, parts: Sequence[BatchPart], fused: bool) -> torch.Tensor:
+        """The parts' rows through each stage together, crossing each hand-off as one tensor -> each part's
+        last-row logits [P, V]. `fused`: one decode row a part, the slots' caches rows of one (run_rows)."""
         dev = self.stages[0].device  # type: ignore[union-attr]
         x = torch.cat([p.tokens.to(dev, non_blocking=True) for p in parts])  # some may be drawn on a device
         self.clock = None  # host times only (stage_report): no device clock around shared steps yet
         for s, st in enumerate(self.stages):
             t0 = time.perf_counter()
-            x = st.run_batch(x, parts)  # type: ignore[union-attr]
+            assert isinstance(st, LocalStage)
+            x = st.run_rows(x, parts) if fused else st.run_batch(x, parts)
             if s < len(self.handoffs):
                 x = self.handoffs[s].send(x)
             self.timing.ms[s] = (time.perf_counter() - t0) * 1e3

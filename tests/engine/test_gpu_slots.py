@@ -161,3 +161,37 @@ def test_the_batch_runner_decodes_slots_together_with_each_ones_tokens(moe_q4k: 
         for row, tok in zip(logits, done.tokens, strict=True):
             assert row.max() - row[tok] <= 0.05 * row.std(), (r.prompt, done.tokens)
     assert same >= 4
+
+
+def test_a_split_on_one_card_decodes_slots_through_each_stages_fused_path(moe_q4k: Path) -> None:
+    """Two stages on one card (--layer-split K --split-device 0): the slots' caches are rows of one cache on the
+    stages' devices, a step's decode rows cross each stage as one pass of its slot graphs, and each row's logits
+    are the unsplit model's for that sequence alone."""
+    from engine.link.startup import load_split_model
+    from engine.pipeline.split import SplitOptions
+    from engine.pipeline.stages import SplitModel
+
+    whole = load_model(moe_q4k, device="cuda", dtype="bf16").model
+    k = whole.cfg.n_layer // 2
+    lm = load_split_model(
+        moe_q4k, SplitOptions(layer_split=(k,), split_device=("0",)), 128, "bf16", "bf16", parallel=5
+    )
+    m = lm.model
+    assert isinstance(m, SplitModel) and len(m.stages) == 2
+    caches = m.new_caches(5, 128, "bf16")
+    assert all(c.shared is caches[0].shared is not None for c in caches)
+    assert m.warm_rows(caches) == 5 and all(c.length == 0 for c in caches)
+    refs = [whole.new_cache(128, "bf16") for _ in range(5)]
+    prompts = [PROMPT[: 3 + i] for i in range(5)]
+    for p, c, r in zip(prompts, caches, refs, strict=True):
+        m.forward(torch.tensor(p), c, 0, last_only=True)
+        whole.forward(torch.tensor(p), r, 0, last_only=True)
+    toks = [40 + i for i in range(5)]
+    for step in range(4):
+        parts = [BatchPart(torch.tensor([toks[s]]), caches[s], len(prompts[s]) + step) for s in range(5)]
+        got = m.forward_batch(parts)
+        for s in range(5):
+            ref = whole.forward(torch.tensor([toks[s]]), refs[s], len(prompts[s]) + step)
+            assert _cos(got[s], ref[-1]) >= 0.999, (step, s)
+        toks = [int(got[s].argmax()) for s in range(5)]
+    assert all(len(st.model.slot_graphs.graphs) > 0 for st in m.stages)  # each stage ran its rows as graphs
