@@ -727,6 +727,13 @@ class EventsStats(_Status):
     dropped: int
 
 
+class GcStats(_Status):
+    collections: list[int]  # per generation (0, 1, 2) since the server started
+    pause_ms_total: float
+    pause_ms_max: float
+    frozen_objects: int  # left out of every collection (what the model's load made)
+
+
 class PromptCacheStats(_Status):
     entries: int
     bytes: int
@@ -776,6 +783,7 @@ class Stats(_Status):
     last_request: LastRequest | None
     events: EventsStats
     stages: list[StageStats]
+    gc: GcStats | None = None
     # once the model is loaded
     arch: str | None = None
     device: str | None = None

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.serve.options import ServeOptions
 from engine.serve.protocol import Health, Stats
+from engine.telemetry import gc_pauses
 from engine.telemetry.events import EventHub
 from engine.telemetry.stats import RunningStat, Telemetry
 from installer.version import __version__
@@ -155,6 +156,7 @@ class Status:
             "requests": snap["requests"],
             "last_request": snap["last_request"],
             "events": {"subscribers": self.hub.subscribers, "dropped": self.hub.dropped},
+            "gc": gc_pauses.PAUSES.snapshot(),
         }
         lm = self.lm
         if lm is None:

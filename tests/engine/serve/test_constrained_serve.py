@@ -115,7 +115,7 @@ def test_llama_server_grammar_and_json_schema(server: ServerProc) -> None:
         assert r.status_code == 200, r.text
         assert re.fullmatch(r"(yes|no)[0-9]{2}", r.json()["content"]), r.json()["content"]
         r = server.post("/completion", {"prompt": "x", "json_schema": SCHEMA, "seed": seed, "temperature": 1.0,
-                                        "n_predict": 60})  # fmt: skip
+                                        "n_predict": 200})  # fmt: skip
         assert r.status_code == 200, r.text
         jsonschema.validate(json.loads(r.json()["content"]), SCHEMA)
     r = server.post("/v1/completions", {"prompt": "x", "grammar": "root ::= [0-9]{3}", "max_tokens": 10})
@@ -138,7 +138,7 @@ def test_fields_other_servers_clients_send(client: openai.OpenAI, server: Server
     ).json()
     assert c["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
     for seed in range(5):
-        body = {**base, "temperature": 1.0, "seed": seed, "max_tokens": 60}
+        body = {**base, "temperature": 1.0, "seed": seed, "max_tokens": 200}
         got = server.post("/v1/chat/completions", {**body, "guided_choice": ["yes", "no", "maybe so"]}).json()
         assert got["choices"][0]["message"]["content"] in ("yes", "no", "maybe so")
         got = server.post("/v1/chat/completions", {**body, "guided_regex": "[a-c]{2}[0-9]"}).json()
