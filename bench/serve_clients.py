@@ -35,9 +35,14 @@ TOPICS = [
 ]  # fmt: skip
 
 
-def start_server(model: Path, args: list[str], log: Path | None = None) -> tuple[subprocess.Popen[str], str]:
-    """Our server on `model` -> (its process, its URL) once it is ready; its log goes to `log` where given."""
+def start_server(
+    model: Path, args: list[str], log: Path | None = None, stacks: Path | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """Our server on `model` -> (its process, its URL) once it is ready; its log goes to `log` where given, its
+    threads' sampled stacks to `stacks` (bench/stack_sample.py)."""
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", str(model), "--port", "0", *args]
+    if stacks is not None:
+        cmd[1:1] = [str(Path(__file__).with_name("stack_sample.py")), "--out", str(stacks), "--"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     assert proc.stderr is not None
     sink = log.open("w") if log is not None else None
@@ -69,11 +74,11 @@ def start_server(model: Path, args: list[str], log: Path | None = None) -> tuple
 
 def ask(client: httpx.Client, prompt: str, tokens: int) -> dict[str, Any]:
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
-    t0 = time.perf_counter()
+    t0, wall = time.perf_counter(), time.time()
     r = client.post("/v1/completions", json=body)
     r.raise_for_status()
     j = r.json()
-    return {"latency_s": time.perf_counter() - t0, "tokens": j["usage"]["completion_tokens"]}
+    return {"latency_s": time.perf_counter() - t0, "tokens": j["usage"]["completion_tokens"], "at": wall}
 
 
 def round_of(url: str, clients: int, requests: int, tokens: int, offset: int) -> dict[str, Any]:
@@ -113,6 +118,7 @@ def round_of(url: str, clients: int, requests: int, tokens: int, offset: int) ->
         "latency_median_s": round(statistics.median(lat), 3) if lat else None,
         "latency_max_s": round(max(lat), 3) if lat else None,
         "latencies_s": [round(x, 3) for x in lat],
+        "started_at": [round(r["at"], 3) for r in results],  # wall clock (time.time), to match sampled stacks
     }
 
 
@@ -146,12 +152,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--server-log", type=Path, help="our server's log, whole")
+    ap.add_argument(
+        "--stacks", type=Path, help="sample our server's stacks into this file (bench/stack_sample.py)"
+    )
     a = ap.parse_args()
     proc = None
     url = a.url
     if url is None:
         model = a.model or default_model_path()
-        proc, url = start_server(model, shlex.split(a.serve_args), a.server_log)
+        proc, url = start_server(model, shlex.split(a.serve_args), a.server_log, a.stacks)
     try:
         with httpx.Client(base_url=url, timeout=600) as c:
             ask(c, "A warm-up request.", 8)

@@ -14,6 +14,7 @@ from engine.pipeline.batch import BatchRunner
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
+from engine.testing.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.gpu
 PROMPT = [1, 17, 42, 99, 150, 7, 300, 12, 5, 64, 128, 256, 33, 71]
@@ -163,7 +164,7 @@ def test_the_batch_runner_decodes_slots_together_with_each_ones_tokens(moe_q4k: 
     assert same >= 4
 
 
-def test_a_split_on_one_card_decodes_slots_through_each_stages_fused_path(moe_q4k: Path) -> None:
+def test_a_split_on_one_card_decodes_slots_through_each_stages_fused_path(tmp_path: Path) -> None:
     """Two stages on one card (--layer-split K --split-device 0): the slots' caches are rows of one cache on the
     stages' devices, a step's decode rows cross each stage as one pass of its slot graphs, and each row's logits
     are the unsplit model's for that sequence alone."""
@@ -171,10 +172,12 @@ def test_a_split_on_one_card_decodes_slots_through_each_stages_fused_path(moe_q4
     from engine.pipeline.split import SplitOptions
     from engine.pipeline.stages import SplitModel
 
-    whole = load_model(moe_q4k, device="cuda", dtype="bf16").model
-    k = whole.cfg.n_layer // 2
+    path = write_tiny_model(tmp_path / "m4.gguf", "qwen3moe", qtype="Q4_K", types={"ffn_down": "Q6_K"}, seed=5,
+                            n_layer=4)  # fmt: skip
+    whole = load_model(path, device="cuda", dtype="bf16").model
+    k = whole.cfg.n_layer // 2  # each stage keeps 2 layers at least
     lm = load_split_model(
-        moe_q4k, SplitOptions(layer_split=(k,), split_device=("0",)), 128, "bf16", "bf16", parallel=5
+        path, SplitOptions(layer_split=(k,), split_device=("0",)), 128, "bf16", "bf16", parallel=5
     )
     m = lm.model
     assert isinstance(m, SplitModel) and len(m.stages) == 2

@@ -1,0 +1,101 @@
+"""Where a process's threads spend their time, sampled: run a module under a sampling thread, or report a run.
+
+    python bench/stack_sample.py --out F.json [--every-ms 5] -- -m engine.cli serve --model M ...
+    python bench/stack_sample.py --report F.json [--since T0] [--until T1] [--thread strata-generate] [--top 15]
+
+The sampler reads every thread's Python stack (sys._current_frames) every few milliseconds and writes, at exit,
+each sample's wall time (time.time), thread name and stack (as an index into a table of stacks). The report counts
+the stacks of one thread within a window of wall time (a slow request's start and end, as a client saw them), so
+a stall names the code it sat in. Python frames only: time inside a C call counts as the frame that made it."""
+
+import argparse
+import atexit
+import collections
+import json
+import runpy
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+IDLE = ("wait", "select", "poll", "_wait_for_tstate_lock", "accept", "get", "_worker", "sleep", "run_forever")
+
+
+def _frames(frame: object, depth: int = 14) -> tuple[str, ...]:
+    out = []
+    while frame is not None and len(out) < depth:
+        code = frame.f_code  # type: ignore[attr-defined]
+        out.append(f"{Path(code.co_filename).name}:{code.co_name}:{frame.f_lineno}")  # type: ignore[attr-defined]
+        frame = frame.f_back  # type: ignore[attr-defined]
+    return tuple(out)
+
+
+def sample(out: Path, every_s: float, argv: list[str]) -> None:
+    stacks: dict[tuple[str, ...], int] = {}
+    samples: list[tuple[float, str, int]] = []
+    me = threading.get_ident()
+
+    def loop() -> None:
+        while True:
+            time.sleep(every_s)
+            names = {t.ident: t.name for t in threading.enumerate()}
+            now = time.time()
+            for ident, frame in sys._current_frames().items():
+                if ident == me or ident == threading.get_ident():
+                    continue
+                st = _frames(frame)
+                samples.append(
+                    (round(now, 4), names.get(ident, str(ident)), stacks.setdefault(st, len(stacks)))
+                )
+
+    def dump() -> None:
+        table = [list(s) for s, _ in sorted(stacks.items(), key=lambda kv: kv[1])]
+        out.write_text(json.dumps({"every_s": every_s, "stacks": table, "samples": samples}))
+
+    atexit.register(dump)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    threading.Thread(target=loop, name="stack-sampler", daemon=True).start()
+    if argv[:1] == ["-m"]:
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def report(path: Path, since: float, until: float, thread: str | None, top: int) -> None:
+    data = json.loads(path.read_text())
+    stacks = data["stacks"]
+    per: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for t, name, sid in data["samples"]:
+        if since <= t <= until and (thread is None or name == thread):
+            per[name][sid] += 1
+    dt = data["every_s"]
+    for name, counts in sorted(per.items(), key=lambda kv: -sum(kv[1].values())):
+        busy = {s: n for s, n in counts.items() if stacks[s] and stacks[s][0].split(":")[1] not in IDLE}
+        print(f"== {name}: {sum(counts.values()) * dt:.2f} s sampled, {sum(busy.values()) * dt:.2f} s busy")
+        for sid, n in sorted(busy.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"  {n * dt * 1e3:8.0f} ms  " + " < ".join(stacks[sid][:8]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--every-ms", type=float, default=5.0)
+    ap.add_argument("--report", type=Path)
+    ap.add_argument("--since", type=float, default=0.0)
+    ap.add_argument("--until", type=float, default=float("inf"))
+    ap.add_argument("--thread")
+    ap.add_argument("--top", type=int, default=15)
+    a, rest = ap.parse_known_args()
+    if a.report is not None:
+        report(a.report, a.since, a.until, a.thread, a.top)
+        return
+    if a.out is None or not rest:
+        ap.error("give --out F.json -- <-m module | script> [args], or --report F.json")
+    sample(a.out, a.every_ms / 1e3, rest[1:] if rest[0] == "--" else rest)
+
+
+if __name__ == "__main__":
+    main()
