@@ -319,6 +319,9 @@ class BatchRunner:
                 logits = self.model.forward_span(p.tokens, p.cache, p.start, self.step_tokens)  # type: ignore[attr-defined]
             else:
                 logits = self.model.forward_batch(parts)  # type: ignore[attr-defined]
+            for _, r, n, at in plan:  # grammars compute their next masks while the device runs the step
+                if n == 0 or at + n == len(r.prompt):
+                    r.sampler.prepare(logits.device)
             rows = [j for j, (_, r, n, _) in enumerate(plan) if n == 0 and r.sampler.plain]
             draws = draw_rows([plan[j][1].sampler for j in rows], logits[rows]) if rows else None
         except Exception as e:  # every request of the step fails; the slots are cleared, the runner goes on

@@ -250,6 +250,7 @@ class Constraint:
         self.words = np.full((self.n_vocab + 31) // 32, -1, dtype=np.int32)
         self._pinned: torch.Tensor | None = None  # the mask words for a card, in page-locked memory
         self._bits: dict[torch.device, torch.Tensor] = {}
+        self._ready: torch.Tensor | None = None  # the words of the next token's mask, once computed (prepare)
 
     def _host_words(self, cuda: bool) -> torch.Tensor:
         """Where the matcher writes the mask: page-locked for a card, so that the copy is truly asynchronous (a
@@ -260,11 +261,25 @@ class Constraint:
             self._pinned = torch.empty(self.words.shape[0], dtype=torch.int32, pin_memory=True)
         return self._pinned
 
+    def prepare(self, cuda: bool) -> None:
+        """Compute the next token's mask now, where the host would otherwise wait: a caller that has just queued
+        the step whose logits it masks calls this, and the matcher's work overlaps the device's (`mask` then
+        uses it). `cuda`: the logits will be on a card."""
+        if self._ready is None:
+            host = self._host_words(cuda)
+            self.matcher.unsafe_compute_mask_ptr(host.data_ptr(), host.numel() * 4)
+            self._ready = host
+
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] (any device) with every token the grammar does not allow next at -inf."""
-        host = self._host_words(logits.is_cuda)
-        self.matcher.unsafe_compute_mask_ptr(host.data_ptr(), host.numel() * 4)
+        self.prepare(logits.is_cuda)
+        host = self._ready
+        assert host is not None
         words = host.to(logits.device, non_blocking=True)
+        if logits.is_cuda:
+            from engine.kernels.token_mask import apply_token_mask_  # Triton: on a card only
+
+            return apply_token_mask_(logits.to(torch.float32, copy=True).contiguous(), words, self.n_vocab)
         bits = self._bits.get(logits.device)
         if bits is None:
             bits = self._bits[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
@@ -276,6 +291,7 @@ class Constraint:
         return logits.masked_fill(~keep, float("-inf"))
 
     def consume(self, token: int) -> None:
+        self._ready = None  # the mask computed was for the token just drawn
         if not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} leaves the grammar: {self.matcher.get_error()}")
 

@@ -101,6 +101,12 @@ class Sampler:
             c.consume(token)
         return token
 
+    def prepare(self, device: torch.device) -> None:
+        """The step whose logits this sampler draws from was just queued on `device`: a grammar computes the next
+        token's mask now, while the device works (Constraint.prepare)."""
+        if self.constraint is not None:
+            self.constraint.prepare(device.type == "cuda")
+
     @property
     def finished(self) -> bool:
         """The constraint's grammar is complete: nothing may follow the last token drawn."""

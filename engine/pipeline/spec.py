@@ -546,6 +546,7 @@ class WindowDecoder:
             self.cache.length = pos + len(tokens)
         else:
             logits = self._forward(tokens, pos)
+        self.sampler.prepare(logits.device)  # a grammar's mask computed while the device runs the window
         v = verify(logits, draft, self.sampler, history)
         kept = draft.tokens[: v.accepted]
         rollback(self.model, self.cache, pos + 1 + v.accepted)

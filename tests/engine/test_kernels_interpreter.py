@@ -679,3 +679,21 @@ def test_rows_mma_matches_the_8_bit_bodies(qtype: str, rows: int, split: int) ->
     want = r + q8_round(x) @ w.T
     assert y.shape == (rows, n) and _cos(y, want) >= 0.99999
     assert torch.allclose(y, want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
+
+
+def test_the_token_mask_kernel_matches_the_torch_unpacking() -> None:
+    """engine/kernels/token_mask.py against Constraint.mask's torch path: the same -inf rows, a padded head's
+    rows past the grammar's vocabulary included."""
+    from engine.kernels.token_mask import apply_token_mask_
+
+    g = torch.Generator().manual_seed(2)
+    n_vocab, v = 1000, 1056
+    words = torch.randint(-(2**31), 2**31 - 1, ((n_vocab + 31) // 32,), dtype=torch.int32, generator=g)
+    logits = torch.randn(v, generator=g)
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> bits) & 1).view(-1).bool()[:n_vocab]
+    keep = torch.zeros(v, dtype=torch.bool)
+    keep[:n_vocab] = allowed
+    want = logits.masked_fill(~keep, float("-inf"))
+    got = apply_token_mask_(logits.clone(), words, n_vocab)
+    assert torch.equal(got, want)

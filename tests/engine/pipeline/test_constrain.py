@@ -235,3 +235,27 @@ def test_constrained_requests_in_slots(tiny: object) -> None:
 def test_a_bad_grammar_is_refused_with_the_reason(tiny: object, kind: str, source: object, says: str) -> None:
     with pytest.raises(GrammarError, match=re.escape(says)):
         compile_grammar(kind, source, tiny.tokenizer)  # type: ignore[arg-type, attr-defined]
+
+
+@pytest.mark.gpu
+def test_a_mask_on_a_card_is_the_hosts_and_is_computed_once_a_token(tiny: object) -> None:
+    """Constraint.mask on CUDA logits (one Triton launch, the words prepared while the step ran) gives the CPU
+    path's -inf rows, the rows of a padded head past the vocabulary included."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    tok = tiny.tokenizer  # type: ignore[attr-defined]
+    grammar = compile_grammar("json_schema", SCHEMA, tok)
+    on_card, on_host = Constraint(grammar, tok), Constraint(grammar, tok)
+    logits = torch.randn(on_card.n_vocab + 40, generator=torch.Generator().manual_seed(3))
+    for _ in range(12):
+        on_card.prepare(True)
+        got = on_card.mask(logits.cuda().to(torch.bfloat16)).cpu()
+        want = on_host.mask(logits.to(torch.bfloat16).float())
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        token = int(torch.argmax(want))
+        on_card.consume(token)
+        on_host.consume(token)
+        if on_host.done:
+            break
