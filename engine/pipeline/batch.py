@@ -42,7 +42,7 @@ from engine.pipeline.generate import (
     token_logprob,
 )
 from engine.pipeline.prompt_cache import PromptCache, common_prefix
-from engine.pipeline.sampling import Sampler, draw_rows
+from engine.pipeline.sampling import Sampler, draw_rows, rows_on
 from engine.tokenizer import Tokenizer
 from installer.engine_options import runtime_switches
 
@@ -323,7 +323,14 @@ class BatchRunner:
                 if n == 0 or at + n == len(r.prompt):
                     r.sampler.prepare(logits.device)
             rows = [j for j, (_, r, n, _) in enumerate(plan) if n == 0 and r.sampler.plain]
-            draws = draw_rows([plan[j][1].sampler for j in rows], logits[rows]) if rows else None
+            draws = None
+            if rows:  # decode rows come first: usually a slice, never a list index (that waits for the step)
+                sub = (
+                    logits[: len(rows)]
+                    if rows[-1] == len(rows) - 1
+                    else logits.index_select(0, rows_on(rows, logits.device))
+                )
+                draws = draw_rows([plan[j][1].sampler for j in rows], sub)
         except Exception as e:  # every request of the step fails; the slots are cleared, the runner goes on
             log.exception("a step of %d sequences failed", len(parts))
             self._fail([(s, r) for s, r, _, _ in plan], e)

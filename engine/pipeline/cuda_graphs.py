@@ -330,15 +330,40 @@ class PromptGraphs:
             for le in ec.layers.values()
         )
 
-    def warm(self, most: int) -> list[int]:
-        """Capture the buckets of chunks up to `most` tokens now (a server, at load) -> the sizes captured."""
+    def warm(self, most: int, kv_type: str | None = None) -> list[int]:
+        """Capture the buckets of chunks up to `most` tokens now (a server, at load) -> the sizes captured. With
+        `kv_type`, also build the attention kernels that run between the pieces (attend_warm)."""
         done = []
         for b in PROMPT_BUCKETS:
             if b not in self.sets and b not in self.failed and self._add(b):
                 done.append(b)
             if b >= most:
                 break
+        if kv_type is not None:
+            self.attend_warm(min(most, PROMPT_BUCKETS[-1]), kv_type)
         return done
+
+    def attend_warm(self, most: int, kv_type: str) -> None:
+        """Run the eager attention of every layer once for each kernel a prompt chunk of up to `most` tokens can
+        need, on a scratch cache: the flash kernel is built per tile height (16/32/64/128 rows) and per whether
+        the chunk's length and its span are multiples of 16 (Triton specializes those), and a server's first
+        prompt of a new kind otherwise waited ~0.7 s for that build."""
+        m, c, dev = self.model, self.model.cfg, self.model.device
+        sizes = sorted({t for hi in (16, 32, 64, 128) for t in (hi - 1, hi) if 8 < t <= most})
+        if not sizes:
+            return
+        cache = m.new_cache(max(sizes) + 2, kv_type)
+        dt = m.dtype
+        for t in sizes:
+            for start in (0, 1):
+                pos = torch.arange(start, start + t, device=dev)
+                q = torch.zeros(t, c.n_head, c.head_dim_k, dtype=dt, device=dev)
+                k = torch.zeros(t, c.n_head_kv, c.head_dim_k, dtype=dt, device=dev)
+                v = torch.zeros(t, c.n_head_kv, c.head_dim_v, dtype=dt, device=dev)
+                masks = m.step_masks(pos, start + t)
+                for i in m.layer_range:
+                    m.attn_core(i, q, k, v, cache, pos, start + t, masks)
+        torch.cuda.synchronize(dev)
 
     def step(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor | None:
         """The last row's logits [1, V] of tokens [T] (device) at positions start..start+T-1, or None where this

@@ -203,7 +203,9 @@ def draw_rows(samplers: list["Sampler"], logits: torch.Tensor) -> torch.Tensor:
         return out
     dev, v = x.device, x.shape[-1]
     ps = [samplers[j].p for j in drawn]
-    vals, ids = torch.topk(x[drawn], min(max(p.top_k for p in ps), v))  # sorted, largest first
+    at_rows = rows_on(drawn, dev)
+    sub = x if len(drawn) == x.shape[0] else x.index_select(0, at_rows)
+    vals, ids = torch.topk(sub, min(max(p.top_k for p in ps), v))  # sorted, largest first
     k = vals.shape[-1]
     par = torch.tensor(
         [
@@ -222,7 +224,13 @@ def draw_rows(samplers: list["Sampler"], logits: torch.Tensor) -> torch.Tensor:
     vals = vals.masked_fill(~((pr >= min_p * pr[:, :1]) | (min_p <= 0)), float("-inf"))
     cdf = torch.softmax(vals / temp, dim=-1).cumsum(-1)
     at = (cdf <= u * cdf[:, -1:]).sum(-1, keepdim=True).clamp(max=k - 1)
-    return out.index_copy(0, torch.tensor(drawn, device=dev), ids.gather(1, at)[:, 0])
+    return out.index_copy(0, at_rows, ids.gather(1, at)[:, 0])
+
+
+def rows_on(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices as a long tensor on `device`, with no wait for the device: indexing a card's tensor with a
+    Python list copies the list there synchronously, which waits for every queued kernel (a whole step)."""
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
 
 
 def sample_rows(samplers: list["Sampler"], logits: torch.Tensor) -> list[int | None]:
@@ -231,6 +239,7 @@ def sample_rows(samplers: list["Sampler"], logits: torch.Tensor) -> list[int | N
     out: list[int | None] = [None] * len(samplers)
     rows = [j for j, s in enumerate(samplers) if s.plain]
     if rows:
-        for j, t in zip(rows, draw_rows([samplers[j] for j in rows], logits[rows]).tolist(), strict=True):
+        sub = logits if len(rows) == logits.shape[0] else logits.index_select(0, rows_on(rows, logits.device))
+        for j, t in zip(rows, draw_rows([samplers[j] for j in rows], sub).tolist(), strict=True):
             out[j] = int(t)
     return out

@@ -188,7 +188,7 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
             graphs = getattr(lm.model, "prompt_graphs", None)
             if graphs is not None:  # every prompt length then runs from graphs: none waits for a capture
                 t0 = time.perf_counter()
-                sizes = graphs.warm(chunk)
+                sizes = graphs.warm(chunk, kv)
                 if sizes:
                     log.info("prompt graphs for chunks of 2-%d tokens (%d sizes) captured in %.1f s", sizes[-1],
                              len(sizes), time.perf_counter() - t0)  # fmt: skip

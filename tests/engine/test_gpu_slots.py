@@ -198,3 +198,30 @@ def test_a_split_on_one_card_decodes_slots_through_each_stages_fused_path(tmp_pa
             assert _cos(got[s], ref[-1]) >= 0.999, (step, s)
         toks = [int(got[s].argmax()) for s in range(5)]
     assert all(len(st.model.slot_graphs.graphs) > 0 for st in m.stages)  # each stage ran its rows as graphs
+
+
+def test_an_overlapped_step_is_queued_without_waiting_for_the_device(moe_q4k: Path) -> None:
+    """With every slot decoding on the device (greedy and seeded top-k rows), a step is queued with no call that
+    waits for the card (torch's sync debug mode raises on one): the host then reads the step before while this
+    one runs."""
+    from engine.pipeline.sampling import SamplingParams
+
+    lm = load_model(moe_q4k, device="cuda", dtype="bf16")
+    br = BatchRunner(lm.model, lm.tokenizer, 128, "bf16", slots=4, overlap=True)
+    br.warm()
+    for i in range(4):
+        sampling = SamplingParams(temperature=0.8, top_k=20, seed=i) if i % 2 else GREEDY
+        br.admit(
+            GenerationRequest(PROMPT[: 3 + i], max_tokens=30, sampling=sampling, ignore_eos=True),
+            lambda e: None,
+        )
+    for _ in range(8):
+        br.step()
+    assert all(s.request is not None and s.request.pending is not None for s in br.slots)
+    parts, plan = br._plan()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flight = br._launch(parts, plan)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert flight is not None and flight.deferrable and flight.decode_rows == 4

@@ -142,3 +142,27 @@ def test_pad_rows_of_a_chunk_do_not_count() -> None:
     assert counts.tolist() == [1, 2, 1, 0, 0, 0]
     count_experts(counts, ids)
     assert counts.tolist() == [3, 5, 2, 0, 0, 2]
+
+
+@pytest.mark.gpu
+def test_warm_builds_every_attention_kernel_a_prompt_needs(tmp_path: Path) -> None:
+    """After warm with the server's KV type, prompts of new lengths at new positions build no attention kernel
+    (a server's first prompt of a kind waited ~0.7 s for one)."""
+    from engine.kernels.prefill_attention import _prefill_attn_kernel
+
+    lm = load_model(_model(tmp_path, "qwen3"), device="cuda", dtype="bf16")
+    m, pg = lm.model, lm.model.prompt_graphs
+    pg.warm(128, "bf16")
+
+    def built() -> int:
+        return sum(len(c[0]) for c in _prefill_attn_kernel.device_caches.values())
+
+    before = built()
+    assert before > 0
+    for t, start in ((9, 0), (23, 5), (37, 11), (64, 3), (100, 28), (128, 0)):
+        cache = m.new_cache(256, "bf16")
+        ids = torch.randint(1, 400, (start + t,), generator=torch.Generator().manual_seed(t))
+        if start:
+            m.forward(ids[:start], cache, 0)
+        assert pg.step(ids[start:].cuda(), cache, start) is not None
+    assert built() == before
