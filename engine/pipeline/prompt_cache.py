@@ -46,12 +46,19 @@ class PromptCacheStats:
     restored_tokens: int
 
 
-def _copy_out(t: torch.Tensor | None, n: int, pin: bool) -> torch.Tensor | None:
-    if t is None:
-        return None
-    src = t[:n]
-    out = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
-    out.copy_(src)
+def _copy_out(parts: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:
+    """Host copies of `parts`, in one buffer (page-locked for a card, so that the copies are queued behind the
+    device's work instead of waiting for it: a server saving a slot's KV while a step runs does not stall)."""
+    offsets, total = [], 0
+    for t in parts:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // 16) * 16  # each part 16-byte aligned
+    buf = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=pin)
+    out = []
+    for t, o in zip(parts, offsets, strict=True):
+        dst = buf[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        dst.copy_(t, non_blocking=pin)
+        out.append(dst)
     return out
 
 
@@ -102,13 +109,18 @@ class PromptCache:
                 e.used = time.monotonic()
                 return None
         pin = any(lk.k.device.type == "cuda" for lk in cache.layers.values()) and torch.cuda.is_available()
-        layers: dict[int, tuple[torch.Tensor | None, ...]] = {}
-        nbytes = 0
-        for i, lk in cache.layers.items():
-            parts = tuple(_copy_out(t, n, pin) for t in (lk.k, lk.v, lk.k_scale, lk.v_scale))
-            nbytes += sum(p.numel() * p.element_size() for p in parts if p is not None)
-            layers[i] = parts
-        return CacheEntry(list(tokens), layers, cache.kv_type, nbytes)
+        srcs = [
+            (i, j, t[:n])
+            for i, lk in cache.layers.items()
+            for j, t in enumerate((lk.k, lk.v, lk.k_scale, lk.v_scale))
+            if t is not None
+        ]
+        copies = _copy_out([t for _, _, t in srcs], pin)
+        layers: dict[int, list[torch.Tensor | None]] = {i: [None] * 4 for i in cache.layers}
+        for (i, j, _), c in zip(srcs, copies, strict=True):
+            layers[i][j] = c
+        nbytes = sum(c.numel() * c.element_size() for c in copies)
+        return CacheEntry(list(tokens), {i: tuple(v) for i, v in layers.items()}, cache.kv_type, nbytes)
 
     def insert(self, entry: CacheEntry | None) -> None:
         if entry is None or entry.nbytes > self.max_bytes:
@@ -132,8 +144,8 @@ class PromptCache:
         n = min(n, len(entry.tokens))
         for i, lk in cache.layers.items():
             for dst, src in zip((lk.k, lk.v, lk.k_scale, lk.v_scale), entry.layers[i], strict=True):
-                if dst is not None and src is not None:
-                    dst[:n].copy_(src[:n])
+                if dst is not None and src is not None:  # page-locked on a card: queued, as the save was
+                    dst[:n].copy_(src[:n], non_blocking=src.is_pinned())
         cache.length = n
         entry.used = time.monotonic()
         self._restores += 1

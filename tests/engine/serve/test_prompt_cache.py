@@ -141,3 +141,36 @@ def test_server_second_turn_reuses_the_first(server: ServerProc) -> None:
     assert cached["usage"]["completion_tokens"] == fresh["usage"]["completion_tokens"]
     pc = server.get("/stats").json()["prompt_cache"]
     assert pc["restores"] >= 1 and pc["entries"] >= 1 and 0 < pc["bytes"] <= pc["max_bytes"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_a_save_on_a_card_is_queued_and_restores_what_it_saw(kv: str) -> None:
+    """On a card the save's copies go to page-locked memory behind the device's work (no wait), so a write
+    queued after the save does not reach the entry, and a restore gives back exactly the saved positions."""
+    from engine.layers.kv_cache import KVCache
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    src = KVCache(range(3), 64, 2, 16, 16, kv, torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for lk in src.layers.values():
+        for t in (lk.k, lk.v, lk.k_scale, lk.v_scale):
+            if t is not None:
+                t.copy_((torch.rand(t.shape, generator=g, device="cuda") * 100).to(t.dtype))
+    src.length = 40
+    want = {i: [t[:40].clone() if t is not None else None for t in (lk.k, lk.v, lk.k_scale, lk.v_scale)]
+            for i, lk in src.layers.items()}  # fmt: skip
+    pc = PromptCache(1 << 30)
+    pc.save(list(range(40)), src)
+    for lk in src.layers.values():  # queued after the save's copies
+        lk.k.zero_()
+    (entry,) = pc.entries
+    assert all(t.is_pinned() for parts in entry.layers.values() for t in parts if t is not None)
+    dst = KVCache(range(3), 64, 2, 16, 16, kv, torch.device("cuda"))
+    pc.restore(entry, 40, dst)
+    for i, lk in dst.layers.items():
+        for got, w in zip((lk.k, lk.v, lk.k_scale, lk.v_scale), want[i], strict=True):
+            assert (got is None) == (w is None)
+            if got is not None:
+                assert torch.equal(got[:40], w)
