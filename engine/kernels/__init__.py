@@ -9,7 +9,7 @@ from installer import engine_options
 
 _KERNEL_MODULES = frozenset(
     ("attention", "cpu_handoff", "delta_net", "dequant", "fused", "gemv", "expert_lru", "moe_blocks", "moe_gemm", "prefill_attention", "route_trace", "rows_gemm", "stage_copy",
-     "tuning", "vec_dot")
+     "token_mask", "tuning", "vec_dot")
 )  # fmt: skip
 
 

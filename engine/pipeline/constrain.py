@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
+from engine import kernels
 from engine.tokenizer import Tokenizer
 
 Kind = Literal["json_schema", "lark", "gbnf", "regex"]
@@ -277,9 +278,9 @@ class Constraint:
         assert host is not None
         words = host.to(logits.device, non_blocking=True)
         if logits.is_cuda:
-            from engine.kernels.token_mask import apply_token_mask_  # Triton: on a card only
-
-            return apply_token_mask_(logits.to(torch.float32, copy=True).contiguous(), words, self.n_vocab)
+            return kernels.token_mask.apply_token_mask_(
+                logits.to(torch.float32, copy=True).contiguous(), words, self.n_vocab
+            )
         bits = self._bits.get(logits.device)
         if bits is None:
             bits = self._bits[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
