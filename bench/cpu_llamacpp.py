@@ -1,7 +1,7 @@
 """Our engine and llama.cpp on the CPU, on the same GGUF files, in one run: prompt tokens/s (64 and 512 tokens),
 decode tokens/s, our peak RSS, unloaded and with another process busy on one core.
 
-    python bench/cpu_llamacpp.py [--model F ...] [--threads N] [--busy] [--out bench/results/cpu-llamacpp.json]
+    python bench/cpu_llamacpp.py [--model F ...] [--threads N] [--busy [--schedules]] [--out F.json]
                                  [--llamacpp-src ../shared/bench/llamacpp-src.tgz] [--build DIR]
 
 llama-bench is built for this CPU from the source archive the first time (cmake, ~10 minutes on 2 cores) into
@@ -9,7 +9,9 @@ llama-bench is built for this CPU from the source archive the first time (cmake,
 are measured (Gemma 3 270M and Qwen2.5-Coder-0.5B-Instruct, both Q4_K_M). Both engines get the same threads
 (default: every core) and measure as llama-bench does: a prompt of N fixed token ids into an empty cache, and
 decode from a one-token prompt, greedy; ours runs `strata-engine`'s model code in a child process (--child) with
-the thread count in its environment and its default 8-bit activations.
+the thread count in its environment and its default 8-bit activations. --schedules adds, on the busy machine, our
+engine on every core under other thread schedules: OpenMP's passive wait (OMP_WAIT_POLICY=PASSIVE) and Numba's
+dynamic chunks (numba.set_parallel_chunksize), each also unloaded.
 """
 
 import argparse
@@ -79,8 +81,15 @@ def run_llamacpp(exe: Path, model: Path, threads: int) -> dict:
     return res
 
 
-def run_ours(model: Path, threads: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
+SCHEDULES = {
+    "passive_wait": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "passive_wait_chunks_4": {"OMP_WAIT_POLICY": "PASSIVE", "BENCH_NUMBA_CHUNK": "4"},
+    "chunks_4": {"BENCH_NUMBA_CHUNK": "4"},
+}
+
+
+def run_ours(model: Path, threads: int, extra: dict[str, str] | None = None) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads), **(extra or {})}
     env.pop("STRATA_ACTIVATIONS", None)  # the engine's default (8-bit activations)
     out = subprocess.run([sys.executable, __file__, "--child", str(model), "--threads", str(threads)],
                          capture_output=True, text=True, env=env, check=True)  # fmt: skip
@@ -93,6 +102,10 @@ def child(model: Path, threads: int) -> None:
     from engine.pipeline.loader import load_model
 
     torch.set_num_threads(threads)
+    if os.environ.get("BENCH_NUMBA_CHUNK"):  # --schedules: dynamic chunks of Numba's parallel loops
+        import numba
+
+        numba.set_parallel_chunksize(int(os.environ["BENCH_NUMBA_CHUNK"]))
     lm = load_model(model, device="cpu", dtype="f32")
     m = lm.model
     res: dict = {}
@@ -129,6 +142,7 @@ def main() -> None:
     ap.add_argument("--model", action="append", type=Path, default=[])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--busy", action="store_true", help="also measure with another process busy on one core")
+    ap.add_argument("--schedules", action="store_true", help="with --busy: other thread schedules too")
     ap.add_argument(
         "--llamacpp-src", type=Path, default=REPO.parent / "shared" / "bench" / "llamacpp-src.tgz"
     )
@@ -149,6 +163,8 @@ def main() -> None:
         row["llamacpp"] = run_llamacpp(exe, model, a.threads)
         row["ours"] = run_ours(model, a.threads)
         row["ours_over_llamacpp"] = {k: round(row["ours"][k] / v, 3) for k, v in row["llamacpp"].items() if v}
+        if a.busy and a.schedules:
+            row["unloaded_schedules"] = {k: run_ours(model, a.threads, e) for k, e in SCHEDULES.items()}
         if a.busy:
             hog = busy_core()
             try:
@@ -157,6 +173,8 @@ def main() -> None:
                     "ours": run_ours(model, a.threads),
                     "ours_one_thread": run_ours(model, 1),
                 }
+                if a.schedules:
+                    row["busy_schedules"] = {k: run_ours(model, a.threads, e) for k, e in SCHEDULES.items()}
             finally:
                 hog.kill()
             row["busy_decode_over_unloaded"] = round(

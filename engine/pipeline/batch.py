@@ -282,7 +282,8 @@ class BatchRunner:
             if r.token is not None:
                 parts.append(BatchPart(torch.tensor([r.token]), slot.cache, len(slot.tokens)))
             elif r.pending is not None and len(r.out) + 1 < r.max_new:
-                # its token is still on the device, in the step that drew it; the last one is never read back
+                # its token is still on the device, in the step that drew it (a request's last token is read
+                # back but not fed again)
                 at = r.pending.drawn[r.pending_row]
                 parts.append(BatchPart(r.pending.draws[at : at + 1], slot.cache, len(slot.tokens)))
             else:
