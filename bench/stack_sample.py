@@ -66,17 +66,20 @@ def sample(out: Path, every_s: float, argv: list[str]) -> None:
 
 def report(path: Path, since: float, until: float, thread: str | None, top: int) -> None:
     data = json.loads(path.read_text())
-    stacks = data["stacks"]
+    stacks, every = data["stacks"], data["every_s"]
+    # each round of samples stands for the time since the round before (the sampler waits for the GIL, so its
+    # rounds come later than asked under a busy thread), at most ten intervals
+    times = sorted({t for t, _, _ in data["samples"]})
+    weight = {t: min(t - p, 10 * every) if p else every for p, t in zip([0.0, *times], times, strict=False)}
     per: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for t, name, sid in data["samples"]:
         if since <= t <= until and (thread is None or name == thread):
-            per[name][sid] += 1
-    dt = data["every_s"]
-    for name, counts in sorted(per.items(), key=lambda kv: -sum(kv[1].values())):
-        busy = {s: n for s, n in counts.items() if stacks[s] and stacks[s][0].split(":")[1] not in IDLE}
-        print(f"== {name}: {sum(counts.values()) * dt:.2f} s sampled, {sum(busy.values()) * dt:.2f} s busy")
-        for sid, n in sorted(busy.items(), key=lambda kv: -kv[1])[:top]:
-            print(f"  {n * dt * 1e3:8.0f} ms  " + " < ".join(stacks[sid][:8]))
+            per[name][sid] += weight[t]
+    for name, secs in sorted(per.items(), key=lambda kv: -sum(kv[1].values())):
+        busy = {s: w for s, w in secs.items() if stacks[s] and stacks[s][0].split(":")[1] not in IDLE}
+        print(f"== {name}: {sum(secs.values()):.2f} s sampled, {sum(busy.values()):.2f} s busy")
+        for sid, w in sorted(busy.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"  {w * 1e3:8.0f} ms  " + " < ".join(stacks[sid][:8]))
 
 
 def main() -> None:
