@@ -44,7 +44,7 @@ class SamplingParams(SamplingDefaults):
 
 
 GREEDY = SamplingParams(temperature=0.0)
-ROWS_TOP_K = 256  # the most top-k sample_rows batches
+ROWS_TOP_K = 256  # the most top-k draw_rows batches
 
 
 class Sampler:
@@ -168,7 +168,7 @@ class Sampler:
     @property
     def plain(self) -> bool:
         """No grammar, bias or penalty, and greedy or a top-k of at most ROWS_TOP_K: a draw needs only the row's
-        top tokens, so sample_rows can take it with other rows."""
+        top tokens, so draw_rows can take it with other rows."""
         p = self.p
         return (
             self.constraint is None
@@ -231,15 +231,3 @@ def rows_on(rows: list[int], device: torch.device) -> torch.Tensor:
     """Row indices as a long tensor on `device`, with no wait for the device: indexing a card's tensor with a
     Python list copies the list there synchronously, which waits for every queued kernel (a whole step)."""
     return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-
-
-def sample_rows(samplers: list["Sampler"], logits: torch.Tensor) -> list[int | None]:
-    """The next token of each row of logits [R, V] whose sampler is `plain`, None for the others (sample those
-    alone), read to the host in one copy (draw_rows)."""
-    out: list[int | None] = [None] * len(samplers)
-    rows = [j for j, s in enumerate(samplers) if s.plain]
-    if rows:
-        sub = logits if len(rows) == logits.shape[0] else logits.index_select(0, rows_on(rows, logits.device))
-        for j, t in zip(rows, draw_rows([samplers[j] for j in rows], sub).tolist(), strict=True):
-            out[j] = int(t)
-    return out

@@ -216,8 +216,8 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
         self.profile = recorder
         self.model_name = model_id(lm.path.name)
         self.model_created = int(lm.path.stat().st_mtime)
-        # what the load made lives as long as the model: no collection walks it again (a full one in the middle
-        # of a request stalled every client)
+        # what the load made lives as long as the model: no collection walks it again (a full collection of it in
+        # the middle of a request would hold every thread)
         frozen, ms = gc_pauses.freeze_loaded()
         log.debug("%d objects of the load frozen out of garbage collection in %.0f ms", frozen, ms)
         gc_pauses.watch()

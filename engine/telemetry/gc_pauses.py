@@ -1,7 +1,7 @@
 """Python's garbage collector as the server sees it: how long its collections held every thread.
 
 A loaded model leaves millions of objects (tensors, kernels, graphs, the tokenizer's tables) that a full collection
-walks: one of those in the middle of a request stalls every client at once. The server freezes what the load made
+walks: one of those in the middle of a request would hold every client at once. The server freezes what the load made
 (`freeze_loaded`: the collector never walks it again) and counts each generation's collections and pauses for
 /stats, so a stall that remains shows there."""
 

@@ -1,11 +1,11 @@
-"""sample_rows: a step's decode rows sampled together give each row's own Sampler.sample."""
+"""draw_rows: a step's plain decode rows drawn together on the logits' device give each row's own Sampler.sample."""
 
 import torch
 
-from engine.pipeline.sampling import GREEDY, Sampler, SamplingParams, sample_rows
+from engine.pipeline.sampling import GREEDY, Sampler, SamplingParams, draw_rows
 
 
-def test_rows_sampled_together_match_each_rows_own_draw() -> None:
+def test_rows_drawn_together_match_each_rows_own_draw() -> None:
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 1000, generator=gen) * 3
     params = [
@@ -18,12 +18,12 @@ def test_rows_sampled_together_match_each_rows_own_draw() -> None:
     ]
     together = [Sampler(p) for p in params]
     alone = [Sampler(p) for p in params]
+    assert [s.plain for s in together] == [True, True, True, False, False, True]
+    rows = [j for j, s in enumerate(together) if s.plain]
     for _ in range(5):  # several steps: the seeded generators advance alike
-        got = sample_rows(together, logits)
-        assert [g is None for g in got] == [False, False, False, True, True, False]
-        want = [s.sample(logits[j], [1, 2, 3]) for j, s in enumerate(alone)]
-        assert [g for g in got if g is not None] == [
-            w for g, w in zip(got, want, strict=True) if g is not None
-        ]
+        got = draw_rows([together[j] for j in rows], logits[rows])
+        assert got.dtype == torch.long and got.device == logits.device
+        assert got.tolist() == [alone[j].sample(logits[j], [1, 2, 3]) for j in rows]
         logits = logits.roll(7, dims=-1)
-    assert sample_rows([], logits[:0]) == []
+    greedy = draw_rows([Sampler(GREEDY)] * 3, logits[:3])
+    assert greedy.tolist() == logits[:3].argmax(-1).tolist()
