@@ -519,6 +519,13 @@ def add_worker_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     )
     g.add_argument("--stage-next-key", metavar="KEY", help="the next worker's public key (with --stage-key)")
     g.add_argument("--gpu", type=int, help="the card to run on (nvidia-smi's number)")
+    g.add_argument(
+        "--parallel",
+        type=int,
+        help="sequences whose KV this worker keeps for the main's slots, each of --max-context positions (default "
+        "auto, as serve's: up to 16 within an eighth of the VRAM left; the main serves as many at once as the "
+        "fewest any worker of its chain keeps)",
+    )
     _cpu_weights_arg(g)
 
 

@@ -118,6 +118,8 @@ class KVCache:
     # Set on the caches `split` makes: the cache they are rows of, and where their rows start in it.
     shared: "KVCache | None" = None
     base = 0
+    # The sequence's index among a server's slots: a remote stage keeps that sequence's KV under this number.
+    slot = 0
 
     def split(self, n: int) -> list["KVCache"]:
         """n caches of max_ctx // n positions each, views of this one's rows (slot s: rows s*m .. (s+1)*m - 1).

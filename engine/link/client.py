@@ -235,8 +235,16 @@ class StageClient:
 
     # ---- requests ----
 
-    def submit(self, payload: bytes | memoryview, dtype: str, shape: Sequence[int], start: int) -> int:
-        """Send a hidden state [T, D] for positions start..start+T; -> its sequence number."""
+    def submit(
+        self,
+        payload: bytes | memoryview,
+        dtype: str,
+        shape: Sequence[int],
+        start: int,
+        rows: Sequence[tuple[int, int, int]] | None = None,
+    ) -> int:
+        """Send a hidden state [T, D] for positions start..start+T of the session's first sequence, or with `rows`
+        ((slot, start, count) in order) for several sequences' rows; -> its sequence number."""
         if not self.ok or self.sock is None:
             raise StageError(
                 f"{self.label} is not connected{': ' + self.last_error if self.last_error else ''}"
@@ -249,6 +257,8 @@ class StageClient:
             "p": start,
             **P.tensor_fields(dtype, shape),
         }
+        if rows is not None:
+            fields["r"] = [list(r) for r in rows]
         self._send(P.pack("fwd", fields, payload), time.monotonic() + self.stall_s, "a request")
         self.in_flight[self.seq] = time.perf_counter()
         self.heard = time.monotonic()

@@ -8,7 +8,8 @@ evaluated. No torch here: a payload stays bytes until the stage turns it into a 
 Kinds (client = the stage before, server = the stage after):
   hello   client -> server   protocol version, what the client expects the server to run (`StageInfo`), a nonce
   welcome server -> client   the server's `StageInfo` (and those of the stages it relays to), the epoch
-  fwd     client -> server   hidden state [T, D] at positions start..start+T (session, epoch, seq)
+  fwd     client -> server   hidden state [T, D] at positions start..start+T (session, epoch, seq); with several
+                             sequences (slots), `r` lists each one's rows in order: [slot, start, count]
   busy    server -> client   keep-alive while a request is computed or relayed
   out     server -> client   the hidden state after the server's layers (and the stages after it), per-stage timing
   error   server -> client   what went wrong, naming the stage and, for a mismatch, both sides' values
@@ -29,6 +30,7 @@ KINDS = ("hello", "welcome", "fwd", "busy", "out", "error")
 DTYPES: dict[str, int] = {"f32": 4, "bf16": 2, "f16": 2}  # hidden states only: bytes per value
 ERROR_CODES = ("mismatch", "stale", "gap", "bad_frame", "busy", "internal", "unreachable", "refused")
 _U64 = (1 << 64) - 1
+MAX_SLOTS = 64  # sequences one session may hold (and rows entries one fwd may carry)
 
 
 class FrameError(ValueError):
@@ -64,9 +66,13 @@ class StageInfo:
     max_ctx: int = 4096
     max_tokens: int = 4096
     address: str = ""  # where the stage listens (filled by the server for the messages)
+    slots: int = 1  # sequences whose KV the stage keeps (hello: asked for; welcome: what the session holds)
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["slots"] == 1:  # left out: a stage of a version before slots refuses fields it does not know
+            del d["slots"]
+        return d
 
     @classmethod
     def from_wire(cls, raw: Any, what: str = "stage info") -> StageInfo:
@@ -89,6 +95,8 @@ class StageInfo:
                 raise FrameError(f"{what}.{name} must be a short string")
             out[name] = v
         info = cls(**out)
+        if not 1 <= info.slots <= MAX_SLOTS:
+            raise FrameError(f"{what}: {info.slots} slots is not 1 to {MAX_SLOTS}")
         if not 0 <= info.begin < info.end <= info.n_layer:
             raise FrameError(
                 f"{what}: layers {info.begin}-{info.end} are not a range of {info.n_layer} layers"
@@ -215,4 +223,30 @@ def decode(frames: Sequence[bytes | memoryview], limits: Limits) -> Message:
     payload = frames[1]
     if len(payload) != n:
         raise FrameError(f"payload has {len(payload)} bytes, the header says {n}")
+    if kind == "fwd" and "r" in h:
+        _rows(h["r"], t)
     return Message(kind, h, payload, dtype, (t, d))
+
+
+def _rows(raw: Any, tokens: int) -> list[tuple[int, int, int]]:
+    """A fwd's `r`: [[slot, start, count], ...], each slot once, the counts adding up to the payload's rows."""
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_SLOTS:
+        raise FrameError(f"rows must be a list of 1 to {MAX_SLOTS} [slot, start, count]")
+    out: list[tuple[int, int, int]] = []
+    for r in raw:
+        if not isinstance(r, list) or len(r) != 3:
+            raise FrameError("each row entry must be [slot, start, count]")
+        out.append(
+            (_int(r[0], "slot", 0, MAX_SLOTS - 1), _int(r[1], "start"), _int(r[2], "count", 1, tokens))
+        )
+    if len({r[0] for r in out}) != len(out):
+        raise FrameError("a slot appears twice in one request's rows")
+    if sum(r[2] for r in out) != tokens:
+        raise FrameError(f"the rows count {sum(r[2] for r in out)} tokens, the payload has {tokens}")
+    return out
+
+
+def rows_of(msg: Message) -> list[tuple[int, int, int]]:
+    """A checked fwd's rows: its `r`, or the one sequence (slot 0) at its `p`."""
+    raw = msg.get("r")
+    return [(0, int(msg.get("p")), msg.shape[0])] if raw is None else [(a, b, c) for a, b, c in raw]

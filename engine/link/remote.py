@@ -7,7 +7,9 @@ import logging
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from itertools import accumulate
 
 import torch
 
@@ -18,6 +20,8 @@ from engine.layers.kv_cache import KVCache
 from engine.link import protocol as P
 from engine.link.client import StageClient, StageError
 from engine.models.decoder import DecoderLM
+from engine.models.family_base import BatchPart
+from engine.models.gated_delta import RecurrentCache
 from engine.pipeline.stages import LocalStage
 
 log = logging.getLogger("strata.link")
@@ -32,7 +36,7 @@ _TORCH = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 def stage_info(
     gf: GGUFFile, cfg: ModelConfig, begin: int, end: int, max_ctx: int, max_tokens: int, kv: str = "f32",
-    header: str | None = None, data: bool = True,
+    header: str | None = None, data: bool = True, slots: int = 1,
 ) -> P.StageInfo:  # fmt: skip
     return P.StageInfo(
         arch=cfg.arch,
@@ -49,6 +53,7 @@ def stage_info(
         kv=kv,
         max_ctx=max_ctx,
         max_tokens=max_tokens,
+        slots=slots,
     )
 
 
@@ -73,29 +78,56 @@ def payload_of(h: torch.Tensor) -> tuple[memoryview, str, tuple[int, ...]]:
 
 
 class ModelCompute:
-    """Layers [begin, end) of the model on this worker's device (no token table, no head)."""
+    """Layers [begin, end) of the model on this worker's device (no token table, no head), for the sequences
+    (slots) of one main process's session, each with its own KV."""
 
     def __init__(self, model: DecoderLM, label: str) -> None:
         if model.has_embed or model.has_head:
             raise ValueError("a worker stage runs neither the token table nor the head")
         self.stage = LocalStage(model, label)
-        self.cache: KVCache | None = None
+        self.caches: list[KVCache] = []
 
-    def open(self, max_ctx: int, kv: str) -> None:
-        self.cache = None  # the old session's KV goes first
+    def open(self, max_ctx: int, kv: str, slots: int = 1) -> None:
+        self.caches = []  # the old session's KV goes first
+        m = self.stage.model
         if self.stage.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.cache = self.stage.model.new_cache(max_ctx, kv)
+        if slots > 1 and self.stage.takes_rows:
+            # rows of one cache: a step's decode rows of every slot cross the stage's fused path together
+            self.caches = m.new_cache(slots * max_ctx, kv).split(slots)
+            with torch.inference_mode():
+                m.warm_rows(self.caches)
+        else:
+            self.caches = [m.new_cache(max_ctx, kv) for _ in range(slots)]
 
     @torch.inference_mode()
     def forward(
-        self, payload: memoryview | bytes, dtype: str, shape: tuple[int, ...], start: int
+        self,
+        payload: memoryview | bytes,
+        dtype: str,
+        shape: tuple[int, ...],
+        rows: Sequence[tuple[int, int, int]],
     ) -> tuple[memoryview, str, tuple[int, ...]]:
-        if self.cache is None:
+        if not self.caches:
             raise RuntimeError("no session: the handshake did not finish")
         h = tensor_from(payload, dtype, shape).to(self.stage.device).float()  # [T, D]
-        out = self.stage.run(h, self.cache, start)
-        self.cache.length = start + shape[0]
+        st, m = self.stage, self.stage.model
+        parts = [
+            BatchPart(torch.zeros(n, dtype=torch.long), self.caches[slot], start) for slot, start, n in rows
+        ]
+        if len(parts) == 1:  # one sequence: its decode graphs, or a prompt piece
+            out = st.run(h, parts[0].cache, parts[0].start)
+        elif all(p.tokens.shape[0] == 1 for p in parts) and parts[0].cache.shared is not None:
+            out = st.run_rows(h, parts)  # one decode row of each slot: the fused path
+        elif hasattr(m, "layers_batch") and not any(isinstance(p.cache, RecurrentCache) for p in parts):
+            out = st.run_batch(h, parts)  # prompt chunks and decode rows together, attention part by part
+        else:  # a family that runs one sequence at a time (recurrent state, latent attention)
+            cuts = list(accumulate((p.tokens.shape[0] for p in parts), initial=0))
+            out = torch.cat(
+                [st.run(h[a:b], p.cache, p.start) for p, a, b in zip(parts, cuts, cuts[1:], strict=False)]
+            )
+        for p in parts:
+            p.cache.length = p.start + int(p.tokens.shape[0])
         return payload_of(out)
 
 
@@ -146,7 +178,7 @@ class RemoteStage:
             raise StageError(str(held[1]), held[1].code)
         t0 = time.monotonic()
         try:
-            chain = self.client.connect(self.expect)
+            chain = self._hello()
         except StageError as e:
             self.status = f"down: {e}"
             if time.monotonic() - t0 >= SLOW_FAIL_S:
@@ -165,6 +197,19 @@ class RemoteStage:
             "remote stage: %s",
             ", ".join(f"layers {c.layers_text} at {c.address or self.label}" for c in chain),
         )
+
+    def _hello(self) -> list[P.StageInfo]:
+        try:
+            return self.client.connect(self.expect)
+        except StageError as e:
+            if self.expect.slots == 1 or "unknown field 'slots'" not in str(e):
+                raise
+        # a worker of a version before several sequences per session: it serves one (the welcome says so)
+        log.warning(
+            "%s keeps one sequence (an earlier version of PolyStrata): update it to serve several", self.label
+        )
+        self.expect = replace(self.expect, slots=1)
+        return self.client.connect(self.expect)
 
     def ensure(self) -> bool:
         """Connected (a new handshake when the last request failed or the worker left since); -> True when this
@@ -204,9 +249,11 @@ class RemoteStage:
             raise StageError(f"{self.client.label} is not connected: {self.client.last_error or self.status}")
         outs = []
         for o in range(0, x.shape[0], self.max_tokens):
-            payload, dtype, shape = payload_of(x[o : o + self.max_tokens])
+            piece = x[o : o + self.max_tokens]
+            payload, dtype, shape = payload_of(piece)
             try:
-                seq = self.client.submit(payload, dtype, shape, start + o)
+                rows = [(cache.slot, start + o, int(piece.shape[0]))]
+                seq = self.client.submit(payload, dtype, shape, start + o, rows)
                 r = self.client.wait(seq)
             except StageError as e:
                 self.status = f"down: {e}"
@@ -215,17 +262,57 @@ class RemoteStage:
             outs.append(tensor_from(r.message.payload or b"", r.message.dtype or "f32", r.message.shape))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
+    def run_parts(self, x: torch.Tensor, parts: Sequence[BatchPart]) -> torch.Tensor:
+        """The rows of several sequences (x [R, D], each part's rows in order, its cache's `slot` naming it on the
+        worker) -> [R, D] after the remote layers: one message a step, or as many as `max_tokens` needs (a part
+        longer than that goes in pieces, in order), up to `window` in flight."""
+        if not self.client.ok:
+            raise StageError(f"{self.client.label} is not connected: {self.client.last_error or self.status}")
+        msgs: list[tuple[int, int, list[tuple[int, int, int]]]] = []  # (first row, last row + 1, rows)
+        at = 0
+        for p in parts:
+            n = int(p.tokens.shape[0])
+            for o in range(0, n, self.max_tokens):
+                k = min(self.max_tokens, n - o)
+                last = msgs[-1] if msgs else None
+                fits = last is not None and last[1] - last[0] + k <= self.max_tokens
+                if fits and all(r[0] != p.cache.slot for r in last[2]):  # type: ignore[index]
+                    msgs[-1] = (last[0], last[1] + k, [*last[2], (p.cache.slot, p.start + o, k)])  # type: ignore[index]
+                else:
+                    msgs.append((at + o, at + o + k, [(p.cache.slot, p.start + o, k)]))
+            at += n
+        outs: list[torch.Tensor] = []
+        flight: deque[int] = deque()
+        try:
+            for a, b, rows in msgs:
+                if len(flight) >= self.window:
+                    outs.append(self._take(flight))
+                payload, dtype, shape = payload_of(x[a:b])
+                flight.append(self.client.submit(payload, dtype, shape, rows[0][1], rows))
+            while flight:
+                outs.append(self._take(flight))
+        except StageError as e:
+            self.status = f"down: {e}"
+            raise
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _take(self, flight: deque[int]) -> torch.Tensor:
+        r = self.client.wait(flight.popleft())
+        self._note(r.message.get("t"), r.rtt_ms)
+        return tensor_from(r.message.payload or b"", r.message.dtype or "f32", r.message.shape)
+
     def pipe(
         self,
         take: Callable[[float], tuple[int, torch.Tensor] | None],
         give: Callable[[torch.Tensor], bool],
         pieces: int,
         failed: Callable[[], bool],
+        slot: int = 0,
     ) -> None:
-        """Prompt pieces through the link with up to `window` in flight: `take(timeout)` gives (start, x) or None,
-        `give(out)` passes a result on (False: stop)."""
+        """Prompt pieces of the sequence in `slot` through the link with up to `window` in flight: `take(timeout)`
+        gives (start, x) or None, `give(out)` passes a result on (False: stop)."""
         try:
-            self._pipe(take, give, pieces, failed)
+            self._pipe(take, give, pieces, failed, slot)
         except StageError as e:
             self.status = f"down: {e}"
             raise
@@ -236,6 +323,7 @@ class RemoteStage:
         give: Callable[[torch.Tensor], bool],
         pieces: int,
         failed: Callable[[], bool],
+        slot: int,
     ) -> None:
         if not self.client.ok:
             raise StageError(f"{self.client.label} is not connected: {self.client.last_error or self.status}")
@@ -256,7 +344,8 @@ class RemoteStage:
                             f"a prompt piece of {x.shape[0]} tokens is over the {self.max_tokens} agreed"
                         )
                     payload, dtype, shape = payload_of(x)
-                    flight.append(self.client.submit(payload, dtype, shape, pos))
+                    rows = [(slot, pos, int(x.shape[0]))]
+                    flight.append(self.client.submit(payload, dtype, shape, pos, rows))
                     sent += 1
                     continue
             if flight:
@@ -285,3 +374,10 @@ class HeadStage:
 
     def run(self, x: torch.Tensor, cache: KVCache, start: int, last_only: bool = False) -> torch.Tensor:
         return self.model.head(x, last_only)  # [T, V] ([1, V] with last_only)
+
+    def run_parts(self, x: torch.Tensor, parts: Sequence[BatchPart]) -> torch.Tensor:
+        """Several sequences' rows [R, D] -> each part's last-row logits [P, V]."""
+        last = list(accumulate(int(p.tokens.shape[0]) for p in parts))
+        if last[-1] == len(parts):  # one row each (decode): no gather
+            return self.model.head(x)
+        return self.model.head(x.index_select(0, torch.tensor(last, device=x.device) - 1))

@@ -38,13 +38,18 @@ POLL_MS = 50
 
 
 class StageCompute(Protocol):
-    """The layers a worker runs. `open` starts a session (its KV); `forward` maps a hidden state [T, D] at
-    positions start..start+T to the one after its layers; both run on the work thread only."""
+    """The layers a worker runs. `open` starts a session (the KV of `slots` sequences); `forward` maps a hidden
+    state [T, D] to the one after its layers, its rows those of `rows` in order ((slot, start, count): a
+    sequence's positions start..start+count); both run on the work thread only."""
 
-    def open(self, max_ctx: int, kv: str) -> None: ...
+    def open(self, max_ctx: int, kv: str, slots: int) -> None: ...
 
     def forward(
-        self, payload: memoryview | bytes, dtype: str, shape: tuple[int, ...], start: int
+        self,
+        payload: memoryview | bytes,
+        dtype: str,
+        shape: tuple[int, ...],
+        rows: Sequence[tuple[int, int, int]],
     ) -> tuple[memoryview | bytes, str, tuple[int, ...]]: ...
 
 
@@ -54,8 +59,11 @@ class _Session:
     session: int
     epoch: int
     max_ctx: int
+    slots: int = 1
     last_seq: int = 0
-    filled: int = 0  # positions accepted so far (requests run in order)
+    filled: list[int] = field(
+        default_factory=list
+    )  # per slot: positions accepted so far (requests run in order)
     broken: str = ""  # set after a failure: every request then gets this error until a new handshake
 
 
@@ -67,6 +75,10 @@ class _Job:
     epoch: int
     seq: int = 0
     start: int = 0
+    rows: list[tuple[int, int, int]] = field(
+        default_factory=list
+    )  # (slot, start, count) of the payload's rows
+    slots: int = 1  # hello: the sequences the session holds
     dtype: str = ""
     shape: tuple[int, ...] = ()
     payload: memoryview | bytes | None = None
@@ -324,8 +336,9 @@ class StageServer:
             )  # fmt: skip
             return
         self._epoch += 1
-        self._session = _Session(identity, session, self._epoch, expect.max_ctx)
-        self._queue(_Job("hello", identity, session, self._epoch, expect=expect))
+        slots = min(expect.slots, self.info.slots)
+        self._session = _Session(identity, session, self._epoch, expect.max_ctx, slots, filled=[0] * slots)
+        self._queue(_Job("hello", identity, session, self._epoch, expect=expect, slots=slots))
 
     def _mismatch(self, expect: P.StageInfo) -> str:
         """Both sides' values of the first thing that differs, or ''."""
@@ -376,23 +389,33 @@ class StageServer:
         if s.broken:
             self._error(identity, s.session, s.epoch, "stale", s.broken, seq)
             return
-        start, t = msg.get("p"), msg.shape[0]
-        if start > s.filled:
-            self._error(
-                identity, s.session, s.epoch, "gap",
-                f"stage {self.info.layers_text} holds positions 0-{s.filled - 1} and was asked to go on at {start}: "
-                "read the sequence again from its start", seq,
-            )  # fmt: skip
-            return
-        if start + t > s.max_ctx:
-            self._error(
-                identity, s.session, s.epoch, "refused",
-                f"stage {self.info.layers_text}: positions up to {start + t} are past the {s.max_ctx} agreed", seq,
-            )  # fmt: skip
-            return
-        s.filled = start + t
+        rows = P.rows_of(msg)
+        for slot, start, t in rows:
+            where = f"stage {self.info.layers_text}" + (f", slot {slot}," if s.slots > 1 else "")
+            if slot >= s.slots:
+                self._error(
+                    identity, s.session, s.epoch, "refused",
+                    f"stage {self.info.layers_text} holds {s.slots} slot(s) for this session, not slot {slot}", seq,
+                )  # fmt: skip
+                return
+            if start > s.filled[slot]:
+                self._error(
+                    identity, s.session, s.epoch, "gap",
+                    f"{where} holds {_positions(s.filled[slot])} and was asked to go on at {start}: read the "
+                    "sequence again from its start", seq,
+                )  # fmt: skip
+                return
+            if start + t > s.max_ctx:
+                self._error(
+                    identity, s.session, s.epoch, "refused",
+                    f"{where} positions up to {start + t} are past the {s.max_ctx} agreed", seq,
+                )  # fmt: skip
+                return
+        for slot, start, t in rows:
+            s.filled[slot] = start + t
         self.stats.requests += 1
-        job = _Job("fwd", identity, s.session, s.epoch, seq, start, msg.dtype or "", msg.shape, msg.payload)
+        job = _Job("fwd", identity, s.session, s.epoch, seq, rows[0][1], rows, dtype=msg.dtype or "",
+                   shape=msg.shape, payload=msg.payload)  # fmt: skip
         self._queue(job)
 
     def _queue(self, job: _Job) -> None:
@@ -434,7 +457,7 @@ class StageServer:
         if job.kind == "hello":
             assert job.expect is not None
             try:
-                self.compute.open(job.expect.max_ctx, job.expect.kv)
+                self.compute.open(job.expect.max_ctx, job.expect.kv, job.slots)
             except Exception as e:
                 log.exception("stage %s: opening a session failed", self.info.layers_text)
                 self._emit(
@@ -444,12 +467,12 @@ class StageServer:
             if self.next_endpoint is not None:
                 self._relay_jobs.put(job)
             else:
-                info = [self.info.to_wire()]
+                info = [self._held(job.slots).to_wire()]
                 self._emit(push, job, P.pack("welcome", {"s": job.session, "e": job.epoch, "info": info}))
             return
         t0 = time.perf_counter()
         try:
-            out, dtype, shape = self.compute.forward(job.payload or b"", job.dtype, job.shape, job.start)
+            out, dtype, shape = self.compute.forward(job.payload or b"", job.dtype, job.shape, job.rows)
         except Exception as e:
             self.stats.errors += 1
             log.exception("stage %s: request %d failed", self.info.layers_text, job.seq)
@@ -464,6 +487,10 @@ class StageServer:
             self._relay_jobs.put((job, out, dtype, shape))
             return
         self._reply(push, job, out, dtype, shape, [])
+
+    def _held(self, slots: int) -> P.StageInfo:
+        """This stage's info as a session sees it: the slots it opened for that session."""
+        return P.StageInfo(**{**self.info.to_wire(), "slots": slots})
 
     def _reply(
         self,
@@ -548,7 +575,7 @@ class StageServer:
         if isinstance(item, _Job):  # a handshake: the next stage's handshake first
             job = item
             assert job.expect is not None
-            expect = P.StageInfo(**{**job.expect.to_wire(), "begin": self.info.end})
+            expect = P.StageInfo(**{**job.expect.to_wire(), "begin": self.info.end, "slots": job.slots})
             try:
                 chain = nxt.connect(expect)
             except StageError as e:
@@ -563,18 +590,22 @@ class StageServer:
                 self._emit(push, job, P.pack("error", {**fields, "msg": text}))
                 return
             waiting.clear()
-            info = [self.info.to_wire(), *(c.to_wire() for c in chain)]
+            info = [self._held(job.slots).to_wire(), *(c.to_wire() for c in chain)]
             self._emit(push, job, P.pack("welcome", {"s": job.session, "e": job.epoch, "info": info}))
             return
         job, out, dtype, shape = item  # type: ignore[misc]
         try:
             if not nxt.ok:
                 raise StageError(f"the next stage at {self.next_endpoint} is not connected: {nxt.last_error}")
-            seq = nxt.submit(out, dtype, shape, job.start)
+            seq = nxt.submit(out, dtype, shape, job.start, job.rows)
         except StageError:
             waiting.append((0, job, time.perf_counter()))  # so that the caller's handler answers it too
             raise
         waiting.append((seq, job, time.perf_counter()))
+
+
+def _positions(n: int) -> str:
+    return f"positions 0-{n - 1}" if n else "no positions"
 
 
 def _timing_list(raw: object) -> list[dict[str, object]]:

@@ -81,8 +81,15 @@ def load_split_model(
     ordinals = {v.card.index: v.ordinal for v in visible}
     if opts.remote:
         model: DecoderLM | SplitModel = build_remote_main(
-            gf, cfg, sp, dt, ordinals, opts, max_context, kv_type, profile
+            gf, cfg, sp, dt, ordinals, opts, max_context, kv_type, profile, sequences
         )
+        held = min((c.slots for c in model.stages[1].chain), default=1)  # type: ignore[attr-defined]
+        if held < sequences:
+            log.info(
+                "--parallel %d: the chain of workers holds %d sequence(s) (their --parallel): %d at once",
+                sequences, held, held,
+            )  # fmt: skip
+            sequences = held
     else:
         model = build_model(gf, cfg, sp, dt, ordinals, opts, max_context, kv_type, profile, sequences)
     first = model.stages[0].device if isinstance(model, SplitModel) else model.device
@@ -96,12 +103,8 @@ def load_split_model(
 def _sequences(
     parallel: int | None, opts: SplitOptions, cards: list[Card], geometry: Geometry | None, context: int
 ) -> int:
-    """Serve's --parallel: the slots asked for, or auto's; 1 with a remote stage (its process keeps one
-    sequence's KV)."""
-    if opts.remote:
-        if parallel not in (None, 1):
-            log.info("--parallel %d: a remote stage runs one request at a time for now", parallel)
-        return 1
+    """Serve's --parallel: the slots asked for, or auto's (from this PC's card: each worker holds at most its own
+    --parallel, and the handshake settles on the fewest)."""
     if parallel is not None:
         return parallel
     card = next((c for c in cards if opts.gpu is None or c.index == opts.gpu), None)
@@ -157,18 +160,23 @@ def build_remote_main(
     context: int,
     kv_type: str,
     profile: np.ndarray | None,
+    sequences: int = 1,
 ) -> SplitModel:
-    """Layers [0, K) and the head here, [K, end) behind the link: connected and checked before it returns."""
+    """Layers [0, K) and the head here, [K, end) behind the link: connected and checked before it returns. The
+    workers keep the KV of up to `sequences` sequences each (the chain's welcome says how many they hold)."""
     assert isinstance(opts.layer_split, tuple) and opts.remote
     k = opts.layer_split[0]
     d = sp.devices[0]
     dev = torch.device("cpu") if d is None else torch.device("cuda", ordinals.get(d, d))
     label = "CPU" if d is None else f"CUDA{d}"
     main_plan = StagePlan((range(0, k),), (d,))
-    policy = _policies(main_plan, geometry_from_gguf(gf, cfg, kv_type), context, opts, profile)[0]
+    policy = _policies(main_plan, geometry_from_gguf(gf, cfg, kv_type), context, opts, profile, sequences)[0]
     main = build(gf, cfg, dev, dtype, layers=range(0, k), experts=policy)
     header = header_digest(gf)
-    expect = stage_info(gf, cfg, k, cfg.n_layer, context, opts.pipe_chunk, kv_type, header=header, data=False)
+    expect = stage_info(
+        gf, cfg, k, cfg.n_layer, context, opts.pipe_chunk, kv_type, header=header, data=False, slots=sequences
+    )
+    held: list[int] = []  # the sequences the first session's chain holds: a later session must hold as many
     endpoint = parse_endpoint(opts.remote, "--remote-stage")
     digests: dict[tuple[int, int], str] = {}
 
@@ -195,6 +203,14 @@ def build_remote_main(
                 "worker must run to the end (leave out its --stage-end)",
                 "mismatch",
             )
+        slots = min(c.slots for c in chain)
+        if held and slots < held[0]:
+            raise StageError(
+                f"the chain behind {endpoint} now holds {slots} sequence(s), this process serves {held[0]} at once: "
+                f"start the workers with --parallel {held[0]} or more (or restart this server)",
+                "mismatch",
+            )
+        held[:] = [slots]
 
     client = StageClient(
         endpoint,

@@ -16,6 +16,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+import psutil
 import torch
 
 from engine.gguf.reader import GGUFFile
@@ -23,6 +24,7 @@ from engine.layers import cpu_weights
 from engine.layers.kv_cache import resolve_kv_type
 from engine.link.client import StageError
 from engine.link.keys import LinkKeyError, client_keys, fingerprint, server_keys
+from engine.link.protocol import MAX_SLOTS
 from engine.link.remote import ModelCompute, stage_info
 from engine.link.server import StageServer
 from engine.link.transport import EndpointError, parse_endpoint
@@ -37,7 +39,7 @@ from engine.pipeline.split import (
     visible_cards,
 )
 from engine.tokenizer import Tokenizer
-from installer.placement import PlacementError
+from installer.placement import Card, Geometry, PlacementError, auto_parallel
 
 if TYPE_CHECKING:
     from installer.engine_options import EngineOptions
@@ -108,11 +110,13 @@ def _build(args: EngineOptions) -> object:
     dev = torch.device("cpu") if d is None else torch.device("cuda", ordinals.get(d, d))
     dtype = resolve_dtype(args.dtype, dev)
     kv = resolve_kv_type(args.kv, dtype)
-    policy = _policies(StagePlan((range(begin, end),), (d,)), geometry_from_gguf(gf, cfg, kv), args.max_context,
-                       SplitOptions(), None)[0]  # fmt: skip
+    geometry = geometry_from_gguf(gf, cfg, kv)
+    slots = _slots(args.parallel, geometry, range(begin, end), args.max_context, cards, d)
+    policy = _policies(StagePlan((range(begin, end),), (d,)), geometry, args.max_context, SplitOptions(), None,
+                       slots)[0]  # fmt: skip
     model = build(gf, cfg, dev, dtype, layers=range(begin, end), embed=False, head=False, experts=policy)
     cpu_weights.attach(model, getattr(args, "cpu_weights_mib", None))
-    info = stage_info(gf, cfg, begin, end, args.max_context, max_tokens, kv)
+    info = stage_info(gf, cfg, begin, end, args.max_context, max_tokens, kv, slots=slots)
     timing = (lambda line: log.info("%s", line)) if args.remote_timing else None
     server = StageServer(
         info, ModelCompute(model, sp.labels[0]), keys, args.stage_bind, args.stage_worker, next_endpoint, next_keys,
@@ -121,9 +125,27 @@ def _build(args: EngineOptions) -> object:
     relay = f", relaying to {next_endpoint}" if next_endpoint else ""
     # The node agent and the tests read this line for the port (--stage-worker 0).
     print(
-        f"{PROG}: layers {begin}-{end - 1} on {sp.labels[0]}, listening on {args.stage_bind}:{server.port}{relay} "
+        f"{PROG}: layers {begin}-{end - 1} on {sp.labels[0]} ({slots} slot{'s' if slots > 1 else ''}), listening "
+        f"on {args.stage_bind}:{server.port}{relay} "
         f"(key {fingerprint(keys.pair.public)}, clients from {keys.source})",
         file=sys.stderr,
         flush=True,
     )
     return server
+
+
+def _slots(
+    parallel: int | None, geometry: Geometry, layers: range, context: int, cards: list[Card], card: int | None
+) -> int:
+    """--parallel: the sequences whose KV this worker keeps (the main's slots), or auto's from the card's free
+    VRAM (the RAM where it runs on the CPU), as serve decides for the whole model."""
+    if parallel is not None:
+        if not 1 <= parallel <= MAX_SLOTS:
+            raise PlacementError(f"--parallel {parallel}: a worker keeps 1 to {MAX_SLOTS} sequences")
+        return parallel
+    slot_kv = sum(geometry.kv_bytes(i, context) for i in layers)
+    free = next((c.free_bytes for c in cards if c.index == card), None) if card is not None else None
+    host = None if free is not None else int(psutil.virtual_memory().available)
+    n, why = auto_parallel(slot_kv, free, host)
+    log.info("--parallel %d (auto: %s)", n, why)
+    return n

@@ -191,7 +191,12 @@ class SplitModel:
         self.clock: ForwardClock | None = None
         self.measure = True
         self.timing_sink = timing_sink
-        self.history: list[int] = []  # token ids at positions 0.. (to rebuild a remote stage that restarted)
+        # With a stage in another process: each slot's token ids at positions 0.., to rebuild what a worker that
+        # restarted lost, and the link's session each slot's positions were last sent in
+        self.remote = any(hasattr(s, "ensure") for s in self.stages)
+        self.histories: dict[int, list[int]] = {}
+        self._session = 0  # counts the new sessions of the remote stages (each one starts empty)
+        self._sent_in: dict[int, int] = {}  # slot -> the session that holds its positions
         self._last_only = False  # the current forward's last_only (read by _run)
         self.replay_chunk = 512
 
@@ -243,14 +248,30 @@ class SplitModel:
         return torch.stack(parts).sum(0)
 
     def _rows_ready(self) -> bool:
-        return all(isinstance(st, LocalStage) and st.takes_rows for st in self.stages)
+        """Whether a step's decode rows take every local stage's fused path (a remote stage takes any rows)."""
+        local = [st for st in self.stages if isinstance(st, LocalStage)]
+        return bool(local) and all(st.takes_rows for st in local) and self._batches()
+
+    def _batches(self) -> bool:
+        """Whether several sequences' rows can cross every stage together: each local stage's model runs a
+        step of several (the shared decoder), each other stage takes them (`run_parts`)."""
+        return all(
+            hasattr(st.model, "layers_batch") if isinstance(st, LocalStage) else hasattr(st, "run_parts")
+            for st in self.stages
+        )
 
     def new_caches(self, n: int, max_ctx: int, kv_type: str) -> list[KVCache]:
         """The caches of n sequences: where every stage runs the fused decode path, rows of one cache whose layers
-        live on their stages' devices (KVCache.split), so that a step's decode rows cross each stage together."""
-        if n > 1 and self._rows_ready():
-            return self.new_cache(n * max_ctx, kv_type).split(n)
-        return [self.new_cache(max_ctx, kv_type) for _ in range(n)]
+        live on their stages' devices (KVCache.split), so that a step's decode rows cross each stage together.
+        Each one's `slot` is its index (a remote stage keeps slot s's KV under s)."""
+        caches = (
+            self.new_cache(n * max_ctx, kv_type).split(n)
+            if n > 1 and self._rows_ready()
+            else [self.new_cache(max_ctx, kv_type) for _ in range(n)]
+        )
+        for s, c in enumerate(caches):
+            c.slot = s
+        return caches
 
     def warm_rows(self, caches: Sequence[KVCache]) -> int:
         """Capture the stages' decode rows of 1 .. FAST_MAX_ROWS of these slots (DecoderLM.warm_rows for a split);
@@ -294,11 +315,8 @@ class SplitModel:
         prompt chunk); the cache then holds start+T positions."""
         t = int(tokens.shape[0])
         self._last_only = last_only
-        del self.history[start:]
-        lost = self._reconnect()
         self.clock = ForwardClock(self.devices) if self.measure else None  # a replay below counts in it
-        if lost and start > 0:
-            self._replay(cache, start)
+        self._resync([BatchPart(tokens, cache, start)])
 
         def step(x: torch.Tensor, at: int, last: bool) -> torch.Tensor:
             self._last_only = last
@@ -312,7 +330,7 @@ class SplitModel:
         else:
             logits = step(tokens, start, last_only)
         cache.length = start + t
-        self.history.extend(int(v) for v in tokens.tolist())
+        self._remember([BatchPart(tokens, cache, start)])
         self.timing.tokens = t
         if self.timing_sink is not None:
             self.timing_sink(self._timing_line(t, start))
@@ -320,11 +338,11 @@ class SplitModel:
 
     def forward_batch(self, parts: Sequence[BatchPart]) -> torch.Tensor:
         """Several sequences in one step -> each part's last-row logits [P, V]: the rows of all the parts go through
-        each stage together and cross each hand-off as one tensor. A chain with a stage in another process, or with
-        recurrent state, runs a forward per part."""
-        local = all(isinstance(st, LocalStage) for st in self.stages)
-        if not local or any(isinstance(p.cache, RecurrentCache) for p in parts):
+        each stage together and cross each hand-off as one tensor (a remote stage's as one message). A chain with
+        recurrent state, or a family that runs one sequence at a time, runs a forward per part."""
+        if not self._batches() or any(isinstance(p.cache, RecurrentCache) for p in parts):
             return forward_each(self, parts)
+        self._resync(parts)
         # decode rows of slots that share one cache: the fused path of every stage, up to FAST_MAX_ROWS a pass
         rows = [j for j, p in enumerate(parts) if p.tokens.shape[0] == 1 and p.cache.shared is not None]
         rows = rows if self._rows_ready() else []
@@ -335,10 +353,11 @@ class SplitModel:
             for n, j in enumerate(js):
                 out[j] = logits[n : n + 1]
         rest = [parts[j] for j, o in enumerate(out) if o is None]
-        if len(rest) == 1:
+        if len(rest) == 1:  # a prompt chunk alone: forward (its pieces pipelined over the stages)
             got = forward_each(self, rest)
         elif rest:
             got = self._through_stages(rest, fused=False)
+        self._remember([parts[j] for j in rows] + (rest if len(rest) > 1 else []))
         n = 0
         for j, o in enumerate(out):
             if o is None:
@@ -354,8 +373,10 @@ class SplitModel:
         self.clock = None  # host times only (stage_report): no device clock around shared steps yet
         for s, st in enumerate(self.stages):
             t0 = time.perf_counter()
-            assert isinstance(st, LocalStage)
-            x = st.run_rows(x, parts) if fused else st.run_batch(x, parts)
+            if isinstance(st, LocalStage):
+                x = st.run_rows(x, parts) if fused else st.run_batch(x, parts)
+            else:  # a remote stage (one message), or the head after it
+                x = st.run_parts(x, parts)  # type: ignore[attr-defined]
             if s < len(self.handoffs):
                 x = self.handoffs[s].send(x)
             self.timing.ms[s] = (time.perf_counter() - t0) * 1e3
@@ -376,16 +397,45 @@ class SplitModel:
                 lost = bool(ensure()) or lost
         return lost
 
+    def _resync(self, parts: Sequence[BatchPart]) -> None:
+        """Before a step with a remote stage: connected, and each part's earlier positions held by the worker's
+        session (a worker that restarted, or a new session, holds none: they are read again)."""
+        if not self.remote:
+            return
+        if self._reconnect():
+            self._session += 1
+        for p in parts:
+            if p.start > 0 and self._sent_in.get(p.cache.slot, 0) != self._session:
+                self._replay(p.cache, p.start)
+            self._sent_in[p.cache.slot] = self._session
+
+    def _remember(self, parts: Sequence[BatchPart]) -> None:
+        """Each part's token ids at their positions (what `_replay` reads again); only with a remote stage (the
+        ids may still be on the card: this waits for them)."""
+        if not self.remote:
+            return
+        for p in parts:
+            h = self.histories.setdefault(p.cache.slot, [])
+            del h[p.start :]
+            h.extend(int(v) for v in p.tokens.tolist())
+
     def _replay(self, cache: KVCache, start: int) -> None:
-        """A remote stage came back empty: read positions 0..start-1 again (the local stages write the same KV)."""
-        if len(self.history) < start:
+        """A remote stage came back empty: read positions 0..start-1 of cache's sequence again (the local stages
+        write the same KV)."""
+        history = self.histories.get(cache.slot, [])
+        if len(history) < start:
             raise RuntimeError(
                 f"a remote stage lost positions 0-{start - 1} and this process cannot read them again: retry the request"
             )
         log.info("remote stage reconnected: reading %d positions again", start)
-        tokens = torch.tensor(self.history[:start])
-        for o in range(0, start, self.replay_chunk):
-            self._serial(tokens[o : o + self.replay_chunk], cache, o)
+        tokens = torch.tensor(history[:start])
+        last_only = self._last_only
+        self._last_only = True  # nobody reads the logits
+        try:
+            for o in range(0, start, self.replay_chunk):
+                self._serial(tokens[o : o + self.replay_chunk], cache, o)
+        finally:
+            self._last_only = last_only
 
     def stage_report(self) -> list[dict[str, object]]:
         """Each stage's own time in the last forward (a prompt chunk or a step), for the timing lines and the
@@ -490,7 +540,7 @@ class SplitModel:
                             outs[c] = y
                             return True
 
-                        pipe(take, give, len(pieces), failed.is_set)
+                        pipe(take, give, len(pieces), failed.is_set, cache.slot)
                         busy = time.perf_counter() - t_start
                         return
                     for c, (pos, piece) in enumerate(pieces):

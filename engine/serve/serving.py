@@ -419,15 +419,7 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
             log.error("request %s failed: %s", job.id, e)
             self.runner.reset()
             self.telemetry.request_done(job.endpoint, "error")
-            job.push(
-                "error",
-                APIError(
-                    502,
-                    f"a remote stage failed: {e}; the server keeps running and reconnects on the next request "
-                    "(GET /health shows each stage)",
-                    code="stage_unavailable",
-                ),
-            )
+            job.push("error", _stage_failed(e))
             return
         except Exception as e:
             log.exception("generation of request %s failed", job.id)
@@ -605,7 +597,20 @@ class _JobOutput:
     def failed(self, e: BaseException) -> None:
         self.job.finished = True
         self.service.telemetry.request_done(self.job.endpoint, "error")
+        if isinstance(e, self.service._stage_errors):  # a step of the slots through a worker that left
+            self.job.push("error", _stage_failed(e))
+            return
         self.job.push(
             "error",
             APIError(500, f"the generation failed: {type(e).__name__}: {e}", code="generation_failed"),
         )
+
+
+def _stage_failed(e: BaseException) -> APIError:
+    """A worker stopped, froze or was cut off: a 502 naming it; the next request reconnects."""
+    return APIError(
+        502,
+        f"a remote stage failed: {e}; the server keeps running and reconnects on the next request "
+        "(GET /health shows each stage)",
+        code="stage_unavailable",
+    )

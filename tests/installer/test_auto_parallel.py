@@ -1,7 +1,5 @@
 """--parallel left out: how many slots the server runs (installer.placement.auto_parallel) and where it keeps one."""
 
-import logging
-
 import pytest
 
 from engine.link.startup import _sequences
@@ -36,11 +34,10 @@ def test_on_the_cpu_the_slots_kv_stays_within_an_eighth_of_the_ram() -> None:
     assert auto_parallel(4 * GIB, None, 8 * GIB)[0] == 1
 
 
-def test_a_remote_stage_runs_one_slot(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_remote_stage_asks_for_the_slots_asked_for() -> None:
+    # the workers' welcome settles how many they hold (tests/engine/link/test_remote_slots.py)
     card = Card(0, "card", 80 * GIB)
-    with caplog.at_level(logging.INFO, "strata.engine"):
-        assert _sequences(4, SplitOptions(layer_split=(10,), remote="10.0.0.2:7470"), [card], None, 4096) == 1
-    assert "runs one request at a time" in caplog.text
+    assert _sequences(4, SplitOptions(layer_split=(10,), remote="10.0.0.2:7470"), [card], None, 4096) == 4
     assert _sequences(4, SplitOptions(layer_split=(10,)), [card], None, 4096) == 4
     assert _sequences(3, SplitOptions(), [card], None, 4096) == 3
     assert _sequences(None, SplitOptions(), [], None, 4096) == CPU_PARALLEL

@@ -19,11 +19,11 @@ class Echo:
     def __init__(self, ms_per_token: float = 0.0) -> None:
         self.ms = ms_per_token
 
-    def open(self, max_ctx: int, kv: str) -> None:
+    def open(self, max_ctx: int, kv: str, slots: int = 1) -> None:
         pass
 
     def forward(
-        self, payload: memoryview | bytes, dtype: str, shape: tuple[int, ...], start: int
+        self, payload: memoryview | bytes, dtype: str, shape: tuple[int, ...], rows: object
     ) -> tuple[bytes, str, tuple[int, ...]]:
         if self.ms:
             time.sleep(self.ms * shape[0] / 1e3)

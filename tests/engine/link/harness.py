@@ -5,6 +5,8 @@ tests that kill, freeze and restart a worker many times."""
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from engine.link.protocol import StageInfo
@@ -61,3 +63,21 @@ def start_worker(
 def start_echo(port: int = 0, env: dict[str, str] | None = None, bind: str = "127.0.0.1") -> WorkerProc:
     cmd = [sys.executable, "-m", "tests.engine.link.echo_worker", bind, str(port)]
     return _start(cmd, _env(env), r"echo worker on \S+:(\d+)", timeout=30.0)
+
+
+@contextmanager
+def three_workers(
+    model: Path, relay_extra: list[str] | None = None, extra: list[str] | None = None
+) -> Iterator[dict[str, WorkerProc]]:
+    """A 6-layer model's workers on loopback: "last3" (layers 3-5), and "relay2" (2-3) relaying to "last4" (4-5)."""
+    started: dict[str, WorkerProc] = {}
+    try:
+        started["last3"] = start_worker(model, 3, extra=extra)
+        started["last4"] = start_worker(model, 4, extra=extra)
+        started["relay2"] = start_worker(
+            model, 2, end=4, nxt=started["last4"].port, extra=relay_extra or extra
+        )
+        yield started
+    finally:
+        for w in started.values():
+            w.stop()

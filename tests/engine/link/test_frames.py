@@ -18,8 +18,10 @@ LIMITS = P.Limits(max_payload=64 * 16 * 4, width=16, max_tokens=64)
 FUZZ = settings(max_examples=1200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _fwd(t: int = 2, dtype: str = "f32") -> list[bytes]:
+def _fwd(t: int = 2, dtype: str = "f32", rows: object = None) -> list[bytes]:
     fields = {"s": 1, "e": 2, "q": 3, "p": 0, **P.tensor_fields(dtype, (t, 16))}
+    if rows is not None:
+        fields["r"] = rows
     return [*P.pack("fwd", fields), b"\x01" * (t * 16 * P.DTYPES[dtype])]
 
 
@@ -30,14 +32,46 @@ def test_valid_frames_round_trip() -> None:
     assert P.decode(hello, LIMITS).kind == "hello"
     err = P.decode(P.pack("error", {"s": 1, "code": "gap", "msg": "m"}), LIMITS)
     assert err.get("msg") == "m"
+    assert P.rows_of(m) == [(0, 0, 3)]  # no rows: the session's first sequence at p
+    several = P.decode(_fwd(5, rows=[[2, 40, 1], [0, 7, 3], [5, 0, 1]]), LIMITS)
+    assert P.rows_of(several) == [(2, 40, 1), (0, 7, 3), (5, 0, 1)]
+
+
+@pytest.mark.parametrize(
+    ("rows", "msg"),
+    [
+        ([[0, 0, 1], [1, 0, 2]], "count 3 tokens, the payload has 2"),
+        ([[0, 0, 1], [0, 1, 1]], "a slot appears twice"),
+        ([[0, 0, 0], [1, 0, 2]], "count must be"),
+        ([[64, 0, 2]], "slot must be"),
+        ([[0, -1, 2]], "start must be"),
+        ([[0, 0]], r"\[slot, start, count\]"),
+        ([], "1 to 64"),
+        ([[0, 0, 1]] * 65, "not valid msgpack"),  # past msgpack's own limit on arrays
+        ("0,0,2", "must be a list"),
+    ],
+)
+def test_bad_rows_say_why(rows: object, msg: str) -> None:
+    with pytest.raises(P.FrameError, match=msg):
+        P.decode(_fwd(2, rows=rows), LIMITS)
+
+
+def test_stage_info_slots_are_checked() -> None:
+    info = {"arch": "a", "n_layer": 4, "n_embd": 8, "n_head_kv": 1, "head_dim": 8, "n_vocab": 9, "n_expert": 0,
+            "begin": 1, "end": 4, "header": "h"}  # fmt: skip
+    assert P.StageInfo.from_wire(info).slots == 1
+    assert P.StageInfo.from_wire({**info, "slots": 16}).slots == 16
+    for bad in (0, P.MAX_SLOTS + 1):
+        with pytest.raises(P.FrameError, match="slots is not 1 to 64"):
+            P.StageInfo.from_wire({**info, "slots": bad})
 
 
 @pytest.mark.parametrize(
     ("frames", "msg"),
     [
         ([b"\x93\x01\x02\x03"], "not a map"),
-        ([msgpack.packb({"v": 2, "k": "fwd"})], "protocol version 2"),
-        ([msgpack.packb({"v": 1, "k": "exec"})], "unknown message kind"),
+        ([msgpack.packb({"v": 99, "k": "fwd"})], "protocol version 99"),
+        ([msgpack.packb({"v": P.VERSION, "k": "exec"})], "unknown message kind"),
         (
             [
                 *P.pack("fwd", {"s": 1, "e": 1, "q": 1, "p": 0, "dt": "f64", "sh": [1, 16], "n": 128}),
@@ -83,10 +117,13 @@ def test_valid_frames_round_trip() -> None:
         ),
         ([P.pack("busy", {"s": 1})[0], b"extra"], "has no payload"),
         ([b"\xd4\x05\x00"], "not valid msgpack|extension"),
-        ([msgpack.packb({"v": 1, "k": "hello", "s": 1, "nonce": b"short", "info": {}})], "16-byte nonce"),
+        (
+            [msgpack.packb({"v": P.VERSION, "k": "hello", "s": 1, "nonce": b"short", "info": {}})],
+            "16-byte nonce",
+        ),
         ([b"\x81" + b"\xa1a" * 1 + b"\xc7\x01\x05x"], "extension|not valid"),
         ([b"x" * (P.MAX_HEADER_BYTES + 1)], "over the"),
-        ([pickle.dumps({"v": 1, "k": "hello"})], "not valid msgpack|not a map"),
+        ([pickle.dumps({"v": P.VERSION, "k": "hello"})], "not valid msgpack|not a map"),
         ([], "1 or 2 frames"),
     ],
 )

@@ -209,11 +209,15 @@ def test_garbage_and_mismatched_frames(server: StageServer, legit: StageClient) 
     ctx, s = _raw_curve(server, token_keys(TOKEN).client)
     rng = os.urandom
     odd_hellos = [
-        [msgpack.packb({"v": 1, "k": "hello", "nonce": b"0" * 16, "info": {}})],  # no session
-        [msgpack.packb({"v": 1, "k": "hello", "s": 3, "nonce": b"1" * 16, "info": {"arch": ["x"] * 60}})],
-        [msgpack.packb({"v": 1, "k": "hello", "s": 4, "nonce": b"2" * 16, "info": 5})],
+        [msgpack.packb({"v": P.VERSION, "k": "hello", "nonce": b"0" * 16, "info": {}})],  # no session
         [
-            msgpack.packb({"v": 1, "k": "welcome", "s": 4, "e": 1, "info": []})
+            msgpack.packb(
+                {"v": P.VERSION, "k": "hello", "s": 3, "nonce": b"1" * 16, "info": {"arch": ["x"] * 60}}
+            )
+        ],
+        [msgpack.packb({"v": P.VERSION, "k": "hello", "s": 4, "nonce": b"2" * 16, "info": 5})],
+        [
+            msgpack.packb({"v": P.VERSION, "k": "welcome", "s": 4, "e": 1, "info": []})
         ],  # a server's message, to a server
     ]
     for frames in ([rng(50)], [b"\x80"], [rng(3), rng(4), rng(5)], [b"\xc1"], [rng(20000)], *odd_hellos):

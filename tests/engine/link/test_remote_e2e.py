@@ -19,7 +19,7 @@ from engine.pipeline.split import SplitOptions
 from engine.pipeline.stages import SplitModel
 from engine.testing.tiny_models import write_tiny_model
 from installer.placement import PlacementError
-from tests.engine.link.harness import TOKEN, WorkerProc, start_worker
+from tests.engine.link.harness import TOKEN, WorkerProc, three_workers
 
 PROMPT = [1, 17, 42, 99, 150, 7, 300, 12, 5, 64, 128, 256, 33, 71, 200, 11, 90, 45, 13, 180, 3, 8]
 PIECE = 4
@@ -34,15 +34,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def workers(model: Path) -> Iterator[dict[str, WorkerProc]]:
-    started: dict[str, WorkerProc] = {}
-    try:
-        started["last3"] = start_worker(model, 3)
-        started["last4"] = start_worker(model, 4)
-        started["relay2"] = start_worker(model, 2, end=4, nxt=started["last4"].port)
+    with three_workers(model) as started:
         yield started
-    finally:
-        for w in started.values():
-            w.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ names it and /health says degraded, a restarted one serves again. Also the confi
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -130,8 +131,12 @@ def test_remote_stage_answers_like_one_process(servers: Servers) -> None:
     events, _ = servers.remote.events_of({"prompt": "stage by stage", "max_tokens": 4, "ignore_eos": True})
     steps = [e for e in events if e["type"] == "step"]
     chunks = [e for e in events if e["type"] == "prompt_chunk"]
-    # 4 tokens: 3 decode steps, each reported by both stages.
-    assert sorted((e["index"], e["stage"]) for e in steps) == [(i, s) for i in range(3) for s in (0, 1)]
+    # 4 tokens: 3 decode steps (numbered by the server's slots, which count every step), each reported by both
+    # stages
+    first = min(e["index"] for e in steps)
+    assert sorted((e["index"], e["stage"]) for e in steps) == [
+        (first + i, s) for i in range(3) for s in (0, 1)
+    ]
     assert {e["stage"] for e in chunks} == {0, 1}
     for e in steps + chunks:
         if e["stage"] == 1:
@@ -140,6 +145,20 @@ def test_remote_stage_answers_like_one_process(servers: Servers) -> None:
         else:  # this process's stage: its own compute, waiting and transfer (stage_clock)
             assert e["layers"] == f"0-{K - 1}" and e["ms"] == e["compute_ms"] > 0
             assert e["wait_ms"] >= 0 and e["transfer_ms"] == 0.0 and "host" not in e
+
+
+def test_clients_at_once_share_the_remote_stages_steps(servers: Servers) -> None:
+    """Four clients at once through the remote stage: each gets the plain server's text, the server ran them in
+    its slots together (the worker keeps a KV cache for each)."""
+    prompts = [*PROMPTS, "a third prompt, longer than the others are", "four"]
+    want = [_complete(servers.plain, p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: _complete(servers.remote, p), prompts))
+    assert got == want
+    slots = servers.remote.get("/stats").json()["slots"]
+    assert slots["total"] == 4, slots  # --parallel auto on the CPU, and the worker holds as many
+    log = "\n".join(servers.remote.log)
+    assert "4 slots" in log and "requests are decoded together" in log
 
 
 def test_a_killed_worker_fails_the_request_and_a_restarted_one_serves(servers: Servers) -> None:

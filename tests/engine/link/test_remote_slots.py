@@ -1,0 +1,250 @@
+"""Several conversations at once over a remote stage: the main's slots each keep their KV on the worker under
+their own number, a step's rows of every slot cross the link as one message, and each request gets the tokens of
+the unsplit model alone: through one worker and through a relay, with prompt chunks beside decode rows, after a
+worker restarted mid-conversation (each slot read again), and with workers that hold fewer slots than asked."""
+
+import logging
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.link import protocol as P
+from engine.link.client import StageClient, StageError
+from engine.link.keys import client_keys, server_keys
+from engine.link.remote import RemoteStage
+from engine.link.server import StageServer
+from engine.link.startup import load_split_model
+from engine.link.transport import Endpoint
+from engine.pipeline.batch import BatchRunner
+from engine.pipeline.generate import DoneEvent, Event, GenerationRequest, Runner
+from engine.pipeline.loader import load_model
+from engine.pipeline.sampling import GREEDY
+from engine.pipeline.split import SplitOptions
+from engine.pipeline.stages import SplitModel
+from engine.testing.tiny_models import write_tiny_model
+from tests.engine.link.echo_worker import Echo
+from tests.engine.link.harness import ECHO_INFO, TOKEN, WorkerProc, start_worker, three_workers
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(
+        tmp_path_factory.mktemp("slots") / "m.gguf", "qwen3moe", qtype="Q8_0", seed=6, n_layer=6
+    )
+
+
+@pytest.fixture(scope="module")
+def workers(model: Path) -> Iterator[dict[str, WorkerProc]]:
+    with three_workers(model, relay_extra=["--parallel", "2"], extra=["--parallel", "4"]) as started:
+        yield started
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STRATA_STAGE_TOKEN", TOKEN)
+    monkeypatch.setenv("STRATA_ACTIVATIONS", "float")  # exact products alone and batched (as test_batch)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(1, 500, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+
+
+def _tokens(events: list[Event]) -> list[int]:
+    done = [e for e in events if isinstance(e, DoneEvent)]
+    assert len(done) == 1, events[-1]
+    return done[0].tokens
+
+
+def _alone(whole: object, req: GenerationRequest) -> list[int]:
+    runner = Runner(whole.model, whole.tokenizer, 256, "f32")  # type: ignore[attr-defined]
+    return _tokens(list(runner.generate(req)))
+
+
+def _load(model: Path, k: int, port: int, parallel: int) -> object:
+    opts = SplitOptions(device="cpu", layer_split=(k,), remote=f"127.0.0.1:{port}", pipe_chunk=8)
+    return load_split_model(model, opts, 256, "f32", "f32", parallel=parallel)
+
+
+def _messages(sm: SplitModel) -> list[list[tuple[int, int, int]]]:
+    """Record the rows of each message the main sends over the link."""
+    client = sm.stages[1].client  # type: ignore[attr-defined]
+    sent: list[list[tuple[int, int, int]]] = []
+    submit = client.submit
+
+    def spy(payload: object, dtype: str, shape: object, start: int, rows: object = None) -> int:
+        sent.append(list(rows or [(0, start, shape[0])]))  # type: ignore[index]
+        return submit(payload, dtype, shape, start, rows)
+
+    client.submit = spy
+    return sent
+
+
+@pytest.mark.parametrize(("k", "worker", "slots"), [(3, "last3", 3), (2, "relay2", 2)])
+def test_slots_over_a_remote_stage_give_each_request_its_tokens_alone(
+    model: Path,
+    workers: dict[str, WorkerProc],
+    k: int,
+    worker: str,
+    slots: int,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    whole = load_model(model, "cpu", "f32")
+    caplog.set_level(logging.INFO)
+    lm = _load(model, k, workers[worker].port, parallel=3)
+    sm = lm.model  # type: ignore[attr-defined]
+    assert isinstance(sm, SplitModel)
+    try:
+        # the relay holds 2 sequences (its --parallel): the main serves 2 at once, and says why
+        assert lm.sequences == slots  # type: ignore[attr-defined]
+        if slots < 3:
+            assert "the chain of workers holds 2 sequence(s)" in caplog.text
+        sent = _messages(sm)
+        reqs = [
+            GenerationRequest(p, max_tokens=3 + 2 * i, sampling=GREEDY, ignore_eos=True)
+            for i, p in enumerate(_prompts(5, seed=k))
+        ]
+        br = BatchRunner(sm, lm.tokenizer, 256, "f32", slots=slots, step_tokens=12)  # type: ignore[attr-defined]
+        got: list[list[Event]] = [[] for _ in reqs]
+        waiting = list(range(len(reqs)))
+        while waiting or br.busy:
+            while waiting and br.free:
+                i = waiting.pop(0)
+                br.admit(reqs[i], got[i].append)
+            br.step()
+        for req, events in zip(reqs, got, strict=True):
+            assert _tokens(events) == _alone(whole, req)
+        # a step's rows of several slots crossed as one message, each slot named once, slots beyond slot 0 used
+        assert max(len(rows) for rows in sent) == slots
+        assert {r[0] for rows in sent for r in rows} == set(range(slots))
+        assert all(len({r[0] for r in rows}) == len(rows) for rows in sent)
+        assert sum(r[2] for rows in sent for r in rows) >= sum(len(r.prompt) + r.max_tokens - 1 for r in reqs)
+    finally:
+        sm.close()
+
+
+def test_a_worker_restarted_mid_conversation_gets_each_slot_read_again(model: Path) -> None:
+    whole = load_model(model, "cpu", "f32")
+    worker = start_worker(model, 3, extra=["--parallel", "3"])
+    lm = _load(model, 3, worker.port, parallel=3)
+    sm = lm.model  # type: ignore[attr-defined]
+    try:
+        reqs = [
+            GenerationRequest(p, max_tokens=10, sampling=GREEDY, ignore_eos=True) for p in _prompts(3, seed=9)
+        ]
+        br = BatchRunner(sm, lm.tokenizer, 256, "f32", slots=3, step_tokens=64)  # type: ignore[attr-defined]
+        got: list[list[Event]] = [[] for _ in reqs]
+        for i, r in enumerate(reqs):
+            br.admit(r, got[i].append)
+        for _ in range(4):  # the prompts and a few tokens each
+            br.step()
+        port = worker.port
+        worker.stop()
+        worker = start_worker(model, 3, port=port, extra=["--parallel", "3"])
+        sent = _messages(sm)
+        while br.busy:
+            br.step()
+        for req, events in zip(reqs, got, strict=True):
+            assert _tokens(events) == _alone(whole, req)
+        # the new worker first got each slot's earlier positions again, one sequence at a time, from position 0
+        first: dict[int, int] = {}
+        for n, rows in enumerate(sent):
+            for r in rows:
+                first.setdefault(r[0], n)
+        assert sorted(first) == [0, 1, 2]
+        assert all(sent[n][0][1] == 0 and len(sent[n]) == 1 for n in first.values())
+    finally:
+        sm.close()
+        worker.stop()
+
+
+def _echo_session(slots: int, asked: int) -> tuple[StageServer, StageClient]:
+    server = StageServer(
+        replace(ECHO_INFO, slots=slots), Echo(), server_keys(None, []), "127.0.0.1", 0
+    ).start()
+    client = StageClient(
+        Endpoint("127.0.0.1", server.port), client_keys(None, None), 64 * 16 * 4, label="echo"
+    )
+    chain = client.connect(replace(ECHO_INFO, slots=asked))
+    assert [c.slots for c in chain] == [min(slots, asked)]
+    return server, client
+
+
+def _send(client: StageClient, rows: list[tuple[int, int, int]]) -> None:
+    t = sum(r[2] for r in rows)
+    x = bytes(t * 16 * 4)
+    client.wait(client.submit(x, "f32", (t, 16), rows[0][1], rows))
+
+
+def test_the_worker_checks_each_slots_positions() -> None:
+    server, client = _echo_session(slots=4, asked=3)
+    try:
+        _send(client, [(0, 0, 5), (2, 0, 2), (1, 0, 1)])
+        _send(client, [(1, 1, 1), (0, 5, 1)])  # each slot goes on where it stopped
+        with pytest.raises(StageError, match="slot 2, holds positions 0-1 and was asked to go on at 7"):
+            _send(client, [(0, 6, 1), (2, 7, 1)])
+    finally:
+        client.close()
+        server.stop()
+    server, client = _echo_session(slots=4, asked=3)
+    try:
+        with pytest.raises(StageError, match="holds 3 slot\\(s\\) for this session, not slot 3"):
+            _send(client, [(3, 0, 1)])
+    finally:
+        client.close()
+        server.stop()
+    server, client = _echo_session(slots=2, asked=8)  # a worker that holds fewer than asked says how many
+    client.close()
+    server.stop()
+
+
+def test_a_worker_restarted_with_fewer_slots_is_refused_naming_the_flag(model: Path) -> None:
+    worker = start_worker(model, 3, extra=["--parallel", "3"])
+    lm = _load(model, 3, worker.port, parallel=3)
+    sm = lm.model  # type: ignore[attr-defined]
+    try:
+        port = worker.port
+        worker.stop()
+        worker = start_worker(model, 3, port=port, extra=["--parallel", "1"])
+        with pytest.raises(StageError, match="start the workers with --parallel 3"):
+            sm.forward(torch.tensor([1, 2, 3]), sm.new_cache(256, "f32"), 0)
+    finally:
+        sm.close()
+        worker.stop()
+
+
+def test_a_worker_of_a_version_before_slots_serves_one_request_at_a_time(
+    model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An earlier worker refuses a hello with a field it does not know (`slots`): the main asks again for one
+    sequence and serves one request at a time; a hello for one sequence leaves the field out, so the two work."""
+    assert "slots" not in ECHO_INFO.to_wire() and P.StageInfo.from_wire(ECHO_INFO.to_wire()).slots == 1
+    on_hello = StageServer._on_hello
+
+    def earlier(self: StageServer, identity: bytes, msg: P.Message) -> None:
+        if "slots" in msg.get("info"):  # what a version-1 worker without slots answers
+            self._error(
+                identity, msg.get("s"), 0, "bad_frame", "stage 3-5: hello info has unknown field 'slots'"
+            )
+            return
+        on_hello(self, identity, msg)
+
+    monkeypatch.setattr(StageServer, "_on_hello", earlier)
+    caplog.set_level(logging.INFO)
+    info = P.StageInfo("qwen3moe", 6, 1, 1, 1, 1, 1, 3, 6, "h")
+    server = StageServer(replace(info, slots=4), Echo(), server_keys(None, []), "127.0.0.1", 0).start()
+    try:
+        client = StageClient(Endpoint("127.0.0.1", server.port), client_keys(None, None), 1 << 16, label="w")
+        stage = RemoteStage(client, replace(info, slots=3), lambda chain: None)
+        stage.connect()
+        assert [c.slots for c in stage.chain] == [1] and stage.expect.slots == 1
+        assert "keeps one sequence (an earlier version of PolyStrata)" in caplog.text
+        stage.close()
+    finally:
+        server.stop()
