@@ -91,6 +91,7 @@ class EngineOptions:
     alias: tuple[str, ...] = ()
     max_queue: int = 64
     parallel: int | None = None  # None: auto (installer.placement.auto_parallel)
+    batch_groups: int | None = None  # None: auto (2 with a remote stage, else 1)
     prompt_cache_mib: int = 2048
     max_body_mib: float = 16.0
     cors: tuple[str, ...] = ()
@@ -355,6 +356,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="slots: requests decoded together in shared steps, each with its own KV cache of --max-context "
         "positions (default auto: up to 16, their KV within an eighth of the VRAM left; on the CPU up to 4, within an "
         "eighth of the RAM)",
+    )
+    p.add_argument(
+        "--batch-groups",
+        type=int,
+        help="with a remote stage: the slots take turns in this many groups, one group's step going out while the "
+        "worker computes another's, so that both PCs work at once (default auto: 2 with a remote stage and 2 slots "
+        "or more, else 1)",
     )
     p.add_argument(
         "--prompt-cache-mib",

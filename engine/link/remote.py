@@ -8,7 +8,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import torch
@@ -266,6 +266,12 @@ class RemoteStage:
         """The rows of several sequences (x [R, D], each part's rows in order, its cache's `slot` naming it on the
         worker) -> [R, D] after the remote layers: one message a step, or as many as `max_tokens` needs (a part
         longer than that goes in pieces, in order), up to `window` in flight."""
+        return self.collect(self.submit_parts(x, parts))
+
+    def submit_parts(self, x: torch.Tensor, parts: Sequence[BatchPart]) -> _Sent:
+        """`run_parts` up to the sending: the step's messages go out (all of them, the worker queues them) and
+        this returns at once; `collect` waits for the answers. Groups of slots are pipelined so: this process
+        computes one group's layers while the worker computes another's."""
         if not self.client.ok:
             raise StageError(f"{self.client.label} is not connected: {self.client.last_error or self.status}")
         msgs: list[tuple[int, int, list[tuple[int, int, int]]]] = []  # (first row, last row + 1, rows)
@@ -281,25 +287,28 @@ class RemoteStage:
                 else:
                     msgs.append((at + o, at + o + k, [(p.cache.slot, p.start + o, k)]))
             at += n
-        outs: list[torch.Tensor] = []
-        flight: deque[int] = deque()
+        sent: list[int] = []
         try:
             for a, b, rows in msgs:
-                if len(flight) >= self.window:
-                    outs.append(self._take(flight))
                 payload, dtype, shape = payload_of(x[a:b])
-                flight.append(self.client.submit(payload, dtype, shape, rows[0][1], rows))
-            while flight:
-                outs.append(self._take(flight))
+                sent.append(self.client.submit(payload, dtype, shape, rows[0][1], rows))
+        except StageError as e:
+            self.status = f"down: {e}"
+            raise
+        return _Sent(sent)
+
+    def collect(self, sent: _Sent) -> torch.Tensor:
+        """The answers to `submit_parts`'s messages -> [R, D] (earlier steps' answers must have been collected)."""
+        outs: list[torch.Tensor] = []
+        try:
+            for seq in sent.seqs:
+                r = self.client.wait(seq)
+                self._note(r.message.get("t"), r.rtt_ms)
+                outs.append(tensor_from(r.message.payload or b"", r.message.dtype or "f32", r.message.shape))
         except StageError as e:
             self.status = f"down: {e}"
             raise
         return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def _take(self, flight: deque[int]) -> torch.Tensor:
-        r = self.client.wait(flight.popleft())
-        self._note(r.message.get("t"), r.rtt_ms)
-        return tensor_from(r.message.payload or b"", r.message.dtype or "f32", r.message.shape)
 
     def pipe(
         self,
@@ -359,6 +368,11 @@ class RemoteStage:
                 self._note(r.message.get("t"), r.rtt_ms)
                 if not give(tensor_from(r.message.payload or b"", r.message.dtype or "f32", r.message.shape)):
                     return
+
+
+@dataclass(frozen=True)
+class _Sent:
+    seqs: list[int]  # the link's sequence numbers of one step's messages, in order
 
 
 class HeadStage:

@@ -132,7 +132,8 @@ class StageServer:
         self._nonces: OrderedDict[bytes, None] = OrderedDict()
         self._session: _Session | None = None
         self._pending: dict[bytes, tuple[int, float]] = {}  # identity -> (requests running, last busy sent)
-        self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=8)
+        # requests queued for the work thread: several groups of slots may each have a step's messages in flight
+        self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=32)
         self._relay_jobs: queue.Queue[tuple[_Job, memoryview | bytes, str, tuple[int, ...]] | _Job | None] = (
             queue.Queue(maxsize=8)
         )

@@ -85,6 +85,16 @@ class _Request:
 
 
 @dataclass
+class _Pending:
+    """A group's step sent to a stage in another process: `finish()` waits for it and gives its logits."""
+
+    finish: Callable[[], torch.Tensor]
+    parts: list[BatchPart]
+    plan: list[tuple["Slot", _Request, int, int]]
+    t0: float
+
+
+@dataclass
 class _Flight:
     """A launched step: its rows, their logits and the plain rows' draws (on the device, and their host copy)."""
 
@@ -146,9 +156,12 @@ class BatchRunner:
         prompt_cache: PromptCache | None = None,
         prefill_span: int | None = None,
         overlap: bool | None = None,
+        groups: int = 1,
     ) -> None:
         """`overlap`: read a step's tokens while the next one runs (default: on a GPU, where the device works
-        apart from the host)."""
+        apart from the host). `groups`: with a stage in another process (the model's `pipelines_groups`), the
+        slots take turns in that many groups, each group's step going out before the previous group's answer
+        is read, so that this process and the worker compute at once (slot i is in group i % groups)."""
         if slots < 1:
             raise ValueError(f"--parallel {slots}: give at least 1")
         if not hasattr(model, "forward_batch"):
@@ -182,6 +195,9 @@ class BatchRunner:
         on_gpu = isinstance(dev, torch.device) and dev.type == "cuda"
         self.overlap = overlap if overlap is not None else on_gpu and runtime_switches().step_overlap
         self._flight: _Flight | None = None
+        self.groups = max(1, min(groups, slots)) if getattr(model, "pipelines_groups", False) else 1
+        self._pending: dict[int, _Pending] = {}  # group -> its step, sent, not read yet (groups > 1)
+        self._turn = 0  # the group whose step is read and launched next
         self.steps = 0
         self._order: list[
             Slot
@@ -246,7 +262,7 @@ class BatchRunner:
     @property
     def in_flight(self) -> bool:
         """A step was launched whose tokens the host has not read yet (`overlap`): the next `step` reads them."""
-        return self._flight is not None
+        return self._flight is not None or bool(self._pending)
 
     @torch.inference_mode()
     def step(self) -> list[BatchStep]:
@@ -254,10 +270,13 @@ class BatchRunner:
         a step of decode rows is read while the next one runs (its tokens feed the next step on the device), so
         the host's work on each token (its text, stop strings, the events) hides behind the device's. -> the
         steps read in this call ([] when no slot had work, or a step failed: its requests were told through
-        `fail`)."""
-        for slot in list(self._order):
-            if slot.request is not None and slot.request.cancelled():
+        `fail`). With groups, each call reads one group's step and sends its next one."""
+        sent = {slot for p in self._pending.values() for slot, _, _, _ in p.plan}
+        for slot in list(self._order):  # a slot whose step is out leaves once that step is read
+            if slot.request is not None and slot.request.cancelled() and slot not in sent:
                 self._leave(slot)
+        if self.groups > 1:
+            return self._step_group()
         prev, self._flight = self._flight, None
         parts, plan = self._plan()
         done: list[BatchStep] = []
@@ -271,11 +290,42 @@ class BatchRunner:
                 done += self._read(flight)
         return done
 
-    def _plan(self) -> tuple[list[BatchPart], list[tuple[Slot, _Request, int, int]]]:
-        """This step's rows: (slot, request, prompt tokens read, where they start; 0 tokens: a decode row)."""
+    def _step_group(self) -> list[BatchStep]:
+        """Read the turn's group's step (waiting for the worker's answer), then send that group's next step."""
+        g, done = self._turn, []
+        self._turn = (g + 1) % self.groups
+        pend = self._pending.pop(g, None)
+        if pend is not None:
+            try:
+                logits = pend.finish()
+            except Exception as e:
+                log.exception("a step of %d sequences failed", len(pend.plan))
+                self._fail([(s, r) for s, r, _, _ in pend.plan], e)
+            else:
+                f = self._launch(pend.parts, pend.plan, logits, pend.t0)
+                if f is not None:
+                    done += self._read(f)
+        parts, plan = self._plan(g)
+        if parts:
+            t0 = time.perf_counter()
+            try:
+                finish = self.model.launch_batch(parts)  # type: ignore[attr-defined]
+            except Exception as e:
+                log.exception("a step of %d sequences failed", len(plan))
+                self._fail([(s, r) for s, r, _, _ in plan], e)
+            else:
+                self._pending[g] = _Pending(finish, parts, plan, t0)
+        return done
+
+    def _plan(
+        self, group: int | None = None
+    ) -> tuple[list[BatchPart], list[tuple[Slot, _Request, int, int]]]:
+        """This step's rows (of the slots of `group` only, with groups): (slot, request, prompt tokens read, where
+        they start; 0 tokens: a decode row)."""
         parts: list[BatchPart] = []
         plan: list[tuple[Slot, _Request, int, int]] = []
-        for slot in self._order:
+        mine = self._order if group is None else [s for s in self._order if s.index % self.groups == group]
+        for slot in mine:
             r = slot.request
             if r is None:
                 continue
@@ -290,7 +340,7 @@ class BatchRunner:
                 continue
             plan.append((slot, r, 0, len(slot.tokens)))
         budget = self.step_tokens - len(parts)
-        for slot in self._order:
+        for slot in mine:
             r = slot.request
             if budget <= 0:
                 break
@@ -308,17 +358,21 @@ class BatchRunner:
         return parts, plan
 
     def _launch(
-        self, parts: list[BatchPart], plan: list[tuple[Slot, _Request, int, int]]
+        self,
+        parts: list[BatchPart],
+        plan: list[tuple[Slot, _Request, int, int]],
+        logits: torch.Tensor | None = None,
+        t0: float | None = None,
     ) -> "_Flight | None":
         """Queue the step on the device, and its plain rows' draws with it; the slots' bookkeeping moves on (what
-        each slot's KV will hold), the events wait for `_read`."""
-        t0 = time.perf_counter()
-        timer = _timer(self.model)
+        each slot's KV will hold), the events wait for `_read`. `logits`: the step ran already (a group's)."""
+        t0 = time.perf_counter() if t0 is None else t0
+        timer = _timer(self.model) if logits is None else None
         try:
-            if len(parts) == 1 and parts[0].tokens.shape[0] > self.step_tokens:
+            if logits is None and len(parts) == 1 and parts[0].tokens.shape[0] > self.step_tokens:
                 p = parts[0]
                 logits = self.model.forward_span(p.tokens, p.cache, p.start, self.step_tokens)  # type: ignore[attr-defined]
-            else:
+            elif logits is None:
                 logits = self.model.forward_batch(parts)  # type: ignore[attr-defined]
             for _, r, n, at in plan:  # grammars compute their next masks while the device runs the step
                 if n == 0 or at + n == len(r.prompt):

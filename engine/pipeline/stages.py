@@ -365,21 +365,68 @@ class SplitModel:
                 n += 1
         return torch.cat(out)  # type: ignore[arg-type]
 
+    @property
+    def pipelines_groups(self) -> bool:
+        """Whether `launch_batch` returns before the step is done: a stage in another process computes while
+        this one goes on (BatchRunner's groups of slots)."""
+        return self.remote and self._batches()
+
+    def launch_batch(self, parts: Sequence[BatchPart]) -> Callable[[], torch.Tensor]:
+        """`forward_batch` in two halves: the stages up to the first remote one run now and its message goes out;
+        the returned call waits for the answer, runs the stages after it and gives each part's last-row logits
+        [P, V]. Between the two this process is free to run another group of slots (whose rows the worker then
+        takes after these)."""
+        r = next(i for i, st in enumerate(self.stages) if hasattr(st, "submit_parts"))
+        self._resync(parts)
+        fused = (
+            len(parts) <= FAST_MAX_ROWS
+            and self._rows_ready()
+            and all(p.tokens.shape[0] == 1 and p.cache.shared is not None for p in parts)
+        )
+        x = torch.cat([p.tokens.to(self.stages[0].device, non_blocking=True) for p in parts])
+        clock = self.clock = ForwardClock(self.devices) if self.measure else None
+        for s in range(r):
+            x = self._stage_rows(s, x, parts, fused)
+        sent = self.stages[r].submit_parts(x, parts)  # type: ignore[attr-defined]
+
+        def finish() -> torch.Tensor:
+            self.clock = clock  # stage_report then tells of this step (another group's may have run since)
+            y = self.stages[r].collect(sent)  # type: ignore[attr-defined]
+            if r < len(self.handoffs):
+                y = self.handoffs[r].send(y)
+            for s in range(r + 1, len(self.stages)):
+                y = self._stage_rows(s, y, parts, fused)
+            for p in parts:
+                p.cache.length = p.start + int(p.tokens.shape[0])
+            self._remember(parts)
+            return y
+
+        return finish
+
+    def _stage_rows(self, s: int, x: torch.Tensor, parts: Sequence[BatchPart], fused: bool) -> torch.Tensor:
+        """Stage s on a step's rows of several sequences, then its hand-off."""
+        t0 = time.perf_counter()
+        st, clock = self.stages[s], self.clock
+        begin = clock.begin(s) if clock is not None and isinstance(st, LocalStage) else None
+        if isinstance(st, LocalStage):
+            x = st.run_rows(x, parts) if fused else st.run_batch(x, parts)
+        else:  # a remote stage (one message), or the head after it
+            x = st.run_parts(x, parts)  # type: ignore[attr-defined]
+        if clock is not None and begin is not None:
+            clock.end(s, begin)
+        if s < len(self.handoffs):
+            x = self.handoffs[s].send(x, clock.hop(s) if clock is not None and begin is not None else None)
+        self.timing.ms[s] = (time.perf_counter() - t0) * 1e3
+        return x
+
     def _through_stages(self, parts: Sequence[BatchPart], fused: bool) -> torch.Tensor:
         """The parts' rows through each stage together, crossing each hand-off as one tensor -> each part's
         last-row logits [P, V]. `fused`: one decode row a part, the slots' caches rows of one (run_rows)."""
         dev = self.stages[0].device  # type: ignore[union-attr]
         x = torch.cat([p.tokens.to(dev, non_blocking=True) for p in parts])  # some may be drawn on a device
         self.clock = None  # host times only (stage_report): no device clock around shared steps yet
-        for s, st in enumerate(self.stages):
-            t0 = time.perf_counter()
-            if isinstance(st, LocalStage):
-                x = st.run_rows(x, parts) if fused else st.run_batch(x, parts)
-            else:  # a remote stage (one message), or the head after it
-                x = st.run_parts(x, parts)  # type: ignore[attr-defined]
-            if s < len(self.handoffs):
-                x = self.handoffs[s].send(x)
-            self.timing.ms[s] = (time.perf_counter() - t0) * 1e3
+        for s in range(len(self.stages)):
+            x = self._stage_rows(s, x, parts, fused)
         for p in parts:
             p.cache.length = p.start + int(p.tokens.shape[0])
         self.timing.tokens = int(x.shape[0])

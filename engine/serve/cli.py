@@ -107,6 +107,8 @@ def _serve(args: "EngineOptions") -> int:
         raise ServeError(f"--max-context must be at least 16 positions, not {args.max_context}")
     if args.max_queue < 1:
         raise ServeError(f"--max-queue must be at least 1, not {args.max_queue}")
+    if args.batch_groups is not None and args.batch_groups < 1:
+        raise ServeError(f"--batch-groups must be 1 or more (or left out: auto), not {args.batch_groups}")
     if args.parallel is not None and not 1 <= args.parallel <= MAX_PARALLEL:
         raise ServeError(
             f"--parallel must be 1..{MAX_PARALLEL} slots (or left out: auto), not {args.parallel}"
@@ -141,6 +143,7 @@ def _serve(args: "EngineOptions") -> int:
         prompt_cache_mib=args.prompt_cache_mib,
         max_queue=args.max_queue,
         parallel=args.parallel,
+        batch_groups=args.batch_groups,
         aliases=tuple(args.alias),
         api_key=api_key,
         max_body_bytes=int(args.max_body_mib * (1 << 20)),

@@ -33,6 +33,7 @@ class ServeOptions:
     parallel: int | None = (
         D.parallel
     )  # slots decoded together; None: auto (installer.placement.auto_parallel)
+    batch_groups: int | None = None  # groups of slots pipelined through a remote stage; None: auto
     aliases: tuple[str, ...] = ()
     api_key: str | None = None
     max_body_bytes: int = int(D.max_body_mib * (1 << 20))

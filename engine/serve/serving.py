@@ -174,11 +174,23 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
             if slots > 1 and not hasattr(lm.model, "forward_batch"):
                 log.info("--parallel %d: this model runs one request at a time: 1 slot", slots)
                 slots = 1
-            batch = (
-                BatchRunner(lm.model, lm.tokenizer, o.max_context, kv, slots, chunk, cache, prefill_span=span)
-                if slots > 1
-                else None
-            )
+            groups = o.batch_groups if o.batch_groups is not None else (2 if split.remote else 1)
+            batch = None
+            if slots > 1:
+                batch = BatchRunner(
+                    lm.model,
+                    lm.tokenizer,
+                    o.max_context,
+                    kv,
+                    slots,
+                    chunk,
+                    cache,
+                    prefill_span=span,
+                    groups=groups,
+                )
+            if batch is not None and batch.groups > 1:
+                log.info("%d slots in %d groups: a group's step goes out while the worker computes another's",
+                         slots, batch.groups)  # fmt: skip
             if batch is not None:
                 t0 = time.perf_counter()
                 warmed = batch.warm()

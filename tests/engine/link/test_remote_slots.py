@@ -129,6 +129,47 @@ def test_slots_over_a_remote_stage_give_each_request_its_tokens_alone(
         sm.close()
 
 
+@pytest.mark.parametrize("groups", [2, 3])
+def test_groups_of_slots_are_pipelined_through_the_worker(
+    model: Path, workers: dict[str, WorkerProc], groups: int
+) -> None:
+    """With groups, a group's step goes out while the worker still computes the previous group's: the link has
+    several steps in flight, and every request still gets its tokens alone (joins, prompt chunks, ends)."""
+    whole = load_model(model, "cpu", "f32")
+    lm = _load(model, 3, workers["last3"].port, parallel=4)
+    sm = lm.model  # type: ignore[attr-defined]
+    try:
+        assert sm.pipelines_groups
+        client = sm.stages[1].client
+        depth: list[int] = []
+        submit = client.submit
+
+        def spy(*a: object) -> int:
+            depth.append(len(client.in_flight))
+            return submit(*a)  # type: ignore[arg-type]
+
+        client.submit = spy
+        reqs = [
+            GenerationRequest(p, max_tokens=2 + 3 * i, sampling=GREEDY, ignore_eos=True)
+            for i, p in enumerate(_prompts(7, seed=11))
+        ]
+        br = BatchRunner(sm, lm.tokenizer, 256, "f32", slots=4, step_tokens=12, groups=groups)  # type: ignore[attr-defined]
+        assert br.groups == groups
+        got: list[list[Event]] = [[] for _ in reqs]
+        waiting = list(range(len(reqs)))
+        while waiting or br.busy or br.in_flight:
+            while waiting and br.free:
+                i = waiting.pop(0)
+                br.admit(reqs[i], got[i].append)
+            br.step()
+        for req, events in zip(reqs, got, strict=True):
+            assert _tokens(events) == _alone(whole, req)
+        assert max(depth) >= groups - 1 >= 1  # steps of other groups were out when one was sent
+        assert not br.in_flight and br.free == 4
+    finally:
+        sm.close()
+
+
 def test_a_worker_restarted_mid_conversation_gets_each_slot_read_again(model: Path) -> None:
     whole = load_model(model, "cpu", "f32")
     worker = start_worker(model, 3, extra=["--parallel", "3"])
