@@ -21,6 +21,7 @@ from engine.link import protocol as P
 from engine.link.client import StageClient, StageError
 from engine.models.decoder import DecoderLM
 from engine.models.family_base import BatchPart
+from engine.models.fast_decode import FAST_MAX_ROWS
 from engine.models.gated_delta import RecurrentCache
 from engine.pipeline.stages import LocalStage
 
@@ -95,10 +96,24 @@ class ModelCompute:
         if slots > 1 and self.stage.takes_rows:
             # rows of one cache: a step's decode rows of every slot cross the stage's fused path together
             self.caches = m.new_cache(slots * max_ctx, kv).split(slots)
-            with torch.inference_mode():
-                m.warm_rows(self.caches)
+            self._warm_rows()
         else:
             self.caches = [m.new_cache(max_ctx, kv) for _ in range(slots)]
+
+    @torch.inference_mode()
+    def _warm_rows(self) -> None:
+        """Run (and so capture) the fused decode rows of 1 .. FAST_MAX_ROWS slots once, at position 0, before the
+        first step needs them; the caches and the expert counts are left as they were."""
+        m, dev = self.stage.model, self.stage.device
+        counts = m.expert_counts
+        saved = counts.clone() if counts is not None else None
+        for t in range(1, min(len(self.caches), FAST_MAX_ROWS) + 1):
+            parts = [BatchPart(torch.zeros(1, dtype=torch.long), c, 0) for c in self.caches[:t]]
+            self.stage.run_rows(torch.zeros(t, m.cfg.n_embd, device=dev), parts)
+        for c in self.caches:
+            c.length = 0
+        if saved is not None and counts is not None:
+            counts.copy_(saved)
 
     @torch.inference_mode()
     def forward(
