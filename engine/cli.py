@@ -40,6 +40,10 @@ def _thread_policy(threads: int) -> None:
             log.info("CPU: %d of %d cores are busy with other programs: %d threads (--threads sets them)",
                      usable - threads, usable, threads)  # fmt: skip
     for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS"):
+        if var == "NUMBA_NUM_THREADS" and "numba" in sys.modules:
+            # Numba fixes its pool when it first loads, and refuses to compile once the variable says another
+            # size: a second command run in the same process (the tests') leaves it as it is
+            continue
         os.environ[var] = str(threads)
 
 
