@@ -767,6 +767,7 @@ class SlotsStats(_Status):
 
     total: int
     busy: int
+    groups: int = 1  # --batch-groups: groups of slots pipelined through a remote stage
     rows_per_step: Series  # token rows per shared step
     slots: list[SlotStats]
 

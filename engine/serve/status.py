@@ -194,6 +194,7 @@ class Status:
             {
                 "total": len(b.slots),
                 "busy": b.busy,
+                "groups": b.groups,
                 "rows_per_step": self.rows.to_dict(),
                 "slots": b.slot_report(),
             }

@@ -157,6 +157,7 @@ def test_clients_at_once_share_the_remote_stages_steps(servers: Servers) -> None
     assert got == want
     slots = servers.remote.get("/stats").json()["slots"]
     assert slots["total"] == 4, slots  # --parallel auto on the CPU, and the worker holds as many
+    assert slots["groups"] == 2  # --batch-groups auto with a remote stage: one group computes here, one there
     log = "\n".join(servers.remote.log)
     assert "4 slots" in log and "requests are decoded together" in log
 
