@@ -168,7 +168,11 @@ def test_one_thread_count_for_every_pool_from_the_flag_or_the_free_cores(
     # where Numba has loaded (its pool is fixed), a second command in the process leaves its variable alone
     monkeypatch.setitem(sys.modules, "numba", object())
     cli._thread_policy(2)
-    assert [os.environ[v] for v in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS")] == ["2", "3", "2"]
+    assert [os.environ[v] for v in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS")] == [
+        "2",
+        "3",
+        "2",
+    ]
     # the child process gets them: generate with --threads 1 reports torch running one thread
     r = run(
         "generate", "--model", str(tiny), "--prompt", "hi", "-n", "2", "--device", "cpu", "--threads", "1"
