@@ -36,7 +36,9 @@ class WorkerProc(Spawned):
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ, STRATA_STAGE_TOKEN=TOKEN, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # this tree first, then what the parent's path had (wheels carried beside the interpreter's own)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, STRATA_STAGE_TOKEN=TOKEN, OMP_NUM_THREADS="1", PYTHONPATH=path)
     env.update(extra or {})
     return env
 
