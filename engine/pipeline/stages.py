@@ -110,8 +110,10 @@ class LocalStage:
 
     @property
     def takes_rows(self) -> bool:
-        """Whether decode rows of several slots sharing one cache run here through the fused decode path."""
-        return bool(getattr(self.model, "fast", False)) and self.device.type == "cuda"
+        """Whether decode rows of several slots sharing one cache run here through the fused decode path (whose
+        slot graphs run the model's head where it has one: not where a later stage runs it, after a remote chain)."""
+        fast = bool(getattr(self.model, "fast", False)) and self.device.type == "cuda"
+        return fast and self.with_head == self.model.has_head
 
     def run_rows(self, x: torch.Tensor, parts: Sequence[BatchPart]) -> torch.Tensor:
         """One decode row of each part (token ids [P] for the first stage, else hidden [P, D]), the parts' caches
