@@ -12,6 +12,7 @@ import collections
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -132,8 +133,10 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
             o = self.opts
             if o.threads:
                 torch.set_num_threads(o.threads)
-                # the threads of --cpu-experts' kernels: Numba reads this when first imported
-                os.environ.setdefault("NUMBA_NUM_THREADS", str(o.threads))
+                # the threads of --cpu-experts' kernels: Numba reads this when first imported (once it has loaded,
+                # its pool is fixed and another value would make it refuse to compile)
+                if "numba" not in sys.modules:
+                    os.environ.setdefault("NUMBA_NUM_THREADS", str(o.threads))
             path = o.model
             if path is None:
                 path = default_model_path()
