@@ -321,6 +321,8 @@ class StageClient:
 
     def wait(self, seq: int) -> Reply:
         """Block until the reply to `seq` (earlier replies must have been taken)."""
+        if seq not in self.in_flight:  # sent on a connection since renewed: its answer will not come
+            raise StageError(f"{self.label}: request {seq} was sent on an earlier connection", "stale")
         while True:
             r = self.poll(self.stall_s)
             if r is None:

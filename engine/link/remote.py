@@ -310,11 +310,17 @@ class RemoteStage:
         except StageError as e:
             self.status = f"down: {e}"
             raise
-        return _Sent(sent)
+        return _Sent(sent, self.client.session)
 
     def collect(self, sent: _Sent) -> torch.Tensor:
         """The answers to `submit_parts`'s messages -> [R, D] (earlier steps' answers must have been collected)."""
         outs: list[torch.Tensor] = []
+        if (
+            self.client.session != sent.session
+        ):  # reconnected since (another group's step found the link down)
+            raise StageError(
+                f"{self.client.label}: the connection was renewed while this step was out", "stale"
+            )
         try:
             for seq in sent.seqs:
                 r = self.client.wait(seq)
@@ -388,6 +394,7 @@ class RemoteStage:
 @dataclass(frozen=True)
 class _Sent:
     seqs: list[int]  # the link's sequence numbers of one step's messages, in order
+    session: int  # the connection's session they went out on
 
 
 class HeadStage:

@@ -4,6 +4,7 @@ the unsplit model alone: through one worker and through a relay, with prompt chu
 worker restarted mid-conversation (each slot read again), and with workers that hold fewer slots than asked."""
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from engine.link.remote import RemoteStage
 from engine.link.server import StageServer
 from engine.link.startup import load_split_model
 from engine.link.transport import Endpoint
+from engine.models.family_base import BatchPart
 from engine.pipeline.batch import BatchRunner
 from engine.pipeline.generate import DoneEvent, Event, GenerationRequest, Runner
 from engine.pipeline.loader import load_model
@@ -168,6 +170,76 @@ def test_groups_of_slots_are_pipelined_through_the_worker(
         assert not br.in_flight and br.free == 4
     finally:
         sm.close()
+
+
+def test_a_worker_lost_with_groups_out_fails_their_requests_and_the_next_ones_serve(model: Path) -> None:
+    """The worker dies while both groups' steps are out: each group's requests fail with the link's error when
+    their step is read (none hangs, no answer of the old connection is taken for a new one), and requests after the
+    worker is back get their tokens alone."""
+    whole = load_model(model, "cpu", "f32")
+    worker = start_worker(model, 3, extra=["--parallel", "4"])
+    lm = _load(model, 3, worker.port, parallel=4)
+    sm = lm.model  # type: ignore[attr-defined]
+    try:
+        br = BatchRunner(sm, lm.tokenizer, 256, "f32", slots=4, groups=2)  # type: ignore[attr-defined]
+        reqs = [
+            GenerationRequest(p, max_tokens=40, sampling=GREEDY, ignore_eos=True) for p in _prompts(4, seed=5)
+        ]
+        failed: list[BaseException] = []
+        for r in reqs:
+            br.admit(r, lambda e: None, fail=failed.append)
+        for _ in range(6):
+            br.step()
+        assert len(br._pending) == 2  # both groups' steps are out
+        port = worker.port
+        worker.kill()
+        t0 = time.monotonic()
+        while br.busy or br.in_flight:
+            br.step()
+            assert time.monotonic() - t0 < 30
+        assert len(failed) == 4 and all(isinstance(e, StageError) for e in failed), failed
+        worker = start_worker(model, 3, port=port, extra=["--parallel", "4"])
+        got: list[Event] = []
+        again = GenerationRequest(PROMPT_AFTER, max_tokens=5, sampling=GREEDY, ignore_eos=True)
+        br.admit(again, got.append)
+        while br.busy or br.in_flight:
+            br.step()
+        assert _tokens(got) == _alone(whole, again)
+    finally:
+        sm.close()
+        worker.stop()
+
+
+PROMPT_AFTER = [3, 14, 15, 92, 65, 35]
+
+
+def test_a_step_out_on_a_connection_since_renewed_fails_instead_of_waiting() -> None:
+    """Another group's step reconnected the link (a new session numbers its requests from 1 again): a step sent
+    on the old one fails at once; it neither waits forever nor takes a reply meant for a new request."""
+    info = replace(ECHO_INFO, slots=2)
+    server = StageServer(info, Echo(ms_per_token=50), server_keys(None, []), "127.0.0.1", 0).start()
+    try:
+        client = StageClient(
+            Endpoint("127.0.0.1", server.port), client_keys(None, None), 64 * 16 * 4, label="w"
+        )
+        stage = RemoteStage(client, info, lambda chain: None)
+        stage.connect()
+        cache = replace_slot(1)
+        part = BatchPart(torch.zeros(2, dtype=torch.long), cache, 0)
+        out = stage.submit_parts(torch.zeros(2, 16), [part])
+        stage.connect()  # what ensure() does when it finds the link down
+        fresh = stage.submit_parts(torch.ones(2, 16), [part])
+        with pytest.raises(StageError, match="renewed while this step was out"):
+            stage.collect(out)
+        assert torch.equal(stage.collect(fresh), torch.ones(2, 16))
+        stage.close()
+    finally:
+        server.stop()
+
+
+def replace_slot(slot: int) -> object:
+    """A stand-in cache: only its slot number crosses the link."""
+    return type("Cache", (), {"slot": slot})()
 
 
 def test_a_worker_restarted_mid_conversation_gets_each_slot_read_again(model: Path) -> None:
