@@ -87,16 +87,20 @@ class ModelCompute:
             raise ValueError("a worker stage runs neither the token table nor the head")
         self.stage = LocalStage(model, label)
         self.caches: list[KVCache] = []
+        self._warm_due = False
 
     def open(self, max_ctx: int, kv: str, slots: int = 1) -> None:
-        self.caches = []  # the old session's KV goes first
+        self.caches, self._warm_due = [], False  # the old session's KV goes first
         m = self.stage.model
         if self.stage.device.type == "cuda":
             torch.cuda.empty_cache()
         if slots > 1 and self.stage.takes_rows:
             # rows of one cache: a step's decode rows of every slot cross the stage's fused path together
             self.caches = m.new_cache(slots * max_ctx, kv).split(slots)
-            self._warm_rows()
+            # captured before the first step, not here: compiling the fused kernels can take longer than the
+            # main waits for the handshake (on one H200 the first session's hello timed out at 10 s); while the
+            # first step waits for them the worker says `busy`
+            self._warm_due = True
         else:
             self.caches = [m.new_cache(max_ctx, kv) for _ in range(slots)]
 
@@ -125,6 +129,9 @@ class ModelCompute:
     ) -> tuple[memoryview, str, tuple[int, ...]]:
         if not self.caches:
             raise RuntimeError("no session: the handshake did not finish")
+        if self._warm_due:
+            self._warm_due = False
+            self._warm_rows()
         h = tensor_from(payload, dtype, shape).to(self.stage.device).float()  # [T, D]
         st, m = self.stage, self.stage.model
         parts = [

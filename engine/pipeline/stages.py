@@ -277,18 +277,24 @@ class SplitModel:
 
     def warm_rows(self, caches: Sequence[KVCache]) -> int:
         """Capture the stages' decode rows of 1 .. FAST_MAX_ROWS of these slots (DecoderLM.warm_rows for a split);
-        -> the most rows warmed (0: none here)."""
-        if not caches or caches[0].shared is None or not self._rows_ready():
+        -> the most rows warmed (0: none here). With a remote stage, one step of every slot's row at position 0:
+        the worker captures its own rows before its first step, so that happens while this server loads, not
+        while the first request waits."""
+        remote = self.remote and bool(caches) and self._batches()
+        if not remote and (not caches or caches[0].shared is None or not self._rows_ready()):
             return 0
         saved = [(m, m.expert_counts.clone()) for m in self._models() if m.expert_counts is not None]
         n = min(len(caches), FAST_MAX_ROWS)
-        for t in range(1, n + 1):
+        for t in [n] if remote else range(1, n + 1):
             self.forward_batch([BatchPart(torch.zeros(1, dtype=torch.long), c, 0) for c in caches[:t]])
         for c in caches:
             c.length = 0
         for m, counts in saved:
             assert m.expert_counts is not None
             m.expert_counts.copy_(counts)
+        if remote:  # no graphs of this process's own were captured
+            log.info("remote stage: a step of %d rows sent, the worker's decode rows are warm", n)
+            return 0
         return n
 
     def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:

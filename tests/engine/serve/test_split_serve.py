@@ -160,6 +160,7 @@ def test_clients_at_once_share_the_remote_stages_steps(servers: Servers) -> None
     assert slots["groups"] == 2  # --batch-groups auto with a remote stage: one group computes here, one there
     log = "\n".join(servers.remote.log)
     assert "4 slots" in log and "requests are decoded together" in log
+    assert "the worker's decode rows are warm" in log  # at load, not in the first request's time
 
 
 def test_a_killed_worker_fails_the_request_and_a_restarted_one_serves(servers: Servers) -> None:
