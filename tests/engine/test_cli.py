@@ -161,7 +161,10 @@ def test_one_thread_count_for_every_pool_from_the_flag_or_the_free_cores(
     monkeypatch.setattr(eo.psutil, "cpu_percent", lambda interval, percpu: [2.0, 99.0])
     assert eo.free_cores() == (2, 2)  # the busy core is the parent's own
     for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS"):
-        monkeypatch.delenv(var, raising=False)
+        # recorded first, so that what _thread_policy writes is undone after the test (delenv of a variable that
+        # is not set records nothing, and a later Numba compile in this process would see the test's value)
+        monkeypatch.setenv(var, "0")
+        monkeypatch.delenv(var)
     monkeypatch.delitem(sys.modules, "numba", raising=False)  # as in a fresh engine process
     cli._thread_policy(3)
     assert {os.environ[v] for v in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS")} == {"3"}
