@@ -61,9 +61,8 @@ class _Session:
     max_ctx: int
     slots: int = 1
     last_seq: int = 0
-    filled: list[int] = field(
-        default_factory=list
-    )  # per slot: positions accepted so far (requests run in order)
+    # per slot: positions accepted so far (requests run in order)
+    filled: list[int] = field(default_factory=list)
     broken: str = ""  # set after a failure: every request then gets this error until a new handshake
 
 
@@ -75,9 +74,8 @@ class _Job:
     epoch: int
     seq: int = 0
     start: int = 0
-    rows: list[tuple[int, int, int]] = field(
-        default_factory=list
-    )  # (slot, start, count) of the payload's rows
+    # (slot, start, count) of the payload's rows
+    rows: list[tuple[int, int, int]] = field(default_factory=list)
     slots: int = 1  # hello: the sequences the session holds
     dtype: str = ""
     shape: tuple[int, ...] = ()
