@@ -69,6 +69,20 @@ def _alone(whole: object, req: GenerationRequest) -> list[int]:
     return _tokens(list(runner.generate(req)))
 
 
+def _each_as_alone(br: BatchRunner, reqs: list[GenerationRequest], whole: object) -> None:
+    """Admit the requests as slots free up (first come, first served), step until every one is done and no step
+    is out, and check each one's tokens against the unsplit model's for it alone."""
+    got: list[list[Event]] = [[] for _ in reqs]
+    waiting = list(range(len(reqs)))
+    while waiting or br.busy or br.in_flight:
+        while waiting and br.free:
+            i = waiting.pop(0)
+            br.admit(reqs[i], got[i].append)
+        br.step()
+    for req, events in zip(reqs, got, strict=True):
+        assert _tokens(events) == _alone(whole, req)
+
+
 def _load(model: Path, k: int, port: int, parallel: int) -> object:
     opts = SplitOptions(device="cpu", layer_split=(k,), remote=f"127.0.0.1:{port}", pipe_chunk=8)
     return load_split_model(model, opts, 256, "f32", "f32", parallel=parallel)
@@ -113,15 +127,7 @@ def test_slots_over_a_remote_stage_give_each_request_its_tokens_alone(
             for i, p in enumerate(_prompts(5, seed=k))
         ]
         br = BatchRunner(sm, lm.tokenizer, 256, "f32", slots=slots, step_tokens=12)  # type: ignore[attr-defined]
-        got: list[list[Event]] = [[] for _ in reqs]
-        waiting = list(range(len(reqs)))
-        while waiting or br.busy:
-            while waiting and br.free:
-                i = waiting.pop(0)
-                br.admit(reqs[i], got[i].append)
-            br.step()
-        for req, events in zip(reqs, got, strict=True):
-            assert _tokens(events) == _alone(whole, req)
+        _each_as_alone(br, reqs, whole)
         # a step's rows of several slots crossed as one message, each slot named once, slots beyond slot 0 used
         assert max(len(rows) for rows in sent) == slots
         assert {r[0] for rows in sent for r in rows} == set(range(slots))
@@ -157,15 +163,7 @@ def test_groups_of_slots_are_pipelined_through_the_worker(
         ]
         br = BatchRunner(sm, lm.tokenizer, 256, "f32", slots=4, step_tokens=12, groups=groups)  # type: ignore[attr-defined]
         assert br.groups == groups
-        got: list[list[Event]] = [[] for _ in reqs]
-        waiting = list(range(len(reqs)))
-        while waiting or br.busy or br.in_flight:
-            while waiting and br.free:
-                i = waiting.pop(0)
-                br.admit(reqs[i], got[i].append)
-            br.step()
-        for req, events in zip(reqs, got, strict=True):
-            assert _tokens(events) == _alone(whole, req)
+        _each_as_alone(br, reqs, whole)
         assert max(depth) >= groups - 1 >= 1  # steps of other groups were out when one was sent
         assert not br.in_flight and br.free == 4
     finally:
