@@ -287,7 +287,7 @@ class RemoteStage:
     def run_parts(self, x: torch.Tensor, parts: Sequence[BatchPart]) -> torch.Tensor:
         """The rows of several sequences (x [R, D], each part's rows in order, its cache's `slot` naming it on the
         worker) -> [R, D] after the remote layers: one message a step, or as many as `max_tokens` needs (a part
-        longer than that goes in pieces, in order), up to `window` in flight."""
+        longer than that goes in pieces, in order), all sent before the first answer is read."""
         return self.collect(self.submit_parts(x, parts))
 
     def submit_parts(self, x: torch.Tensor, parts: Sequence[BatchPart]) -> _Sent:
@@ -321,13 +321,12 @@ class RemoteStage:
 
     def collect(self, sent: _Sent) -> torch.Tensor:
         """The answers to `submit_parts`'s messages -> [R, D] (earlier steps' answers must have been collected)."""
-        outs: list[torch.Tensor] = []
-        if (
-            self.client.session != sent.session
-        ):  # reconnected since (another group's step found the link down)
+        # reconnected since (another group's step found the link down): these answers will not come
+        if self.client.session != sent.session:
             raise StageError(
                 f"{self.client.label}: the connection was renewed while this step was out", "stale"
             )
+        outs: list[torch.Tensor] = []
         try:
             for seq in sent.seqs:
                 r = self.client.wait(seq)
