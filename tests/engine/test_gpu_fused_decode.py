@@ -17,7 +17,9 @@ from engine.pipeline.sampling import GREEDY
 from engine.testing.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.gpu
-PROMPT = [1, 17, 42, 99, 150, 7, 300, 12, 5, 64, 128, 256, 33, 71]
+# Longer than a fused step's rows (FAST_MAX_ROWS, 16): the prompt then takes the general path in both runs. A prompt
+# of up to 16 rows would run the fused rows, on 8-bit activations, where the general path's prompt products are float.
+PROMPT = [1, 17, 42, 99, 150, 7, 300, 12, 5, 64, 128, 256, 33, 71, 90, 3, 211, 48, 160, 29, 270, 8, 133, 56]
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -132,6 +134,9 @@ def test_residual_gemv_and_expert_combine(qtype: str) -> None:
 
 
 def _tokens(path: Path, dtype: str, fast: bool, n: int = 24) -> tuple[list[int], torch.Tensor]:
+    from engine.models.fast_decode import FAST_MAX_ROWS
+
+    assert len(PROMPT) - 1 > FAST_MAX_ROWS
     lm = load_model(path, device="cuda", dtype=dtype)
     lm.model.fast = fast and lm.model.fast
     runner = Runner(lm.model, lm.tokenizer, 512, dtype)

@@ -99,16 +99,21 @@ def test_span_tokens() -> None:
     assert span_tokens(c, 512, 1 << 40, 1 << 20) == SPAN_MAX
 
 
-LONG = [(i * 37 + 11) % 500 + 1 for i in range(40)]
+LONG = [(i * 37 + 11) % 500 + 1 for i in range(80)]
+# Chunks longer than a fused step's rows (FAST_MAX_ROWS, 16): chunks of up to 16 rows run the fused decode path,
+# which reads missed experts from host RAM in place instead of staging them.
+CHUNK = 20
 
 
 @pytest.mark.gpu
 def test_cuda_span_streams_each_layer_once_and_matches_transformers(tmp_path: Path) -> None:
-    """On CUDA with 4 of 16 experts in VRAM: a 40-token prompt in chunks of 10 (grouped kernels, the missed
+    """On CUDA with 4 of 16 experts in VRAM: an 80-token prompt in chunks of 20 (grouped kernels, the missed
     experts staged from host RAM) read layer by layer stages each layer's experts once (chunk by chunk: 4 times),
     gives HF's last-row logits as the chunk-by-chunk reading does, and the Runner's span path HF's greedy tokens."""
     from engine.experts.policy import ExpertPolicy
+    from engine.models.fast_decode import FAST_MAX_ROWS
 
+    assert CHUNK > FAST_MAX_ROWS
     path = write_tiny_model(tmp_path / "m.gguf", "qwen3moe", qtype="Q4_K", types={"ffn_down": "Q6_K"}, seed=5)
     ref_model = hf_model(path)
     ref = hf_logits(ref_model, LONG)[-1]
@@ -123,22 +128,22 @@ def test_cuda_span_streams_each_layer_once_and_matches_transformers(tmp_path: Pa
         sum(c < 0 for c in le.slot_of) * sum(p.expert_bytes for p in le.projections)
         for le in ec.layers.values()
     )
-    cache = m.new_cache(64, "f32")
+    cache = m.new_cache(128, "f32")
     before = moved()
-    span = m.forward_span(torch.tensor(LONG), cache, 0, 10)[0].cpu()
+    span = m.forward_span(torch.tensor(LONG), cache, 0, CHUNK)[0].cpu()
     assert moved() - before == per_staging
-    cache = m.new_cache(64, "f32")
+    cache = m.new_cache(128, "f32")
     before = moved()
-    for s in range(0, len(LONG), 10):
-        chunked = m.forward(torch.tensor(LONG[s : s + 10]), cache, s, last_only=True)[0].cpu()
+    for s in range(0, len(LONG), CHUNK):
+        chunked = m.forward(torch.tensor(LONG[s : s + CHUNK]), cache, s, last_only=True)[0].cpu()
     assert moved() - before == 4 * per_staging
     for ours in (span, chunked):
         cos = torch.nn.functional.cosine_similarity(ours.double(), ref.double(), dim=0).item()
         assert cos >= 0.9999, f"cosine {cos}"
     assert (span - chunked).abs().max().item() <= 1e-4
 
-    runner = Runner(m, lm.tokenizer, 128, "f32", prefill_chunk=10, prefill_span=30)
-    assert runner.prefill_span == 30
+    runner = Runner(m, lm.tokenizer, 128, "f32", prefill_chunk=CHUNK, prefill_span=3 * CHUNK)
+    assert runner.prefill_span == 3 * CHUNK
     req = GenerationRequest(LONG, max_tokens=16, sampling=GREEDY, ignore_eos=True)
     done = next(e for e in runner.generate(req) if isinstance(e, DoneEvent))
     assert done.tokens == hf_greedy(ref_model, LONG, 16)
