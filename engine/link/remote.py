@@ -20,7 +20,7 @@ from engine.layers.kv_cache import KVCache
 from engine.link import protocol as P
 from engine.link.client import StageClient, StageError
 from engine.models.decoder import DecoderLM
-from engine.models.family_base import BatchPart
+from engine.models.family_base import BatchPart, logit_rows
 from engine.models.fast_decode import FAST_MAX_ROWS
 from engine.models.gated_delta import RecurrentCache
 from engine.pipeline.stages import LocalStage
@@ -418,8 +418,8 @@ class HeadStage:
         return self.model.head(x, last_only)  # [T, V] ([1, V] with last_only)
 
     def run_parts(self, x: torch.Tensor, parts: Sequence[BatchPart]) -> torch.Tensor:
-        """Several sequences' rows [R, D] -> each part's last-row logits [P, V]."""
-        last = list(accumulate(int(p.tokens.shape[0]) for p in parts))
-        if last[-1] == len(parts):  # one row each (decode): no gather
+        """Several sequences' rows [R, D] -> each part's wanted logit rows (its last; a verify window's every row)."""
+        want = logit_rows(parts)
+        if len(want) == x.shape[0]:  # every row (decode rows, windows): no gather
             return self.model.head(x)
-        return self.model.head(x.index_select(0, torch.tensor(last, device=x.device) - 1))
+        return self.model.head(x.index_select(0, torch.tensor(want, device=x.device)))

@@ -20,7 +20,7 @@ from engine.layers.norm import rms_norm
 from engine.layers.qtensor import QTensor
 from engine.layers.rope import Rope
 from engine.models import fast_decode
-from engine.models.family_base import BatchPart, FamilyLM, Weights, forward_each
+from engine.models.family_base import BatchPart, FamilyLM, Weights, forward_each, logit_rows
 
 
 @dataclass
@@ -52,7 +52,8 @@ class LayerWeights:
 
 class BatchRows:
     """Where each part's rows sit in a step of several sequences, on one device: the token ids, the positions,
-    each part's row range, span and attention masks, and the index of each part's last row."""
+    each part's row range, span and attention masks, and the index of the rows whose logits are wanted (each
+    part's last row; a verify window's every row)."""
 
     def __init__(
         self,
@@ -73,7 +74,7 @@ class BatchRows:
         self.masks = [
             step_masks(self.pos[a:b], span) for (a, b), span in zip(self.cuts, self.spans, strict=True)
         ]
-        self.last = torch.tensor([b - 1 for _, b in self.cuts], device=device)
+        self.last = torch.tensor(logit_rows(parts), device=device)
 
     def done(self, parts: Sequence[BatchPart]) -> None:
         """Each part's cache now holds its rows."""
@@ -227,11 +228,12 @@ class DecoderLM(FamilyLM):
         return self.fast and self.has_embed and self.has_head
 
     def forward_batch(self, parts: Sequence[BatchPart]) -> torch.Tensor:
-        """Several sequences in one step. Decode rows of slots that share one cache (new_caches) take the fused
-        decode path together, up to FAST_MAX_ROWS rows a pass; the other rows (prompt chunks) go through the
-        norms, projections, FFNs and experts together (each weight and each chosen expert read once for all of
-        them), and through attention part by part, each against its own cache; where prompt chunks run as CUDA
-        graphs (PromptGraphs), each chunk runs from its own."""
+        """Several sequences in one step -> each part's wanted logit rows in order. Decode rows of slots that share
+        one cache (new_caches) take the fused decode path together, up to FAST_MAX_ROWS rows a pass; the other
+        rows (prompt chunks, verify windows) go through the norms, projections, FFNs and experts together (each
+        weight and each chosen expert read once for all of them), and through attention part by part, each
+        against its own cache; where prompt chunks run as CUDA graphs (PromptGraphs), each chunk runs from its
+        own."""
         rows = [j for j, p in enumerate(parts) if p.tokens.shape[0] == 1 and p.cache.shared is not None]
         if rows and not self.slotted(parts[rows[0]].cache.kv_type):
             rows = []
@@ -248,8 +250,10 @@ class DecoderLM(FamilyLM):
             each = self.prompt_graphs is not None and all(parts[j].tokens.shape[0] > 1 for j in rest)
             part = [parts[j] for j in rest]
             logits = forward_each(self, part) if each else self._batch_rows(part)
-            for n, j in enumerate(rest):
-                out[j] = logits[n : n + 1]
+            at = 0
+            for j in rest:
+                out[j] = logits[at : at + parts[j].logits]
+                at += parts[j].logits
         return torch.cat(out)  # type: ignore[arg-type]
 
     def decode_rows(self, parts: Sequence[BatchPart]) -> torch.Tensor:

@@ -149,17 +149,31 @@ class _Unattached(dict):  # type: ignore[type-arg]
 @dataclass(frozen=True)
 class BatchPart:
     """One sequence's rows in a step of several sequences: its tokens [T], its own KV cache, the position of its
-    first row. A decode row is a part of one token; a prompt chunk, a part of many."""
+    first row. A decode row is a part of one token; a prompt chunk, a part of many; a verify window (--spec), a
+    part of its token and drafts whose every row's logits are wanted (`logits` = T)."""
 
     tokens: torch.Tensor
     cache: KVCache
     start: int
+    logits: int = 1  # logit rows wanted: the part's last `logits` rows
+
+
+def logit_rows(parts: Sequence[BatchPart]) -> list[int]:
+    """Where the wanted rows sit among all the parts' rows, in order (a step's logits hold these rows)."""
+    out: list[int] = []
+    end = 0
+    for p in parts:
+        end += int(p.tokens.shape[0])
+        out.extend(range(end - p.logits, end))
+    return out
 
 
 def forward_each(model: Any, parts: Sequence[BatchPart]) -> torch.Tensor:
-    """Several sequences, a forward each -> each part's last-row logits [P, V] (what a model that cannot share a
-    step's weight reads between sequences does)."""
-    return torch.cat([model.forward(p.tokens, p.cache, p.start, last_only=True) for p in parts])
+    """Several sequences, a forward each -> each part's wanted logit rows, in order [sum of logits, V] (what a model
+    that cannot share a step's weight reads between sequences does)."""
+    return torch.cat(
+        [model.forward(p.tokens, p.cache, p.start, last_only=p.logits == 1)[-p.logits :] for p in parts]
+    )
 
 
 class FamilyLM:
@@ -332,9 +346,10 @@ class FamilyLM:
         return ec is not None and ec.streams_prompts
 
     def forward_batch(self, parts: Sequence[BatchPart]) -> torch.Tensor:
-        """Several sequences in one step -> each part's last-row logits [P, V]; each part's cache then holds its
-        start+T positions. Here a forward per part (every family: recurrent state, latent attention); the shared
-        decoder reads the weights once for all the parts (DecoderLM.forward_batch)."""
+        """Several sequences in one step -> each part's wanted logit rows (its last row, a verify window's every
+        row) in order [sum of logits, V]; each part's cache then holds its start+T positions. Here a forward per
+        part (every family: recurrent state, latent attention); the shared decoder reads the weights once for all
+        the parts (DecoderLM.forward_batch)."""
         return forward_each(self, parts)
 
     def forward_span(self, tokens: torch.Tensor, cache: KVCache, start: int, chunk: int) -> torch.Tensor:

@@ -12,6 +12,11 @@ On a GPU the steps overlap the host's work (`overlap`): a step's plain rows draw
 turns them into text and events, so the device does not wait for the host between steps. A request that ends on a
 token the next step already read loses that row's work; a request whose next token is its last is not fed again.
 
+With verify windows (`spec`, `--spec N`), a decoding slot whose request drafts (copies of its earlier context)
+reads its token and the drafts as one part of the step; the model gives every row's logits, the drafts the target
+agrees with are kept (engine/pipeline/spec.py's verify, the same rule as one request's windows) and the slot's KV is
+cut back after them. Windows need each token on the host to draft from, so steps do not overlap then.
+
 The events each request gets are the single-sequence Runner's (engine/pipeline/generate.py): prompt chunks, tokens
 with their text (stop strings held back), the final text and the done event, in the same order, and greedy tokens
 are the same as a request served alone (float activations; the tests compare them)."""
@@ -25,6 +30,7 @@ import torch
 
 from engine.layers.kv_cache import KVCache
 from engine.models.family_base import BatchPart
+from engine.pipeline.drafts import Draft, DraftSource
 from engine.pipeline.generate import (
     DoneEvent,
     Event,
@@ -43,6 +49,7 @@ from engine.pipeline.generate import (
 )
 from engine.pipeline.prompt_cache import PromptCache, common_prefix
 from engine.pipeline.sampling import Sampler, draw_rows, rows_on
+from engine.pipeline.spec import SpecConfig, draft_sources, rollback, verify
 from engine.tokenizer import Tokenizer
 from installer.engine_options import runtime_switches
 
@@ -82,6 +89,11 @@ class _Request:
     pending_row: int = 0  # its row in that step
     t_prompt: float = 0.0
     t_decode: float = 0.0
+    drafts: DraftSource | None = None  # where its verify windows' drafts come from (--spec), None: no windows
+    window: Draft | None = None  # the drafts read after its token in the step in flight
+    windows: int = 0  # decode forwards (of a request that drafts)
+    proposed: int = 0  # drafted tokens verified
+    accepted: int = 0  # of those, kept
 
 
 @dataclass
@@ -102,7 +114,8 @@ class _Flight:
     plan: list[
         tuple["Slot", _Request, int, int]
     ]  # (slot, request, prompt tokens read, start; 0 tokens: decode)
-    logits: torch.Tensor
+    logits: torch.Tensor  # each plan row's wanted rows (one; a verify window's every row), in order
+    offs: list[int]  # plan row -> its first row in logits
     draws: torch.Tensor | None  # [D] the drawn tokens where they were computed
     host: torch.Tensor | None  # [D] their copy for the host (pinned on a GPU), valid once the step is done
     drawn: dict[int, int]  # plan row -> its place in draws
@@ -157,11 +170,14 @@ class BatchRunner:
         prefill_span: int | None = None,
         overlap: bool | None = None,
         groups: int = 1,
+        spec: SpecConfig | None = None,
     ) -> None:
         """`overlap`: read a step's tokens while the next one runs (default: on a GPU, where the device works
-        apart from the host). `groups`: with a stage in another process (the model's `pipelines_groups`), the
-        slots take turns in that many groups, each group's step going out before the previous group's answer
-        is read, so that this process and the worker compute at once (slot i is in group i % groups)."""
+        apart from the host; off with verify windows). `groups`: with a stage in another process (the model's
+        `pipelines_groups`), the slots take turns in that many groups, each group's step going out before the
+        previous group's answer is read, so that this process and the worker compute at once (slot i is in
+        group i % groups). `spec`: verify windows of up to `spec.n` drafts copied from each request's earlier
+        context (the model's draft layer drafts for one request at a time: Runner)."""
         if slots < 1:
             raise ValueError(f"--parallel {slots}: give at least 1")
         if not hasattr(model, "forward_batch"):
@@ -191,8 +207,15 @@ class BatchRunner:
             else [model.new_cache(max_ctx, kv_type) for _ in range(slots)]  # type: ignore[attr-defined]
         )
         self.slots = [Slot(i, c) for i, c in enumerate(caches)]
+        self.spec = spec if spec is not None and spec.n > 0 and spec.suffix else None
+        if self.spec is not None:
+            for c in caches:  # a cache with recurrent state keeps the states a window's rollback returns to
+                if hasattr(c, "step_states"):
+                    c.step_states = self.spec.n + 1  # type: ignore[attr-defined]
         dev = getattr(model, "device", None)
         on_gpu = isinstance(dev, torch.device) and dev.type == "cuda"
+        if self.spec is not None:
+            overlap = False  # a window drafts from its token, which must be on the host
         self.overlap = overlap if overlap is not None else on_gpu and runtime_switches().step_overlap
         self._flight: _Flight | None = None
         self.groups = max(1, min(groups, slots)) if getattr(model, "pipelines_groups", False) else 1
@@ -253,6 +276,10 @@ class BatchRunner:
             read=len(slot.tokens),
             t_prompt=time.perf_counter(),
         )
+        if self.spec is not None and sampler.constraint is None:  # drafts are checked unconstrained
+            r.drafts = draft_sources(self.model, self.spec, sampler)
+            if r.drafts is not None:
+                r.drafts.reset(prompt)
         slot.request, slot.generated = r, 0
         self._order.append(slot)
         return slot
@@ -330,7 +357,10 @@ class BatchRunner:
             if r is None:
                 continue
             if r.token is not None:
-                parts.append(BatchPart(torch.tensor([r.token]), slot.cache, len(slot.tokens)))
+                tokens = [r.token, *self._draft(slot, r)]
+                parts.append(
+                    BatchPart(torch.tensor(tokens), slot.cache, len(slot.tokens), logits=len(tokens))
+                )
             elif r.pending is not None and len(r.out) + 1 < r.max_new:
                 # its token is still on the device, in the step that drew it (a request's last token is read
                 # back but not fed again)
@@ -339,7 +369,7 @@ class BatchRunner:
             else:
                 continue
             plan.append((slot, r, 0, len(slot.tokens)))
-        budget = self.step_tokens - len(parts)
+        budget = self.step_tokens - sum(int(p.tokens.shape[0]) for p in parts)
         for slot in mine:
             r = slot.request
             if budget <= 0:
@@ -356,6 +386,19 @@ class BatchRunner:
             n = min(len(r.prompt) - at, self.span)
             parts, plan = [BatchPart(torch.tensor(r.prompt[at : at + n]), slot.cache, at)], [(slot, r, n, at)]
         return parts, plan
+
+    def _draft(self, slot: Slot, r: _Request) -> list[int]:
+        """The drafts to read after r's token in this step (its verify window), as many as the request and the
+        context leave room for; [] when it does not draft or nothing earlier matches."""
+        r.window = None
+        if r.drafts is None or self.spec is None:
+            return []
+        k = min(self.spec.n, r.max_new - len(r.out), self.max_ctx - len(slot.tokens) - 1)
+        draft = r.drafts.propose([r.token], k) if k > 0 else None  # type: ignore[list-item]
+        if draft is None or not draft.tokens:
+            return []
+        r.window = draft
+        return list(draft.tokens)
 
     def _launch(
         self,
@@ -377,13 +420,19 @@ class BatchRunner:
             for _, r, n, at in plan:  # grammars compute their next masks while the device runs the step
                 if n == 0 or at + n == len(r.prompt):
                     r.sampler.prepare(logits.device)
-            rows = [j for j, (_, r, n, _) in enumerate(plan) if n == 0 and r.sampler.plain]
+            offs = [0]
+            for p in parts[:-1]:
+                offs.append(offs[-1] + p.logits)
+            rows = [
+                j for j, (_, r, n, _) in enumerate(plan) if n == 0 and r.sampler.plain and r.window is None
+            ]
             draws = None
             if rows:  # decode rows come first: usually a slice, never a list index (that waits for the step)
+                at = [offs[j] for j in rows]
                 sub = (
                     logits[: len(rows)]
-                    if rows[-1] == len(rows) - 1
-                    else logits.index_select(0, rows_on(rows, logits.device))
+                    if at[-1] == len(rows) - 1
+                    else logits.index_select(0, rows_on(at, logits.device))
                 )
                 draws = draw_rows([plan[j][1].sampler for j in rows], sub)
         except Exception as e:  # every request of the step fails; the slots are cleared, the runner goes on
@@ -398,14 +447,18 @@ class BatchRunner:
             timer[1].record(torch.cuda.current_stream(logits.device))
         n_rows = sum(p.tokens.shape[0] for p in parts)
         decode = sum(1 for _, _, n, _ in plan if n == 0)
-        f = _Flight(self.steps, plan, logits, draws, host, {j: i for i, j in enumerate(rows)}, timer, t0,
+        f = _Flight(self.steps, plan, logits, offs, draws, host, {j: i for i, j in enumerate(rows)}, timer, t0,
                     n_rows, decode, self.busy)  # fmt: skip
         self.steps += 1
         for j, (slot, r, n, at) in enumerate(plan):
             if n == 0:
                 if r.token is not None:  # read on the host: in the slot's tokens from now on
                     slot.tokens.append(r.token)
+                    if r.drafts is not None and r.window is None:  # a window's token is committed verified
+                        r.drafts.commit([r.token])
                     r.token = None
+                if r.window is not None:  # the KV holds the drafts too, until the window is verified
+                    slot.tokens.extend(r.window.tokens)
                 if j in f.drawn:
                     r.pending, r.pending_row = f, j
             else:
@@ -433,21 +486,46 @@ class BatchRunner:
         for j, (slot, r, n, at) in enumerate(f.plan):
             if slot.request is not r:  # it left (cancelled, failed, or ended on an earlier token)
                 continue
+            row = f.offs[j]
             if n == 0:
+                if r.drafts is not None:
+                    r.windows += 1
+                if r.window is not None:
+                    self._verify(slot, r, at, f.logits[row : row + len(r.window.tokens) + 1])
+                    continue
                 later = r.pending is not None and r.pending is not f  # a later step already read its token
                 if r.pending is f:
                     r.pending = None
                 i = f.drawn.get(j)
-                token = drawn[i] if i is not None else r.sampler.sample(f.logits[j], r.history)
-                self._decided(slot, token, f.logits[j], fed=later)
+                token = drawn[i] if i is not None else r.sampler.sample(f.logits[row], r.history)
+                self._decided(slot, token, f.logits[row], fed=later)
                 continue
             r.emit(PromptChunkEvent(at, n, ms))
             if at + n == len(r.prompt):  # the prompt is read: its last row's logits give the first token
                 now = time.perf_counter()
                 r.timings.prompt_ms = (now - r.t_prompt) * 1e3
                 r.t_decode = now
-                self._decided(slot, r.sampler.sample(f.logits[j], r.history), f.logits[j], fed=False)
+                self._decided(slot, r.sampler.sample(f.logits[row], r.history), f.logits[row], fed=False)
         return [BatchStep(f.index, ms, f.rows, f.decode_rows, f.rows - f.decode_rows, f.busy)]
+
+    def _verify(self, slot: Slot, r: _Request, at: int, rows: torch.Tensor) -> None:
+        """r's verify window, read at position `at` (its token, then its drafts): keep the drafts the target agrees
+        with, cut the slot's KV back after them, and decide each kept token and the next one in order."""
+        draft, r.window = r.window, None
+        assert draft is not None and r.drafts is not None
+        v = verify(rows, draft, r.sampler, r.history)  # r.history ends with the window's token
+        kept = list(draft.tokens[: v.accepted])
+        del slot.tokens[at + 1 :]  # the kept drafts come back in as they are decided (fed)
+        rollback(self.model, slot.cache, at + 1 + len(kept))
+        r.drafts.commit([slot.tokens[at], *kept])
+        r.proposed += len(draft.tokens)
+        r.accepted += len(kept)
+        for j, token in enumerate([*kept, v.token]):
+            self._decided(slot, token, rows[j], fed=j < len(kept))
+            if slot.request is not r:  # it ended on this token: the KV keeps what the slot's tokens say
+                if slot.cache.length > len(slot.tokens):
+                    rollback(self.model, slot.cache, len(slot.tokens))
+                return
 
     def _fail(self, rows: list[tuple[Slot, _Request]], e: BaseException) -> None:
         for slot, r in rows:
@@ -493,7 +571,8 @@ class BatchRunner:
         t = r.timings
         t.generated_tokens = len(r.out)
         t.generated_ms = (time.perf_counter() - r.t_decode) * 1e3 if r.t_decode else 0.0
-        t.decode_windows = max(0, len(r.out) - 1)
+        t.decode_windows = r.windows if r.drafts is not None else max(0, len(r.out) - 1)
+        t.drafts_proposed, t.drafts_accepted = r.proposed, r.accepted
         r.emit(DoneEvent(finish, t, list(r.out)))
         self._leave(slot)
 

@@ -100,7 +100,8 @@ class LocalStage:
 
     def run_batch(self, x: torch.Tensor, parts: Sequence[BatchPart]) -> torch.Tensor:
         """Several sequences' rows (token ids [R] for the first stage, else hidden [R, D]) through the stage's
-        layers together -> hidden [R, D], or each part's last-row logits [P, V] from the stage with the head."""
+        layers together -> hidden [R, D], or each part's wanted logit rows (BatchPart.logits) from the stage with
+        the head."""
         with on_device(self.device):
             m = self.model
             rows = BatchRows(parts, self.device, m.step_masks)
@@ -345,9 +346,10 @@ class SplitModel:
         return logits
 
     def forward_batch(self, parts: Sequence[BatchPart]) -> torch.Tensor:
-        """Several sequences in one step -> each part's last-row logits [P, V]: the rows of all the parts go through
-        each stage together and cross each hand-off as one tensor (a remote stage's as one message). A chain with
-        recurrent state, or a family that runs one sequence at a time, runs a forward per part."""
+        """Several sequences in one step -> each part's wanted logit rows in order (its last row; a verify window's
+        every row): the rows of all the parts go through each stage together and cross each hand-off as one
+        tensor (a remote stage's as one message). A chain with recurrent state, or a family that runs one sequence
+        at a time, runs a forward per part."""
         if not self._batches() or any(isinstance(p.cache, RecurrentCache) for p in parts):
             return forward_each(self, parts)
         self._resync(parts)
@@ -369,8 +371,8 @@ class SplitModel:
         n = 0
         for j, o in enumerate(out):
             if o is None:
-                out[j] = got[n : n + 1]
-                n += 1
+                out[j] = got[n : n + parts[j].logits]
+                n += parts[j].logits
         return torch.cat(out)  # type: ignore[arg-type]
 
     @property
@@ -381,8 +383,7 @@ class SplitModel:
 
     def launch_batch(self, parts: Sequence[BatchPart]) -> Callable[[], torch.Tensor]:
         """`forward_batch` in two halves: the stages up to the first remote one run now and its message goes out;
-        the returned call waits for the answer, runs the stages after it and gives each part's last-row logits
-        [P, V]. Between the two this process is free to run another group of slots (whose rows the worker then
+        the returned call waits for the answer, runs the stages after it and gives each part's wanted logit rows. Between the two this process is free to run another group of slots (whose rows the worker then
         takes after these)."""
         r = next(i for i, st in enumerate(self.stages) if hasattr(st, "submit_parts"))
         self._resync(parts)
@@ -429,7 +430,7 @@ class SplitModel:
 
     def _through_stages(self, parts: Sequence[BatchPart], fused: bool) -> torch.Tensor:
         """The parts' rows through each stage together, crossing each hand-off as one tensor -> each part's
-        last-row logits [P, V]. `fused`: one decode row a part, the slots' caches rows of one (run_rows)."""
+        wanted logit rows. `fused`: one decode row a part, the slots' caches rows of one (run_rows)."""
         dev = self.stages[0].device  # type: ignore[union-attr]
         x = torch.cat([p.tokens.to(dev, non_blocking=True) for p in parts])  # some may be drawn on a device
         self.clock = None  # host times only (stage_report): no device clock around shared steps yet

@@ -38,6 +38,7 @@ from engine.pipeline.generate import (
     TokenEvent,
     TokenLogprob,
 )
+from engine.pipeline.mtp import draft_layer_of
 from engine.pipeline.prompt_cache import PromptCache
 from engine.pipeline.spec import SpecConfig
 from engine.pipeline.split import SplitOptions, prefill_chunk, prefill_span
@@ -68,6 +69,27 @@ log = logging.getLogger("strata.serve")
 LINK_CHECK_S = 1.0  # idle: how often the links to remote stages are checked for a worker that left
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE
+
+
+def _slots_with_windows(model: object, spec: SpecConfig, slots: int) -> int:
+    """How many slots serve with verify windows (--spec): each slot drafts from its request's earlier context;
+    the model's draft layer (--mtp) and guessed windows (--pipeline-windows) draft for one request at a time."""
+    if spec.need_draft_layer or spec.pipeline_windows:
+        flag = "--mtp 1" if spec.need_draft_layer else "--pipeline-windows"
+        log.info("--parallel %d: %s runs one request at a time: 1 slot", slots, flag)
+        return 1
+    if not spec.suffix:
+        log.info(
+            "--parallel %d: with --suffix-draft 0 only the model's draft layer drafts, for one request at a "
+            "time: 1 slot",
+            slots,
+        )
+        return 1
+    if spec.draft_layer and draft_layer_of(model) is not None:
+        log.info("--parallel %d: each slot's windows draft from earlier context (the model's draft layer drafts "
+                 "with --parallel 1)", slots)  # fmt: skip
+    log.info("--parallel %d: verify windows of up to %d drafts in every slot", slots, spec.n)
+    return slots
 
 
 def _profile_recorder(lm: "LoadedModel", split: "SplitOptions", every_s: float) -> "ProfileRecorder | None":
@@ -172,8 +194,7 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
             span = prefill_span(lm.model, chunk, o.max_context, kv, split.vram_budget_mib, split.reserve_mib)
             slots = lm.sequences
             if slots > 1 and spec.n > 0:
-                log.info("--parallel %d: verify windows (--spec) run one request at a time: 1 slot", slots)
-                slots = 1
+                slots = _slots_with_windows(lm.model, spec, slots)
             if slots > 1 and not hasattr(lm.model, "forward_batch"):
                 log.info("--parallel %d: this model runs one request at a time: 1 slot", slots)
                 slots = 1
@@ -190,6 +211,7 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                     cache,
                     prefill_span=span,
                     groups=groups,
+                    spec=spec,
                 )
             if batch is not None and batch.groups > 1:
                 log.info("%d slots in %d groups: a group's step goes out while the worker computes another's",

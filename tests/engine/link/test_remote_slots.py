@@ -24,6 +24,7 @@ from engine.pipeline.batch import BatchRunner
 from engine.pipeline.generate import DoneEvent, Event, GenerationRequest, Runner
 from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
+from engine.pipeline.spec import SpecConfig
 from engine.pipeline.split import SplitOptions
 from engine.pipeline.stages import SplitModel
 from engine.testing.tiny_models import write_tiny_model
@@ -359,3 +360,36 @@ def test_a_worker_of_a_version_before_slots_serves_one_request_at_a_time(
         stage.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_verify_windows_of_slots_cross_the_link_and_roll_back_there(
+    model: Path, workers: dict[str, WorkerProc], groups: int
+) -> None:
+    """--spec with slots through a worker: each window (a token and its drafts) crosses in the step's message,
+    the worker's positions past the kept drafts are written again by the next step, and every request gets the
+    tokens of the unsplit model alone without drafts."""
+    whole = load_model(model, "cpu", "f32")
+    lm = _load(model, 3, workers["last3"].port, parallel=3)
+    sm = lm.model  # type: ignore[attr-defined]
+    try:
+        sent = _messages(sm)
+        prompts = [[5, 6, 7, 8] * 5, [11, 12, 13] * 6, [9] * 8, [40, 41, 40, 41, 40, 41]]
+        reqs = [GenerationRequest(p, max_tokens=30, sampling=GREEDY, ignore_eos=True) for p in prompts]
+        br = BatchRunner(sm, lm.tokenizer, 256, "f32", slots=3, step_tokens=12, groups=groups,  # type: ignore[attr-defined]
+                         spec=SpecConfig(n=4))  # fmt: skip
+        got: list[list[Event]] = [[] for _ in reqs]
+        waiting = list(range(len(reqs)))
+        while waiting or br.busy or br.in_flight:
+            while waiting and br.free:
+                i = waiting.pop(0)
+                br.admit(reqs[i], got[i].append)
+            br.step()
+        kept = 0
+        for req, events in zip(reqs, got, strict=True):
+            assert _tokens(events) == _alone(whole, req)
+            kept += next(e for e in events if isinstance(e, DoneEvent)).timings.drafts_accepted
+        assert kept > 0
+        assert any(r[2] > 1 for rows in sent[1:] for r in rows if r[1] > 20)  # windows after the prompts
+    finally:
+        sm.close()

@@ -21,6 +21,7 @@ from engine.pipeline.generate import (
 )
 from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY, SamplingParams
+from engine.pipeline.spec import SpecConfig
 from engine.testing.tiny_families import FAMILIES, write_tiny_family
 from engine.testing.tiny_models import ARCHITECTURES, write_tiny_model
 
@@ -299,3 +300,56 @@ def test_overlapped_steps_give_seeded_draws_stop_strings_and_cancels_as_alone(qw
     gone = True
     br.step()
     assert br.free == 4 and len(events) == seen and not any(isinstance(e, DoneEvent) for e in events)
+
+
+def _spec_done(events: list[Event]) -> tuple[list[int], int, int, int]:
+    done = next(e for e in events if isinstance(e, DoneEvent))
+    t = done.timings
+    return done.tokens, t.drafts_proposed, t.drafts_accepted, t.decode_windows
+
+
+@pytest.mark.parametrize(
+    "sampling", [GREEDY, SamplingParams(temperature=0.7, top_k=20, seed=3)], ids=["greedy", "seeded"]
+)
+def test_verify_windows_per_slot_give_each_requests_tokens_and_drafts_alone(qwen: object, sampling) -> None:
+    """--spec with slots: a decoding slot reads its token and the drafts copied from its earlier context in the
+    shared step, and keeps what the target agrees with. Each request gets the tokens, drafts, kept drafts and
+    forwards the one-request Runner's windows give it (greedy: the tokens of decoding without drafts too)."""
+    prompts = [[5, 6, 7, 8] * 6, [11, 12, 13] * 8, list(range(20, 40)), [9] * 6]
+    reqs = [GenerationRequest(p, max_tokens=40, sampling=sampling, ignore_eos=True) for p in prompts]
+    spec = SpecConfig(n=4)
+    br = BatchRunner(qwen.model, qwen.tokenizer, 256, "f32", slots=3, step_tokens=16, spec=spec)  # type: ignore[attr-defined]
+    got = _run(br, reqs)  # the fourth waits for a slot
+    kept = 0
+    for req, events in zip(reqs, got, strict=True):
+        runner = Runner(qwen.model, qwen.tokenizer, 256, "f32", spec=spec)  # type: ignore[attr-defined]
+        alone = list(runner.generate(req))
+        assert _spec_done(events) == _spec_done(alone)
+        assert _summary(events) == _summary(alone)
+        if sampling is GREEDY:
+            assert _summary(events) == _summary(_alone(qwen, req))
+        kept += _spec_done(events)[2]
+    if sampling is GREEDY:  # the repeating text's windows were kept: fewer forwards than tokens
+        assert kept > 20 and _spec_done(got[0])[3] < 20
+    for s in br.slots:  # every slot's KV holds what its tokens say (the drafts past the kept ones cut off)
+        assert s.cache.length == len(s.tokens)
+
+
+def test_a_request_that_stops_inside_a_window_leaves_its_slot_exact(qwen: object) -> None:
+    """A stop string met on a kept draft ends the request there; the drafts after it leave the slot's KV, and the
+    next request in that slot (reusing its prefix) gets the tokens it gets alone."""
+    plain = GenerationRequest([5, 6, 7, 8] * 6, max_tokens=30, sampling=GREEDY, ignore_eos=True)
+    tokens = _summary(_alone(qwen, plain))[0]
+    # the text of the first 6 tokens: on this model the 6th is the second of a window's 3 kept drafts
+    stop_at = qwen.tokenizer.decode(tokens[:6])  # type: ignore[attr-defined]
+    stopped = GenerationRequest(plain.prompt, max_tokens=30, sampling=GREEDY, ignore_eos=True, stop=[stop_at])
+    br = BatchRunner(qwen.model, qwen.tokenizer, 256, "f32", slots=1, spec=SpecConfig(n=6))  # type: ignore[attr-defined]
+    (events,) = _run(br, [stopped])
+    assert _summary(events) == _summary(_alone(qwen, stopped))
+    assert _summary(events)[1] == "stop" and _spec_done(events)[2] > 0
+    slot = br.slots[0]
+    assert slot.cache.length == len(slot.tokens) <= len(plain.prompt) + len(_summary(events)[0])
+    follow = GenerationRequest([*slot.tokens, 3, 4], max_tokens=12, sampling=GREEDY, ignore_eos=True)
+    (again,) = _run(br, [follow])
+    assert _summary(again) == _summary(_alone(qwen, follow))
+    assert next(e for e in again if isinstance(e, DoneEvent)).timings.prompt_cached > 0

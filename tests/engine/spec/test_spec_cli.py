@@ -3,6 +3,7 @@ kept; `serve --spec N` answers with those tokens and reports the drafts in its t
 options are refused with a message, by generate and by serve before it starts."""
 
 import io
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -99,3 +100,40 @@ def test_serve_with_spec(tiny_models: dict[str, Path], arch: str, flags: tuple[s
     assert t["predicted_n"] == 16
     if "--mtp" in flags:
         assert t["draft_n"] > 0
+
+
+def test_serve_with_spec_and_slots(tiny_models: dict[str, Path]) -> None:
+    """`serve --spec 4 --parallel 2`: two clients at once each get the tokens of decoding without drafts, both
+    served in slots at once (verify windows per slot), with their drafts kept in their timings."""
+    prompts = [
+        "one two three four, one two three four, one two three",
+        "red green blue, red green blue, red green blue, red",
+    ]
+    lm = load_model(tiny_models["qwen2"], "cpu", "f32")
+    plain = []
+    for p in prompts:
+        ids = lm.tokenizer.encode(p, add_special=True, parse_special=True)
+        req = GenerationRequest(ids, max_tokens=64, sampling=GREEDY, ignore_eos=True)
+        done = [
+            e for e in Runner(lm.model, lm.tokenizer, 256, "f32").generate(req) if isinstance(e, DoneEvent)
+        ]
+        plain.append(lm.tokenizer.decode(done[0].tokens))
+    srv = start_server(tiny_models["qwen2"], "--device", "cpu", "--threads", "1", "--spec", "4", "--parallel", "2",
+                       env={"STRATA_ACTIVATIONS": "float"})  # fmt: skip
+    try:
+        assert srv.get("/stats").json()["slots"]["total"] == 2
+
+        def ask(p: str) -> dict:
+            body = {"model": "qwen2", "prompt": p, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+            r = srv.post("/v1/completions", body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(ask, prompts))
+    finally:
+        srv.stop()
+    for out, want in zip(outs, plain, strict=True):
+        assert out["choices"][0]["text"] == want
+        t = out["timings"]
+        assert t["predicted_n"] == 64 and 0 < t["draft_n_accepted"] <= t["draft_n"]
