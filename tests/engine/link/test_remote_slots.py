@@ -70,9 +70,9 @@ def _alone(whole: object, req: GenerationRequest) -> list[int]:
     return _tokens(list(runner.generate(req)))
 
 
-def _each_as_alone(br: BatchRunner, reqs: list[GenerationRequest], whole: object) -> None:
+def _serve(br: BatchRunner, reqs: list[GenerationRequest]) -> list[list[Event]]:
     """Admit the requests as slots free up (first come, first served), step until every one is done and no step
-    is out, and check each one's tokens against the unsplit model's for it alone."""
+    is out -> each one's events."""
     got: list[list[Event]] = [[] for _ in reqs]
     waiting = list(range(len(reqs)))
     while waiting or br.busy or br.in_flight:
@@ -80,8 +80,15 @@ def _each_as_alone(br: BatchRunner, reqs: list[GenerationRequest], whole: object
             i = waiting.pop(0)
             br.admit(reqs[i], got[i].append)
         br.step()
+    return got
+
+
+def _each_as_alone(br: BatchRunner, reqs: list[GenerationRequest], whole: object) -> list[list[Event]]:
+    """`_serve`, then check each request's tokens against the unsplit model's for it alone."""
+    got = _serve(br, reqs)
     for req, events in zip(reqs, got, strict=True):
         assert _tokens(events) == _alone(whole, req)
+    return got
 
 
 def _load(model: Path, k: int, port: int, parallel: int) -> object:
@@ -378,18 +385,8 @@ def test_verify_windows_of_slots_cross_the_link_and_roll_back_there(
         reqs = [GenerationRequest(p, max_tokens=30, sampling=GREEDY, ignore_eos=True) for p in prompts]
         br = BatchRunner(sm, lm.tokenizer, 256, "f32", slots=3, step_tokens=12, groups=groups,  # type: ignore[attr-defined]
                          spec=SpecConfig(n=4))  # fmt: skip
-        got: list[list[Event]] = [[] for _ in reqs]
-        waiting = list(range(len(reqs)))
-        while waiting or br.busy or br.in_flight:
-            while waiting and br.free:
-                i = waiting.pop(0)
-                br.admit(reqs[i], got[i].append)
-            br.step()
-        kept = 0
-        for req, events in zip(reqs, got, strict=True):
-            assert _tokens(events) == _alone(whole, req)
-            kept += next(e for e in events if isinstance(e, DoneEvent)).timings.drafts_accepted
-        assert kept > 0
+        got = _each_as_alone(br, reqs, whole)
+        assert sum(next(e for e in ev if isinstance(e, DoneEvent)).timings.drafts_accepted for ev in got) > 0
         assert any(r[2] > 1 for rows in sent[1:] for r in rows if r[1] > 20)  # windows after the prompts
     finally:
         sm.close()
