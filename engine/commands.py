@@ -64,13 +64,14 @@ def _runner(args: EngineOptions, lm: "LoadedModel", spec: "SpecConfig | None" = 
     """The generation loop over the loaded model with the --max-context, --kv and --prefill flags."""
     kv = resolve_kv_type(args.kv, lm.model.dtype)
     opts = options_from_args(args)
+    ctx = lm.context  # --max-context, auto resolved at load
     if args.prefill == "auto":
-        chunk = prefill_chunk(lm.model, "auto", max_ctx=args.max_context, kv_type=kv,
+        chunk = prefill_chunk(lm.model, "auto", max_ctx=ctx, kv_type=kv,
                               budget_mib=opts.vram_budget_mib, reserve_mib=opts.reserve_mib)  # fmt: skip
     else:
         chunk = _prefill(args.prefill)
-    span = prefill_span(lm.model, chunk, args.max_context, kv, opts.vram_budget_mib, opts.reserve_mib)
-    return Runner(lm.model, lm.tokenizer, args.max_context, kv, chunk, spec=spec, prefill_span=span)
+    span = prefill_span(lm.model, chunk, ctx, kv, opts.vram_budget_mib, opts.reserve_mib)
+    return Runner(lm.model, lm.tokenizer, ctx, kv, chunk, spec=spec, prefill_span=span)
 
 
 def cmd_generate(args: EngineOptions) -> int:
@@ -168,7 +169,7 @@ def cmd_profile(args: EngineOptions) -> int:
         # room for every prompt's tokens and its greedy ones, read before the model loads: the recorder is made
         # with the model, before its CUDA graphs (a prompt's chat template and tokens cost a few more)
         room = sum(len(p.encode()) + 256 + args.max_tokens for p in prompts)
-        os.environ["STRATA_ROUTE_RECORD"] = str(min(room, args.max_context * len(prompts)))
+        os.environ["STRATA_ROUTE_RECORD"] = str(min(room, (args.max_context or room) * len(prompts)))
     try:
         lm = _load(args)
     finally:
@@ -185,10 +186,10 @@ def cmd_profile(args: EngineOptions) -> int:
     for n, text in enumerate(prompts, 1):
         rendered = lm.chat.render([{"role": "user", "content": text}], add_generation_prompt=True)
         ids = lm.tokenizer.encode(rendered, add_special=True, parse_special=True)
-        if len(ids) >= args.max_context:
+        if len(ids) >= lm.context:
             log.warning(
                 "prompt %d of %s has %d tokens, --max-context is %d: skipped", n, args.prompts, len(ids),
-                args.max_context,
+                lm.context,
             )  # fmt: skip
             continue
         # Each prompt is read whole (no prefix reuse): the profile counts every token of it.

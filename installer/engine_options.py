@@ -61,7 +61,7 @@ class EngineOptions:
     device: str = "auto"
     dtype: str = "auto"
     kv: str = "auto"
-    max_context: int = 4096
+    max_context: int = 4096  # AUTO_CONTEXT (0): chosen at load (serve's default, COMMAND_DEFAULTS)
     prefill: str = "auto"
     activations: str | None = None  # None: int8 (engine.kernels.int8_activations)
     threads: int = 0
@@ -146,7 +146,21 @@ D = EngineOptions()
 COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
     "generate": {"temperature": 0.0},
     "profile": {"max_tokens": 16},
+    "serve": {"max_context": 0},  # auto
 }
+AUTO_CONTEXT = 0  # --max-context auto
+
+
+def context_flag(value: str) -> int:
+    """--max-context: positions, or auto (AUTO_CONTEXT: the engine chooses from the card and the model)."""
+    if value.strip().lower() == "auto":
+        return AUTO_CONTEXT
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is neither a count of positions nor auto (e.g. --max-context 32768)"
+        ) from None
 
 
 def _env_flag(value: str) -> bool:
@@ -270,7 +284,13 @@ def add_model_args(p: argparse.ArgumentParser | Any) -> None:
     p.add_argument("--device", help=f"cpu, cuda or cuda:N (default {D.device}: cuda when available)")
     p.add_argument("--dtype", help="compute type: auto (bf16 on CUDA, f32 on CPU), f32, bf16, f16")
     p.add_argument("--kv", help="KV cache type: auto (the compute type), f32, f16, bf16, int8")
-    p.add_argument("--max-context", type=int, help=f"positions the KV cache holds (default {D.max_context})")
+    p.add_argument(
+        "--max-context",
+        type=context_flag,
+        help=f"positions the KV cache holds per sequence, or auto: from {D.max_context} up to the length the model "
+        "was trained for while every slot's KV stays within an eighth of the card's free VRAM (serve's default; "
+        f"on the CPU and with --remote-stage {D.max_context}); other commands' default {D.max_context}",
+    )
     p.add_argument("--prefill", help="prompt chunk size in tokens, or auto (512)")
     p.add_argument(
         "--threads",

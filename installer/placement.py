@@ -136,6 +136,47 @@ def auto_parallel(
     )
 
 
+CONTEXT_STEP = 1024  # --max-context auto grows in steps of this many positions
+
+
+def auto_context(
+    geometry: Geometry, n_ctx_train: int, free_bytes: int | None, slots: int, base: int
+) -> tuple[int, str]:
+    """--max-context auto (serve's default): from `base` (the engine's fixed default) up to the positions the model
+    was trained for, the most whose KV, for every slot, stays within an eighth of the card's free VRAM (the share
+    --parallel auto gives the slots; the rest goes to the weights and the expert cache). Never below `base` (or the
+    trained length, where that is shorter); on the CPU (`free_bytes` None) `base`, since a CPU reads a long prompt
+    in minutes and its KV is allocated up front in RAM. -> (positions, the reason, for the log)."""
+    floor = min(base, n_ctx_train) if n_ctx_train > 0 else base
+    if free_bytes is None:
+        return floor, f"{floor} on the CPU; --max-context N gives more"
+    if n_ctx_train <= floor:
+        return floor, f"{floor}, the length the model was trained for"
+
+    def kv(context: int) -> int:
+        return max(1, slots) * sum(geometry.kv_bytes(i, context) for i in range(geometry.n_layer))
+
+    room = free_bytes // 8
+    if kv(n_ctx_train) <= room:
+        best = n_ctx_train
+    else:
+        best = floor
+        lo, hi = floor // CONTEXT_STEP + 1, n_ctx_train // CONTEXT_STEP  # steps above the floor, bisected
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if kv(mid * CONTEXT_STEP) <= room:
+                best, lo = mid * CONTEXT_STEP, mid + 1
+            else:
+                hi = mid - 1
+    return best, (
+        f"{best} of the {n_ctx_train} trained: the KV of {slots} slot(s) at {best} positions is "
+        f"{kv(best) / GIB:.2f} GiB, within an eighth of the {free_bytes / GIB:.1f} GiB free on the card"
+        if best > floor
+        else f"{best}: the KV of {slots} slot(s) at more positions would pass an eighth of the "
+        f"{free_bytes / GIB:.1f} GiB free on the card"
+    )
+
+
 @dataclass(frozen=True)
 class Budget:
     """How much of each card the placement may plan with."""

@@ -34,7 +34,9 @@ from engine.pipeline.split import (
 )
 from engine.pipeline.stages import LocalStage, SplitModel
 from engine.tokenizer import Tokenizer
-from installer.placement import Card, Geometry, PlacementError, auto_parallel
+from installer.engine_options import AUTO_CONTEXT
+from installer.engine_options import D as OPTION_DEFAULTS
+from installer.placement import Card, Geometry, PlacementError, auto_context, auto_parallel
 
 log = logging.getLogger("strata.engine")
 
@@ -53,7 +55,9 @@ def load_split_model(
     One stage gives the plain `DecoderLM`; several a `SplitModel` (both drive `Runner` alike).
     Without a `profile` given, that of the model file is read (`opts.profile`, else the data dir's; see
     engine.experts.profile) unless `opts.use_profile` is off. `parallel`: the sequences whose KV the memory plan
-    keeps room for (serve's --parallel; None: installer.placement.auto_parallel); the result's `sequences`."""
+    keeps room for (serve's --parallel; None: installer.placement.auto_parallel); the result's `sequences`.
+    `max_context` AUTO_CONTEXT: chosen from the card and the model (installer.placement.auto_context); the
+    result's `context`."""
     gf = GGUFFile.open(path)
     tok = Tokenizer.from_metadata(gf.metadata)
     cfg = file_config(gf, tok.vocab_size)
@@ -71,7 +75,12 @@ def load_split_model(
     # With a remote stage this PC runs one stage: the plan places it (the rest is the worker's).
     plan_opts = replace(opts, layer_split=None) if opts.remote else opts
     kv_geometry = geometry if geometry is not None else geometry_from_gguf(gf, cfg, kv_type)
+    auto = max_context == AUTO_CONTEXT
+    if auto:  # the slots are chosen at the fixed default; the context then grows into the room they leave
+        max_context = min(OPTION_DEFAULTS.max_context, cfg.n_ctx_train or OPTION_DEFAULTS.max_context)
     sequences = _sequences(parallel, opts, cards if on_cuda else [], kv_geometry, max_context)
+    if auto:
+        max_context = _context(opts, cards if on_cuda else [], kv_geometry, cfg.n_ctx_train, sequences)
     sp = plan_stages(plan_opts, cfg.n_layer, cards, geometry, max_context, profile, sequences)
     for line in sp.lines:
         log.info("%s", line)
@@ -97,7 +106,32 @@ def load_split_model(
     if first.type == "cuda" and first.index is not None:
         torch.cuda.set_device(first)
     lm = loaded(path, gf, cfg, tok, model, opts.cpu_weights_mib, ", ".join(sp.labels), dt)
-    return replace(lm, sequences=sequences)
+    return replace(lm, sequences=sequences, context=max_context)
+
+
+def _free(opts: SplitOptions, cards: list[Card]) -> int | None:
+    """The free VRAM of the card the memory plan starts from (--vram-budget-mib caps it); None: no card."""
+    card = next((c for c in cards if opts.gpu is None or c.index == opts.gpu), None)
+    free = card.free_bytes if card is not None else None
+    if (
+        free is not None and opts.vram_budget_mib is not None
+    ):  # the budget is the card as far as the plan goes
+        free = min(free, opts.vram_budget_mib << 20)
+    return free
+
+
+def _context(opts: SplitOptions, cards: list[Card], geometry: Geometry, n_ctx_train: int, slots: int) -> int:
+    """--max-context auto: installer.placement.auto_context on this PC's card; with a remote stage the fixed
+    default (each worker allows its own --max-context, which the handshake checks)."""
+    base = OPTION_DEFAULTS.max_context
+    if opts.remote:
+        n = min(base, n_ctx_train or base)
+        log.info("--max-context %d (auto: with --remote-stage, the workers' default; give both --max-context N "
+                 "for more)", n)  # fmt: skip
+        return n
+    n, why = auto_context(geometry, n_ctx_train, _free(opts, cards), slots, base)
+    log.info("--max-context %d (auto: %s)", n, why)
+    return n
 
 
 def _sequences(
@@ -107,15 +141,10 @@ def _sequences(
     --parallel, and the handshake settles on the fewest)."""
     if parallel is not None:
         return parallel
-    card = next((c for c in cards if opts.gpu is None or c.index == opts.gpu), None)
     slot_kv = (
         sum(geometry.kv_bytes(i, context) for i in range(geometry.n_layer)) if geometry is not None else 0
     )
-    free = card.free_bytes if card is not None else None
-    if (
-        free is not None and opts.vram_budget_mib is not None
-    ):  # the budget is the card as far as the plan goes
-        free = min(free, opts.vram_budget_mib << 20)
+    free = _free(opts, cards)
     host = None if free is not None else int(psutil.virtual_memory().available)
     n, why = auto_parallel(slot_kv, free, host)
     log.info("--parallel %d (auto: %s)", n, why)

@@ -91,6 +91,11 @@ def _build(args: EngineOptions) -> object:
     if args.prefill != "auto" and (not str(args.prefill).isdigit() or int(args.prefill) < 1):
         raise PlacementError(f"--prefill must be auto or a number of tokens, not {args.prefill!r}")
     max_tokens = 4096 if args.prefill == "auto" else int(args.prefill)
+    if args.max_context < 16:  # auto too: the worker holds what the main asks for, up to this
+        raise PlacementError(
+            f"--max-context {args.max_context or 'auto'}: give the worker the positions it may hold for the main "
+            "(at least the main's --max-context, which its log says), e.g. --max-context 32768"
+        )
 
     keys = server_keys(args.stage_key, args.stage_allow)
     next_endpoint = parse_endpoint(args.stage_next, "--stage-next") if args.stage_next else None

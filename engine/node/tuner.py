@@ -184,9 +184,9 @@ class MainStage:
         given = {**typed(["generate", "--prompt", "-", *key_flags]), "device": device, "dtype": dtype}
         from_file, _ = from_config(config, "generate")
         args, _ = merge("generate", given, from_file)
-        self.max_context = int(args.max_context)
         opts = options_from_args(args)
         self.lm = load_split_model(config.model, opts, args.max_context, args.kv, args.dtype)
+        self.max_context = self.lm.context  # --max-context, auto resolved at load
         self.kv_type = resolve_kv_type(args.kv, self.lm.model.dtype)
         self._span_room = (opts.vram_budget_mib, opts.reserve_mib)  # spans sized as the server sizes them
 

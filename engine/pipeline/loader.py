@@ -99,6 +99,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     chat: ChatFormatter
     sequences: int = 1  # KV caches the memory was planned for (serve's --parallel)
+    context: int = 0  # positions each KV cache holds (--max-context, auto resolved); 0: not planned here
 
     @property
     def name(self) -> str:

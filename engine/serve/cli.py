@@ -17,6 +17,7 @@ from engine.pipeline.split_args import options_from_args
 from engine.serve.app import create_app
 from engine.serve.options import ServeOptions
 from engine.serve.serving import EngineService
+from installer.engine_options import AUTO_CONTEXT
 from installer.placement import MAX_PARALLEL
 
 if TYPE_CHECKING:
@@ -103,8 +104,8 @@ def _serve(args: "EngineOptions") -> int:
         )
     if not 0 <= args.port <= 65535:
         raise ServeError(f"--port must be 0..65535, not {args.port}")
-    if args.max_context < 16:
-        raise ServeError(f"--max-context must be at least 16 positions, not {args.max_context}")
+    if args.max_context != AUTO_CONTEXT and args.max_context < 16:
+        raise ServeError(f"--max-context must be at least 16 positions (or auto), not {args.max_context}")
     if args.max_queue < 1:
         raise ServeError(f"--max-queue must be at least 1, not {args.max_queue}")
     if args.batch_groups is not None and args.batch_groups < 1:

@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from installer.config import ConfigError, StrataConfig, write_config
 from installer.engine_options import (
+    COMMAND_DEFAULTS,
     COMMANDS,
     ENV,
     EngineOptions,
@@ -113,7 +115,7 @@ def test_any_flag_given_beats_any_config(in_config: list[int], typed_: list[int]
     from_file, unknown = from_config(cfg, "serve")
     assert unknown == []
     o, notes = merge("serve", given_, from_file)
-    defaults = EngineOptions()
+    defaults = replace(EngineOptions(), **COMMAND_DEFAULTS["serve"])  # serve's own: --max-context auto
     for i, (flag, key, a, b) in enumerate(PAIRS):
         if i in typed_:
             want, where = typed(["serve", flag, b if pick[i] else a])[key], "command line"
@@ -176,7 +178,8 @@ def test_the_sampling_defaults_are_one_set() -> None:
 def test_bad_config_args_name_the_file(tmp_path: Path) -> None:
     path = _write(tmp_path, {"model": "m.gguf", "args": ["--max-context", "lots"]})
     with pytest.raises(
-        OptionsError, match=r'"args" in strata-x.json: argument --max-context: invalid int value'
+        OptionsError,
+        match=r'"args" in strata-x.json: argument --max-context: .lots. is neither a count of positions nor auto',
     ):
         resolve(["serve", "--config", str(path)], env={})
 

@@ -131,6 +131,10 @@ def test_flags_that_cannot_work_are_refused(model: Path, capsys: pytest.CaptureF
         (["--stage-begin", "0"], "between 1 and 5"),
         (["--stage-begin", "2", "--stage-end", "4"], "--stage-next HOST:PORT"),
         (["--stage-begin", "2", "--stage-next", "127.0.0.1:9"], "give --stage-end"),
+        (
+            ["--stage-begin", "2", "--max-context", "auto"],
+            "--max-context auto: give the worker the positions",
+        ),
     ):
         assert engine_main([*base, *extra]) == 2
         assert msg in capsys.readouterr().err
