@@ -299,15 +299,22 @@ class DecoderLM(FamilyLM):
         return n
 
     def forward_rows(
-        self, tokens: torch.Tensor, shared: KVCache, pos: torch.Tensor, base: torch.Tensor, span: int
+        self,
+        tokens: torch.Tensor,
+        shared: KVCache,
+        pos: torch.Tensor,
+        base: torch.Tensor,
+        span: int,
+        head: bool = True,
     ) -> torch.Tensor:
         """tokens [T] of T sequences at device positions `pos` [T], each sequence's cache the rows of `shared`
         from base [T] on -> logits [T, V]; the fused decode path, capturable in a CUDA graph. A stage of a layer
-        split without the token table takes hidden rows [T, D] instead, one without the head gives them."""
+        split without the token table takes hidden rows [T, D] instead; one without the head, or whose head runs
+        after a remote chain (`head` False), gives them."""
         h = self.embed(tokens) if self.has_embed else tokens
         for i in self.layer_range:
             h = fast_decode.layer(self, i, h, shared, pos, span, base)
-        return self.head(h) if self.has_head else h
+        return self.head(h) if self.has_head and head else h
 
     def _batch_rows(self, parts: Sequence[BatchPart]) -> torch.Tensor:
         """Every part's rows together through the general layer (attention part by part). One part alone takes

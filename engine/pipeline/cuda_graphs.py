@@ -215,16 +215,23 @@ class SlotGraphs:
         self.keeper: torch.cuda.CUDAGraph | None = None  # keeps the pool (capturing)
 
     def step(
-        self, tok: torch.Tensor, pos: torch.Tensor, base: torch.Tensor, shared: KVCache, top: int, limit: int
+        self,
+        tok: torch.Tensor,
+        pos: torch.Tensor,
+        base: torch.Tensor,
+        shared: KVCache,
+        top: int,
+        limit: int,
+        head: bool = True,
     ) -> torch.Tensor:
         """tok, pos, base [T] (host) with every position below `top`, each sequence at most `limit` long ->
-        logits [T, V]."""
+        logits [T, V] (hidden rows [T, D] with `head` False: DecoderLM.forward_rows)."""
         t = int(tok.shape[0])
         span = min(limit, -(-top // SPAN_BUCKET) * SPAN_BUCKET)
-        g = self.graphs.get(shared, (span, t))
+        g = self.graphs.get(shared, (span, t, head))
         if g is None:
-            g = self._capture(tok, pos, base, shared, span)
-            self.graphs.put(shared, (span, t), g)
+            g = self._capture(tok, pos, base, shared, span, head)
+            self.graphs.put(shared, (span, t, head), g)
         else:
             for dst, src in ((g.tok, tok), (g.pos, pos), (g.base, base)):
                 dst.copy_(src, non_blocking=True)
@@ -235,7 +242,7 @@ class SlotGraphs:
         return out
 
     def _capture(
-        self, tok: torch.Tensor, pos: torch.Tensor, base: torch.Tensor, shared: KVCache, span: int
+        self, tok: torch.Tensor, pos: torch.Tensor, base: torch.Tensor, shared: KVCache, span: int, head: bool
     ) -> _SlotGraph:
         m, dev = self.model, self.model.device
         bufs = [x.to(dev).clone() for x in (tok, pos, base)]
@@ -245,11 +252,11 @@ class SlotGraphs:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):  # compile; they repeat this step's own KV writes
-                m.forward_rows(bufs[0], shared, bufs[1], bufs[2], span)
+                m.forward_rows(bufs[0], shared, bufs[1], bufs[2], span, head)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with capturing(graph, self.pool, side):
-            out = m.forward_rows(bufs[0], shared, bufs[1], bufs[2], span)
+            out = m.forward_rows(bufs[0], shared, bufs[1], bufs[2], span, head)
         self.pool, self.keeper = graph.pool(), graph
         if saved is not None and counts is not None:
             counts.copy_(saved)

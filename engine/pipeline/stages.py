@@ -111,10 +111,10 @@ class LocalStage:
 
     @property
     def takes_rows(self) -> bool:
-        """Whether decode rows of several slots sharing one cache run here through the fused decode path (whose
-        slot graphs run the model's head where it has one: not where a later stage runs it, after a remote chain)."""
-        fast = bool(getattr(self.model, "fast", False)) and self.device.type == "cuda"
-        return fast and self.with_head == self.model.has_head
+        """Whether decode rows of several slots sharing one cache run here through the fused decode path (with the
+        model's head where this stage runs it; a remote main's first stage gives hidden rows, its head runs after
+        the chain)."""
+        return bool(getattr(self.model, "fast", False)) and self.device.type == "cuda"
 
     def run_rows(self, x: torch.Tensor, parts: Sequence[BatchPart]) -> torch.Tensor:
         """One decode row of each part (token ids [P] for the first stage, else hidden [P, D]), the parts' caches
@@ -128,9 +128,9 @@ class LocalStage:
             base = torch.tensor([p.cache.base for p in parts])
             top = max(p.start for p in parts) + 1
             if m.slot_graphs is not None:
-                return m.slot_graphs.step(x, pos, base, shared, top, parts[0].cache.max_ctx)
+                return m.slot_graphs.step(x, pos, base, shared, top, parts[0].cache.max_ctx, self.with_head)
             dev = self.device
-            return m.forward_rows(x.to(dev), shared, pos.to(dev), base.to(dev), top)
+            return m.forward_rows(x.to(dev), shared, pos.to(dev), base.to(dev), top, self.with_head)
 
     def body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, span: int) -> torch.Tensor:
         """The stage at device positions `pos` and a static span: the capturable form of `run`."""
@@ -278,25 +278,25 @@ class SplitModel:
 
     def warm_rows(self, caches: Sequence[KVCache]) -> int:
         """Capture the stages' decode rows of 1 .. FAST_MAX_ROWS of these slots (DecoderLM.warm_rows for a split);
-        -> the most rows warmed (0: none here). With a remote stage, one step of every slot's row at position 0:
-        the worker captures its own rows before its first step, so that happens while this server loads, not
-        while the first request waits."""
+        -> the most rows warmed (0: none here). With a remote stage the steps cross to the worker too, at position
+        0: it captures its own rows before its first step, so that happens while this server loads, not while the
+        first request waits (a main whose stages do not take rows sends one step of every slot's row)."""
         remote = self.remote and bool(caches) and self._batches()
-        if not remote and (not caches or caches[0].shared is None or not self._rows_ready()):
+        local = bool(caches) and caches[0].shared is not None and self._rows_ready()
+        if not remote and not local:
             return 0
         saved = [(m, m.expert_counts.clone()) for m in self._models() if m.expert_counts is not None]
         n = min(len(caches), FAST_MAX_ROWS)
-        for t in [n] if remote else range(1, n + 1):
+        for t in range(1, n + 1) if local else [n]:
             self.forward_batch([BatchPart(torch.zeros(1, dtype=torch.long), c, 0) for c in caches[:t]])
         for c in caches:
             c.length = 0
         for m, counts in saved:
             assert m.expert_counts is not None
             m.expert_counts.copy_(counts)
-        if remote:  # no graphs of this process's own were captured
-            log.info("remote stage: a step of %d rows sent, the worker's decode rows are warm", n)
-            return 0
-        return n
+        if remote:
+            log.info("remote stage: steps of up to %d rows sent, the worker's decode rows are warm", n)
+        return n if local else 0
 
     def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
         """One KV cache object whose layers live on their stages' devices. A family with recurrent states

@@ -1,6 +1,6 @@
 """Slots through a worker on the card (the product's case: a card in each PC): the worker keeps its slots' KV as
-rows of one cache and runs a step's decode rows through its fused path (captured at the handshake), the main does
-the same with its layers, and each request's logits are the unsplit model's for that sequence alone, with one
+rows of one cache and runs a step's decode rows through its fused path (captured before its first step), the main
+does the same with its layers (its slot graphs without the head, which runs after the worker), and each request's logits are the unsplit model's for that sequence alone, with one
 group and with two groups pipelined."""
 
 import os
@@ -46,9 +46,8 @@ def test_slots_through_a_worker_on_the_card_match_each_sequence_alone(
         m = lm.model
         assert isinstance(m, SplitModel) and lm.sequences == 4 and m.pipelines_groups
         caches = m.new_caches(4, 128, "bf16")
-        # the main's stage runs the general layer for the rows (its model's slot graphs would run the head, which
-        # runs after the worker); the worker's take its fused path
-        assert all(c.shared is None for c in caches)
+        # the main's stage runs the rows through its fused path too, without the head (which runs after the worker)
+        assert all(c.shared is not None for c in caches) and m.warm_rows(caches) == 4
         refs = [whole.new_cache(128, "bf16") for _ in range(4)]
         prompts = [PROMPT[: 3 + i] for i in range(4)]
         for p, c, r in zip(prompts, caches, refs, strict=True):
