@@ -40,7 +40,8 @@ def start_server(
 ) -> tuple[subprocess.Popen[str], str]:
     """Our server on `model` -> (its process, its URL) once it is ready; its log goes to `log` where given, its
     threads' sampled stacks to `stacks` (bench/stack_sample.py)."""
-    if "--max-context" not in args:  # serve's auto context would take VRAM from the experts that earlier runs had
+    # serve's auto context would take VRAM from the expert cache that earlier runs had
+    if "--max-context" not in args:
         args = ["--max-context", "4096", *args]
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", str(model), "--port", "0", *args]
     if stacks is not None:
