@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,14 +85,30 @@ def ask(client: httpx.Client, prompt: str, tokens: int) -> dict[str, Any]:
     return {"latency_s": time.perf_counter() - t0, "tokens": j["usage"]["completion_tokens"], "at": wall}
 
 
+def at_once(clients: int, client: Callable[[int], None]) -> float:
+    """Run client(k) for k < clients in threads that all start together -> the wall time until the last ends."""
+    start = threading.Barrier(clients + 1)
+
+    def run(k: int) -> None:
+        start.wait()
+        client(k)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def round_of(url: str, clients: int, requests: int, tokens: int, offset: int) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     errors: list[str] = []
-    start = threading.Barrier(clients + 1)
 
     def client(k: int) -> None:
         with httpx.Client(base_url=url, timeout=600) as c:
-            start.wait()
             for i in range(requests):
                 topic = TOPICS[(offset + k * requests + i) % len(TOPICS)]
                 try:
@@ -101,14 +118,7 @@ def round_of(url: str, clients: int, requests: int, tokens: int, offset: int) ->
                 except Exception as e:  # counted and reported
                     errors.append(f"{type(e).__name__}: {e}")
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = at_once(clients, client)
     total = sum(r["tokens"] for r in results)
     lat = [r["latency_s"] for r in results]
     return {

@@ -12,7 +12,6 @@ import json
 import platform
 import shlex
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.serve_clients import start_server
+from bench.serve_clients import at_once, start_server
 from installer.default_model import default_model_path
 
 CODE = """def parse_rows(lines):
@@ -72,20 +71,11 @@ def _ask(url: str, k: int, tokens: int) -> dict[str, Any]:
 
 def _round(url: str, clients: int, tokens: int) -> dict[str, Any]:
     out: list[dict[str, Any] | None] = [None] * clients
-    start = threading.Barrier(clients + 1)
 
     def client(k: int) -> None:
-        start.wait()
         out[k] = _ask(url, k, tokens)
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = at_once(clients, client)
     done = [o for o in out if o is not None]
     total = sum(o["tokens"] for o in done)
     proposed = sum(o["draft_n"] for o in done)
