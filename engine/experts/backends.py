@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("strata.engine")
 
 FUSED_MAX_ROWS = 8  # decode-sized inputs (a step, a verify window) take the fused expert kernels
-IN_PLACE_MAX_ROWS = 4  # decode on the CPU; longer prompt chunks go expert by expert over all their tokens
+# Decode on the CPU, and verify windows of up to 8 rows (each token as a one-token step computes it: the window's
+# logits are the steps' to the bit); longer prompt chunks go expert by expert over all their tokens.
+IN_PLACE_MAX_ROWS = 8
 Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 

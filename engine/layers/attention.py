@@ -131,6 +131,9 @@ def flash_kernel(device: torch.device) -> Any:
     return kernels.loaded("prefill_attention")
 
 
+ROW_BY_ROW = 8  # CPU steps of up to this many rows attend row by row (cached_attention)
+
+
 def cached_attention(
     cache: KVCache,
     layer: int,
@@ -157,7 +160,36 @@ def cached_attention(
             q, lk.k, lk.v, pos, span, window, scale, softcap, lk.k_scale, lk.v_scale, sinks
         )
     keys, values = cache.store(layer, pos, k, v, span)
+    if not q.is_cuda and 1 < q.shape[0] <= ROW_BY_ROW:
+        # A few rows on the CPU (a verify window, a short chunk): each row as a one-token step computes it (its own
+        # keys, no masked columns), so that the window's logits are the one-token steps' to the bit. A float
+        # difference of 1e-6 here flips 8-bit activation codes downstream and can flip a greedy near-tie.
+        rows = [
+            _attend(
+                q[j : j + 1], keys[: p + 1], values[: p + 1], pos[j : j + 1], window, scale, softcap, sinks
+            )
+            for j, p in enumerate(pos.tolist())
+        ]
+        return torch.cat(rows)
     mask = masks[window] if masks is not None and window in masks else causal_mask(pos, span, window)
+    if sinks is not None:
+        return sink_attention(q, keys, values, mask, scale, sinks)
+    return attention(q, keys, values, mask, scale, softcap)
+
+
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    window: int,
+    scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One row's attention as a one-token step makes it: the keys up to its position, the causal (and window)
+    mask."""
+    mask = causal_mask(pos, keys.shape[0], window)
     if sinks is not None:
         return sink_attention(q, keys, values, mask, scale, sinks)
     return attention(q, keys, values, mask, scale, softcap)

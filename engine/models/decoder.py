@@ -421,6 +421,9 @@ class DecoderLM(FamilyLM):
             assert lw.shexp_up is not None and lw.shexp_down is not None
             s = lw.shexp_down.linear(act(lw.shexp_gate.linear(x)) * lw.shexp_up.linear(x))
             if lw.shexp_gate_inp is not None:
-                s = s * torch.sigmoid(x.float() @ lw.shexp_gate_inp).unsqueeze(-1).to(s.dtype)  # [T, 1]
+                # a product and a sum per row, not a matrix-vector product: each row's gate is then the same
+                # however many rows the step has (a verify window's logits equal one-token steps' on the CPU)
+                g = (x.float() * lw.shexp_gate_inp).sum(-1, keepdim=True)  # [T, 1]
+                s = s * torch.sigmoid(g).to(s.dtype)
             y = y + s
         return y

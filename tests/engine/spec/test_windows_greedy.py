@@ -13,6 +13,7 @@ from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY, Sampler
 from engine.pipeline.spec import DraftSource, SpecConfig
+from engine.testing.tiny_models import ARCHITECTURES
 from engine.testing.tokenizer_fixture import tiny_bpe_metadata
 from engine.tokenizer import Tokenizer
 from tests.engine.spec.conftest import EVERY_ARCHITECTURE
@@ -150,3 +151,24 @@ def test_end_of_generation_inside_kept_drafts() -> None:
     # 4 5 eot 6 kept (the target says 0 after 6), then the answer stops at eot
     assert done.timings.decode_windows == 1 and done.timings.drafts_accepted == 4
     assert runner.cached_tokens == [1, 2, 3, 4, 5] and runner.cache.length == 5
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_windows_logits_are_the_one_token_steps_to_the_bit_on_the_cpu(
+    tiny_models: dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU with 8-bit activations (the default) a window of up to 8 rows attends row by row as one-token
+    steps do, and its matrix products round each row as a one-row product does: its logits are the one-token
+    steps' exactly, so greedy output with drafts is the output without (a float difference of 1e-6 in the
+    attention used to flip activation codes downstream and, on a near-tie, a token)."""
+    monkeypatch.setenv("STRATA_ACTIVATIONS", "int8")
+    lm = load_model(tiny_models[arch], "cpu", "f32")
+    m = lm.model
+    ids = torch.tensor(REPETITIVE)
+    w = 5
+    a, b = m.new_cache(CTX, "f32"), m.new_cache(CTX, "f32")
+    m.forward(ids[:-w], a, 0, last_only=True)
+    m.forward(ids[:-w], b, 0, last_only=True)
+    window = m.forward(ids[-w:], a, len(ids) - w)
+    steps = torch.cat([m.forward(ids[j : j + 1], b, j) for j in range(len(ids) - w, len(ids))])
+    assert torch.equal(window, steps)
