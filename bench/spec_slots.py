@@ -126,7 +126,7 @@ def main() -> None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({
             "what": "bench/spec_slots.py: --spec 0 against --spec N at one --parallel, clients at once, greedy",
-            "model": str(model), "serve_args": a.serve_args, "tokens": a.tokens, "machine": platform.node(),
+            "model": model.name, "serve_args": a.serve_args, "tokens": a.tokens, "machine": platform.node(),
             "rows": rows, "runs": runs,
         }, indent=1) + "\n")  # fmt: skip
 
