@@ -143,12 +143,12 @@ D = EngineOptions()
 
 # Defaults that differ by command, written here once: generate is greedy so that its output is the same each run,
 # and profile reads a few tokens after each prompt.
+AUTO_CONTEXT = 0  # --max-context auto
 COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
     "generate": {"temperature": 0.0},
     "profile": {"max_tokens": 16},
-    "serve": {"max_context": 0},  # auto
+    "serve": {"max_context": AUTO_CONTEXT},
 }
-AUTO_CONTEXT = 0  # --max-context auto
 
 
 def context_flag(value: str) -> int:

@@ -139,6 +139,12 @@ def auto_parallel(
 CONTEXT_STEP = 1024  # --max-context auto grows in steps of this many positions
 
 
+def context_floor(n_ctx_train: int, base: int) -> int:
+    """The least --max-context auto gives: the fixed default, or the trained length where that is shorter (0:
+    not in the file)."""
+    return min(base, n_ctx_train) if n_ctx_train > 0 else base
+
+
 def auto_context(
     geometry: Geometry, n_ctx_train: int, free_bytes: int | None, slots: int, base: int
 ) -> tuple[int, str]:
@@ -147,7 +153,7 @@ def auto_context(
     --parallel auto gives the slots; the rest goes to the weights and the expert cache). Never below `base` (or the
     trained length, where that is shorter); on the CPU (`free_bytes` None) `base`, since a CPU reads a long prompt
     in minutes and its KV is allocated up front in RAM. -> (positions, the reason, for the log)."""
-    floor = min(base, n_ctx_train) if n_ctx_train > 0 else base
+    floor = context_floor(n_ctx_train, base)
     if free_bytes is None:
         return floor, f"{floor} on the CPU; --max-context N gives more"
     if n_ctx_train <= floor:

@@ -164,32 +164,25 @@ def cached_attention(
         # A few rows on the CPU (a verify window, a short chunk): each row as a one-token step computes it (its own
         # keys, no masked columns), so that the window's logits are the one-token steps' to the bit. A float
         # difference of 1e-6 here flips 8-bit activation codes downstream and can flip a greedy near-tie.
-        rows = [
-            _attend(
-                q[j : j + 1], keys[: p + 1], values[: p + 1], pos[j : j + 1], window, scale, softcap, sinks
-            )
-            for j, p in enumerate(pos.tolist())
-        ]
+        rows = []
+        for j, p in enumerate(pos.tolist()):  # row j: the keys up to its position, as a one-token step's
+            mask = causal_mask(pos[j : j + 1], p + 1, window)
+            rows.append(_attend(q[j : j + 1], keys[: p + 1], values[: p + 1], mask, scale, softcap, sinks))
         return torch.cat(rows)
     mask = masks[window] if masks is not None and window in masks else causal_mask(pos, span, window)
-    if sinks is not None:
-        return sink_attention(q, keys, values, mask, scale, sinks)
-    return attention(q, keys, values, mask, scale, softcap)
+    return _attend(q, keys, values, mask, scale, softcap, sinks)
 
 
 def _attend(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    pos: torch.Tensor,
-    window: int,
+    mask: torch.Tensor,
     scale: float,
     softcap: float,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One row's attention as a one-token step makes it: the keys up to its position, the causal (and window)
-    mask."""
-    mask = causal_mask(pos, keys.shape[0], window)
+    """The torch path's attention: with the sink logits where the family has them."""
     if sinks is not None:
         return sink_attention(q, keys, values, mask, scale, sinks)
     return attention(q, keys, values, mask, scale, softcap)

@@ -36,7 +36,7 @@ from engine.pipeline.stages import LocalStage, SplitModel
 from engine.tokenizer import Tokenizer
 from installer.engine_options import AUTO_CONTEXT
 from installer.engine_options import D as OPTION_DEFAULTS
-from installer.placement import Card, Geometry, PlacementError, auto_context, auto_parallel
+from installer.placement import Card, Geometry, PlacementError, auto_context, auto_parallel, context_floor
 
 log = logging.getLogger("strata.engine")
 
@@ -77,7 +77,7 @@ def load_split_model(
     kv_geometry = geometry if geometry is not None else geometry_from_gguf(gf, cfg, kv_type)
     auto = max_context == AUTO_CONTEXT
     if auto:  # the slots are chosen at the fixed default; the context then grows into the room they leave
-        max_context = min(OPTION_DEFAULTS.max_context, cfg.n_ctx_train or OPTION_DEFAULTS.max_context)
+        max_context = context_floor(cfg.n_ctx_train, OPTION_DEFAULTS.max_context)
     sequences = _sequences(parallel, opts, cards if on_cuda else [], kv_geometry, max_context)
     if auto:
         max_context = _context(opts, cards if on_cuda else [], kv_geometry, cfg.n_ctx_train, sequences)
@@ -125,7 +125,7 @@ def _context(opts: SplitOptions, cards: list[Card], geometry: Geometry, n_ctx_tr
     default (each worker allows its own --max-context, which the handshake checks)."""
     base = OPTION_DEFAULTS.max_context
     if opts.remote:
-        n = min(base, n_ctx_train or base)
+        n = context_floor(n_ctx_train, base)
         log.info("--max-context %d (auto: with --remote-stage, the workers' default; give both --max-context N "
                  "for more)", n)  # fmt: skip
         return n

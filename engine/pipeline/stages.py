@@ -383,8 +383,9 @@ class SplitModel:
 
     def launch_batch(self, parts: Sequence[BatchPart]) -> Callable[[], torch.Tensor]:
         """`forward_batch` in two halves: the stages up to the first remote one run now and its message goes out;
-        the returned call waits for the answer, runs the stages after it and gives each part's wanted logit rows. Between the two this process is free to run another group of slots (whose rows the worker then
-        takes after these)."""
+        the returned call waits for the answer, runs the stages after it and gives each part's wanted logit rows.
+        Between the two this process is free to run another group of slots (whose rows the worker then takes
+        after these)."""
         r = next(i for i, st in enumerate(self.stages) if hasattr(st, "submit_parts"))
         self._resync(parts)
         fused = (

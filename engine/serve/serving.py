@@ -173,9 +173,8 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
             # The plan is checked before any weight is read; a remote stage is connected and checked before this
             # returns (a worker that is not up makes the load fail, with its address, on /health).
             lm = loaded = load_split_model(path, split, o.max_context, o.kv, o.dtype, parallel=o.parallel)
-            if (
-                lm.context != o.max_context
-            ):  # --max-context auto, resolved (/v1/models, /stats and /props say it)
+            # --max-context auto, resolved (/v1/models, /stats and /props say it)
+            if lm.context != o.max_context:
                 self.opts = o = dataclasses.replace(o, max_context=lm.context)
             kv = resolve_kv_type(o.kv, lm.model.dtype)
             if o.max_context > lm.config.n_ctx_train:
