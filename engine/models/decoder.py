@@ -20,7 +20,7 @@ from engine.layers.norm import rms_norm
 from engine.layers.qtensor import QTensor
 from engine.layers.rope import Rope
 from engine.models import fast_decode
-from engine.models.family_base import BatchPart, FamilyLM, Weights, forward_each, logit_rows
+from engine.models.family_base import BatchPart, FamilyLM, Weights, forward_each, logit_rows, one_row_each
 
 
 @dataclass
@@ -234,15 +234,22 @@ class DecoderLM(FamilyLM):
         weight and each chosen expert read once for all of them), and through attention part by part, each
         against its own cache; where prompt chunks run as CUDA graphs (PromptGraphs), each chunk runs from its
         own."""
-        rows = [j for j, p in enumerate(parts) if p.tokens.shape[0] == 1 and p.cache.shared is not None]
+        rows = [j for j, p in enumerate(parts) if p.cache.shared is not None and one_row_each(p)]
         if rows and not self.slotted(parts[rows[0]].cache.kv_type):
             rows = []
         out: list[torch.Tensor | None] = [None] * len(parts)
-        for at in range(0, len(rows), fast_decode.FAST_MAX_ROWS):
-            js = rows[at : at + fast_decode.FAST_MAX_ROWS]
-            logits = self.decode_rows([parts[j] for j in js])
-            for n, j in enumerate(js):
-                out[j] = logits[n : n + 1]
+        if rows:
+            # a verify window's rows are rows of the fused path too: each attends up to its own position, and the
+            # window's earlier rows are in the cache by then (their K and V are written before any row attends)
+            flat = [BatchPart(parts[j].tokens[r : r + 1], parts[j].cache, parts[j].start + r)
+                    for j in rows for r in range(int(parts[j].tokens.shape[0]))]  # fmt: skip
+            step = fast_decode.FAST_MAX_ROWS
+            logits = torch.cat([self.decode_rows(flat[at : at + step]) for at in range(0, len(flat), step)])
+            at = 0
+            for j in rows:
+                t = int(parts[j].tokens.shape[0])
+                out[j] = logits[at : at + t]
+                at += t
         rest = [j for j, o in enumerate(out) if o is None]
         if rest:
             # prompt chunks: each from its captured size's graphs where there are some (no launch-bound eager
@@ -282,16 +289,20 @@ class DecoderLM(FamilyLM):
             p.cache.length = p.start + 1
         return logits
 
-    def warm_rows(self, caches: Sequence[KVCache]) -> int:
-        """Run (and so capture) the decode rows of 1 .. FAST_MAX_ROWS of these slots once, at position 0, and leave
-        the caches and the expert counts as they were; -> the most rows warmed (0: no slot graphs here)."""
+    def warm_rows(self, caches: Sequence[KVCache], most: int | None = None) -> int:
+        """Run (and so capture) the decode rows of 1 .. `most` (default: a row of each slot; at most
+        FAST_MAX_ROWS) of these slots once, rows past a row each at the next positions (a verify window's), and
+        leave the caches and the expert counts as they were; -> the most rows warmed (0: no slot graphs here)."""
         if self.slot_graphs is None or not caches or caches[0].shared is None:
             return 0
         counts = self.expert_counts
         saved = counts.clone() if counts is not None else None
-        n = min(len(caches), fast_decode.FAST_MAX_ROWS)
+        k = len(caches)
+        n = min(most or k, fast_decode.FAST_MAX_ROWS)
         for t in range(1, n + 1):
-            self.decode_rows([BatchPart(torch.zeros(1, dtype=torch.long), c, 0) for c in caches[:t]])
+            self.decode_rows(
+                [BatchPart(torch.zeros(1, dtype=torch.long), caches[r % k], r // k) for r in range(t)]
+            )
         for c in caches:
             c.length = 0
         if saved is not None and counts is not None:

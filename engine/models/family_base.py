@@ -24,7 +24,7 @@ import torch
 
 from engine import kernels
 from engine.experts.backends import choose
-from engine.experts.cache import ExpertCache
+from engine.experts.cache import MAX_STEP_ROWS, ExpertCache
 from engine.gguf import names
 from engine.gguf.model_config import ModelConfig
 from engine.gguf.quants import SUPPORTED_TYPES
@@ -166,6 +166,13 @@ def logit_rows(parts: Sequence[BatchPart]) -> list[int]:
         end += int(p.tokens.shape[0])
         out.extend(range(end - p.logits, end))
     return out
+
+
+def one_row_each(p: BatchPart) -> bool:
+    """Whether every row of the part is a decode row of its own: one token, or a verify window (every row's logits
+    wanted) of up to a fused step's rows."""
+    t = int(p.tokens.shape[0])
+    return t == 1 or p.logits == t <= MAX_STEP_ROWS
 
 
 def forward_each(model: Any, parts: Sequence[BatchPart]) -> torch.Tensor:

@@ -230,7 +230,11 @@ class BatchRunner:
         """Capture the decode steps of every row count the slots can take (compiling their kernels) before the
         first request, so that no request waits for a capture; -> the most rows warmed (0: nothing to warm)."""
         warm = getattr(self.model, "warm_rows", None)
-        return warm([s.cache for s in self.slots]) if warm is not None else 0
+        if warm is None:
+            return 0
+        caches = [s.cache for s in self.slots]
+        # with verify windows a step holds up to a window's rows a slot
+        return warm(caches, len(caches) * (self.spec.n + 1)) if self.spec is not None else warm(caches)
 
     # ---- admission ------------------------------------------------------------------------------------------
 

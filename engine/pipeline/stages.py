@@ -276,11 +276,12 @@ class SplitModel:
             c.slot = s
         return caches
 
-    def warm_rows(self, caches: Sequence[KVCache]) -> int:
+    def warm_rows(self, caches: Sequence[KVCache], most: int | None = None) -> int:
         """Capture the stages' decode rows of 1 .. FAST_MAX_ROWS of these slots (DecoderLM.warm_rows for a split);
         -> the most rows warmed (0: none here). With a remote stage the steps cross to the worker too, at position
         0: it captures its own rows before its first step, so that happens while this server loads, not while the
-        first request waits (a main whose stages do not take rows sends one step of every slot's row)."""
+        first request waits (a main whose stages do not take rows sends one step of every slot's row). `most` is
+        not used here: a split's verify windows take the general layer."""
         remote = self.remote and bool(caches) and self._batches()
         local = bool(caches) and caches[0].shared is not None and self._rows_ready()
         if not remote and not local:

@@ -225,3 +225,36 @@ def test_an_overlapped_step_is_queued_without_waiting_for_the_device(moe_q4k: Pa
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert flight is not None and flight.deferrable and flight.decode_rows == 4
+
+
+def test_verify_windows_of_slots_run_as_rows_of_the_fused_path(moe_q4k: Path) -> None:
+    """--spec with slots on a card: each slot's window (its token and drafts) runs as rows of the fused decode path
+    (the slot graphs of more rows than slots, captured at warm-up), each row attending up to its own position.
+    Each request's greedy tokens are decoding's without drafts up to bf16 near-ties, as above, and drafts are
+    kept."""
+    from engine.pipeline.spec import SpecConfig
+
+    lm = load_model(moe_q4k, device="cuda", dtype="bf16")
+    m = lm.model
+    loop = [5, 6, 7, 8, 9]
+    reqs = [
+        GenerationRequest(loop * (3 + i), max_tokens=24, sampling=GREEDY, ignore_eos=True) for i in range(3)
+    ]
+    br = BatchRunner(m, lm.tokenizer, 256, "bf16", slots=3, spec=SpecConfig(n=4))
+    assert br.warm() == 15 and len(m.slot_graphs.graphs) == 15  # up to 3 windows of 5 rows
+    got: list[list[object]] = [[] for _ in reqs]
+    for r, g in zip(reqs, got, strict=True):
+        br.admit(r, g.append)
+    while br.busy:
+        br.step()
+    kept = 0
+    for r, g in zip(reqs, got, strict=True):
+        done = g[-1]
+        assert isinstance(done, DoneEvent) and len(done.tokens) == 24
+        kept += done.timings.drafts_accepted
+        seq = torch.tensor(r.prompt + done.tokens)
+        logits = m.forward(seq, m.new_cache(256, "bf16"), 0)[len(r.prompt) - 1 : -1]
+        for row, tok in zip(logits, done.tokens, strict=True):
+            assert row.max() - row[tok] <= 0.05 * row.std(), (r.prompt, done.tokens)
+    assert kept > 0
+    assert len(m.slot_graphs.graphs) == 15  # every step found its graph captured
