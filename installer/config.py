@@ -25,7 +25,7 @@ from installer import paths
 
 APP_NAME = paths.APP_NAME
 CONFIG_DIR_ENV = "STRATA_CONFIG_DIR"
-KV_TYPES = ("bf16", "int8")
+KV_TYPES = ("bf16", "int8", "q4_0")
 GPU_ORDERS = ("auto", "as_given")
 KEYS = (
     "model",
@@ -71,7 +71,7 @@ class StrataConfig:
     args: tuple[str, ...] = ()
     workers: tuple[Worker, ...] = field(default=())
     max_context: int | None = None
-    kv: Literal["bf16", "int8"] | None = None
+    kv: Literal["bf16", "int8", "q4_0"] | None = None
     split_skip_if_fits: bool = False
     """With "layer_split": "auto": run on the first card alone when it holds everything (seed 002, opt-in)."""
 

@@ -283,7 +283,7 @@ def add_model_args(p: argparse.ArgumentParser | Any) -> None:
     )
     p.add_argument("--device", help=f"cpu, cuda or cuda:N (default {D.device}: cuda when available)")
     p.add_argument("--dtype", help="compute type: auto (bf16 on CUDA, f32 on CPU), f32, bf16, f16")
-    p.add_argument("--kv", help="KV cache type: auto (the compute type), f32, f16, bf16, int8")
+    p.add_argument("--kv", help="KV cache type: auto (the compute type), f32, f16, bf16, int8, q4_0")
     p.add_argument(
         "--max-context",
         type=context_flag,

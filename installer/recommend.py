@@ -29,8 +29,13 @@ from installer.placement import (
 from installer.rules import CardAssessment, OtherAssessment
 
 MIB = 1024**2
-KV_BYTES_SCALE: dict[str, float] = {"bf16": 1.0, "int8": (1.0 + 2.0 / 32.0) / 2.0}
-"""KV bytes relative to bf16: int8 keeps one byte per value plus a 2-byte scale per 32 values."""
+KV_BYTES_SCALE: dict[str, float] = {
+    "bf16": 1.0,
+    "int8": (1.0 + 2.0 / 32.0) / 2.0,
+    "q4_0": (0.5 + 2.0 / 32.0) / 2.0,
+}
+"""KV bytes relative to bf16: int8 keeps one byte per value plus (at most) a 2-byte scale per 32 values, q4_0 half a
+byte per value plus a 2-byte scale per 32."""
 
 
 # ---------------------------------------------------------------------------------------------------------------

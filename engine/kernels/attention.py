@@ -4,7 +4,11 @@
 positions, one launch for what took seven (two norm+rope kernels, casts, two index copies).
 `decode_attention`: grouped-query attention of those rows over cache positions below a static span (so a CUDA
 graph replays it for every position of its bucket), split over the span and merged by a small second kernel when
-the span is long; the GQA group of query heads shares each key/value block it loads."""
+the span is long; the GQA group of query heads shares each key/value block it loads.
+
+Caches are float, int8 (a scale per position and head, which multiplies the scores and the probabilities) or q4_0
+(engine/layers/kv_cache.py: packed halves, a scale per 32 values, dequantized as a tile is loaded). `QUANT` names
+which: 0, 1 or 2 (`quant_kind`)."""
 
 import functools
 
@@ -13,6 +17,58 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import rope_pairs, store_q8_rows
+
+NO_QUANT, INT8, Q4_0 = 0, 1, 2
+
+
+def quant_kind(cache: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """Which kind of cache `cache` is, for the kernels' QUANT: float, int8 codes, or q4_0's packed bytes."""
+    if scale is None:
+        return NO_QUANT
+    return Q4_0 if cache.dtype == torch.uint8 else INT8
+
+
+def head_size(cache: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """The head size a cache [ctx, Hkv, *] holds (q4_0 keeps two values a byte)."""
+    return cache.shape[2] * (2 if quant_kind(cache, scale) == Q4_0 else 1)
+
+
+@triton.jit
+def q4_tile(c_ptr, s_ptr, s, sm, d, row_codes, row_scales, HALF: tl.constexpr):
+    """The values [S, D] of positions s [S] (loaded where sm) and lanes d [D] of a q4_0 cache whose position rows
+    lie row_codes bytes (codes) and row_scales scales apart: byte d % HALF, its high nibble for the second half."""
+    byte = tl.load(c_ptr + s[:, None] * row_codes + (d % HALF)[None, :], mask=sm[:, None], other=0)
+    code = (byte.to(tl.int32) >> ((d // HALF) * 4)[None, :]) & 15
+    sc = tl.load(s_ptr + s[:, None] * row_scales + (d // 32)[None, :], mask=sm[:, None], other=0.0)
+    return (code - 8).to(tl.float32) * sc.to(tl.float32)
+
+
+@triton.jit
+def head_rows(kc_ptr, vc_ptr, ks_ptr, vs_ptr, row, Dk, Dv, QUANT: tl.constexpr, BLOCK_DK: tl.constexpr,
+              BLOCK_DV: tl.constexpr):  # fmt: skip
+    """The four cache pointers moved to cache row `row` (position * HKV + key head): q4_0's heads (BLOCK_D values)
+    are half a byte a value and a scale per 32, int8's a scale per row."""
+    if QUANT == 2:
+        return (kc_ptr + row * (BLOCK_DK // 2), vc_ptr + row * (BLOCK_DV // 2), ks_ptr + row * (BLOCK_DK // 32),
+                vs_ptr + row * (BLOCK_DV // 32))  # fmt: skip
+    return kc_ptr + row * Dk, vc_ptr + row * Dv, ks_ptr + row, vs_ptr + row
+
+
+@triton.jit
+def _store_q4(code_ptr, scale_ptr, x, BLOCK: tl.constexpr):
+    """x [BLOCK] float32 (BLOCK the head size) as q4_0, as engine/layers/kv_cache.py quant4 writes it: BLOCK/2
+    bytes of packed halves and BLOCK/32 float16 scales."""
+    NB: tl.constexpr = BLOCK // 32
+    xb = tl.reshape(x, (NB, 32))
+    mx = tl.max(xb, axis=1)
+    mn = tl.min(xb, axis=1)
+    d = tl.where(-mn > mx, mn, mx) / -8.0  # the block's value of largest magnitude, over -8 (exact)
+    inv = tl.where(d == 0.0, 0.0, tl.div_rn(tl.full([NB], 1.0, tl.float32), d))
+    q = tl.minimum(tl.floor(xb * inv[:, None] + 8.5), 15.0).to(tl.int32)
+    halves = tl.reshape(q, (2, BLOCK // 2))
+    nib = tl.where(tl.arange(0, 2) == 0, 1, 16)
+    tl.store(code_ptr + tl.arange(0, BLOCK // 2), tl.sum(halves * nib[:, None], axis=0).to(tl.uint8))
+    tl.store(scale_ptr + tl.arange(0, NB), d.to(tl.float16))
 
 
 @triton.jit
@@ -27,9 +83,9 @@ def _rope_store_kernel(
     base_ptr,  # [T] int64: where each row's sequence starts in the caches (BASE), for slots sharing one cache
     inv_ptr,  # [ROT/2] float32 effective inverse frequencies
     qo_ptr,  # [T, H, Dh] out
-    kc_ptr,  # [ctx, Hkv, Dh] key cache (float, or int8 codes: QUANT)
+    kc_ptr,  # [ctx, Hkv, Dh] key cache (float, int8 codes, or q4_0 bytes [ctx, Hkv, Dh/2]: QUANT)
     vc_ptr,  # [ctx, Hkv, Dv]
-    ks_ptr,  # [ctx, Hkv] float16 scales of the int8 keys (QUANT)
+    ks_ptr,  # [ctx, Hkv] float16 scales of the int8 keys ([ctx, Hkv, Dh/32] for q4_0)
     vs_ptr,  # [ctx, Hkv]
     H,
     HKV,
@@ -43,7 +99,7 @@ def _rope_store_kernel(
     NORM: tl.constexpr,
     NEOX: tl.constexpr,
     BASE: tl.constexpr = False,
-    QUANT: tl.constexpr = False,
+    QUANT: tl.constexpr = 0,
 ):
     t = tl.program_id(0)
     hh = tl.program_id(1)  # 0..H-1 query heads, then H..H+HKV-1 key heads (each with its value head)
@@ -77,7 +133,12 @@ def _rope_store_kernel(
         mv = offs < Dv
         val = tl.load(v_ptr + t * row_stride + hk * Dv + offs, mask=mv, other=0.0)
         # int8 as KVCache's own write makes it: the key in the compute dtype, a float32 scale stored as float16
-        if QUANT:
+        if QUANT == 2:  # the head size is BLOCK (q4_0 takes heads of 64, 128 or 256)
+            out = out.to(qo_ptr.dtype.element_ty).to(tl.float32)
+            row = cp * HKV + hk
+            _store_q4(kc_ptr + row * (BLOCK // 2), ks_ptr + row * (BLOCK // 32), out, BLOCK)
+            _store_q4(vc_ptr + row * (BLOCK // 2), vs_ptr + row * (BLOCK // 32), val.to(tl.float32), BLOCK)
+        elif QUANT == 1:
             out = out.to(qo_ptr.dtype.element_ty).to(tl.float32)
             _store_q8(kc_ptr + (cp * HKV + hk) * Dh + offs, ks_ptr + cp * HKV + hk, out, m)
             _store_q8(vc_ptr + (cp * HKV + hk) * Dv + offs, vs_ptr + cp * HKV + hk, val.to(tl.float32), mv)
@@ -122,10 +183,15 @@ def rope_store(
     normalised, rotated queries [T, H, Dh]; the rotated keys and the values are written into the caches
     [ctx, Hkv, D] at `pos` [T], or at base + pos where `base` [T] (int64) places each row's sequence in caches
     that several sequences share. int8 caches take `k_scale`/`v_scale` [ctx, Hkv, 1] (float16), a scale per
-    position and head, as KVCache writes them."""
+    position and head, as KVCache writes them; q4_0 caches [ctx, Hkv, D/2] (uint8) take theirs [ctx, Hkv, D/32]."""
     t = q.shape[0]
-    _, hkv, dh = k_cache.shape
-    dv = v_cache.shape[2]
+    hkv = k_cache.shape[1]
+    dh, dv = head_size(k_cache, k_scale), head_size(v_cache, v_scale)
+    quant = quant_kind(k_cache, k_scale)
+    if quant == Q4_0 and not dh == dv == triton.next_power_of_2(dh):
+        raise ValueError(
+            f"a q4_0 cache takes key and value heads of one power-of-two size, not {dh} and {dv}"
+        )
     stride = q.stride(0)
     assert k.stride(0) == stride and v.stride(0) == stride and q.stride(1) == 1
     qo = torch.empty(t, n_head, dh, dtype=out_dtype, device=q.device)
@@ -157,7 +223,7 @@ def rope_store(
         NORM=norm,
         NEOX=neox,
         BASE=base is not None,
-        QUANT=k_scale is not None,
+        QUANT=quant,
     )
     return qo
 
@@ -165,9 +231,9 @@ def rope_store(
 @triton.jit
 def _decode_attn_kernel(
     q_ptr,  # [T, H, Dk]
-    kc_ptr,  # [ctx, HKV, Dk] (float, or int8 codes: QUANT)
+    kc_ptr,  # [ctx, HKV, Dk] (float, int8 codes, or q4_0 bytes [ctx, HKV, Dk/2]: QUANT)
     vc_ptr,  # [ctx, HKV, Dv]
-    ks_ptr,  # [ctx, HKV] scales of the int8 keys (QUANT)
+    ks_ptr,  # [ctx, HKV] scales of the int8 keys ([ctx, HKV, Dk/32] for q4_0)
     vs_ptr,  # [ctx, HKV]
     pos_ptr,  # [T] int64
     base_ptr,  # [T] int64: where each row's sequence starts in the caches (BASE)
@@ -192,7 +258,7 @@ def _decode_attn_kernel(
     IEEE: tl.constexpr,
     Q8: tl.constexpr = False,
     BASE: tl.constexpr = False,
-    QUANT: tl.constexpr = False,
+    QUANT: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)  # t * HKV + hk
     sp = tl.program_id(1)
@@ -202,10 +268,9 @@ def _decode_attn_kernel(
     row0 = hk.to(tl.int64)  # the row's sequence's first cache row, its key head
     if BASE:
         row0 += tl.load(base_ptr + t) * HKV
-    kc_ptr += row0 * Dk
-    vc_ptr += row0 * Dv
-    ks_ptr += row0
-    vs_ptr += row0
+    kc_ptr, vc_ptr, ks_ptr, vs_ptr = head_rows(
+        kc_ptr, vc_ptr, ks_ptr, vs_ptr, row0, Dk, Dv, QUANT, BLOCK_DK, BLOCK_DV
+    )
     g = tl.arange(0, GP)
     gm = g < G
     dk = tl.arange(0, BLOCK_DK)
@@ -225,16 +290,21 @@ def _decode_attn_kernel(
     for s0 in range(lo, hi, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         sm = s < hi
-        kb = tl.load(
-            kc_ptr + s[:, None] * (HKV * Dk) + dk[None, :],
-            mask=sm[:, None] & (dk[None, :] < Dk),
-            other=0.0,
-        )  # [BS, DK]
+        if QUANT == 2:
+            kb = q4_tile(
+                kc_ptr, ks_ptr, s, sm, dk, HKV * (BLOCK_DK // 2), HKV * (BLOCK_DK // 32), BLOCK_DK // 2
+            )
+        else:
+            kb = tl.load(
+                kc_ptr + s[:, None] * (HKV * Dk) + dk[None, :],
+                mask=sm[:, None] & (dk[None, :] < Dk),
+                other=0.0,
+            )  # [BS, DK]
         if IEEE:  # float32 compute stays float32 (no TF32 rounding)
             sc = tl.dot(q, tl.trans(kb.to(q.dtype)), input_precision="ieee") * scale  # [GP, BS]
         else:
             sc = tl.dot(q, tl.trans(kb.to(q.dtype))).to(tl.float32) * scale
-        if QUANT:  # int8 codes are exact in the compute dtype; their scales multiply the scores
+        if QUANT == 1:  # int8 codes are exact in the compute dtype; their scales multiply the scores
             sc = sc * tl.load(ks_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32)[None, :]
         if softcap > 0:
             sc = softcap * (2.0 / (1.0 + tl.exp(-2.0 * sc / softcap)) - 1.0)
@@ -243,12 +313,17 @@ def _decode_attn_kernel(
         alpha = tl.exp(m_i - m_new)
         pr = tl.exp(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pr, axis=1)
-        vb = tl.load(
-            vc_ptr + s[:, None] * (HKV * Dv) + dv[None, :],
-            mask=sm[:, None] & (dv[None, :] < Dv),
-            other=0.0,
-        )  # [BS, DV]
-        if QUANT:
+        if QUANT == 2:
+            vb = q4_tile(
+                vc_ptr, vs_ptr, s, sm, dv, HKV * (BLOCK_DV // 2), HKV * (BLOCK_DV // 32), BLOCK_DV // 2
+            )
+        else:
+            vb = tl.load(
+                vc_ptr + s[:, None] * (HKV * Dv) + dv[None, :],
+                mask=sm[:, None] & (dv[None, :] < Dv),
+                other=0.0,
+            )  # [BS, DV]
+        if QUANT == 1:
             pr = pr * tl.load(vs_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32)[None, :]
         if IEEE:
             pv = tl.dot(pr, vb.to(tl.float32), input_precision="ieee")  # [GP, DV]
@@ -348,10 +423,16 @@ def decode_attention(
     covers (tests); by default chosen from the span and the GPU's size. `q8_out` (float32 [T, H*Dv], Dv a multiple
     of 32): also filled with the output rounded to 8 bits in engine.kernels.gemv.quantize_q8's layout. `base` [T]
     (int64): where each row's sequence starts in caches several sequences share (rows of different slots). int8
-    caches take `k_scale`/`v_scale` [ctx, Hkv, 1], their scale per position and head."""
+    caches take `k_scale`/`v_scale` [ctx, Hkv, 1], their scale per position and head; q4_0 caches [ctx, Hkv, D/2]
+    (uint8) theirs [ctx, Hkv, D/32]."""
     t, h, dk = q.shape
-    _, hkv, _ = k_cache.shape
-    dvv = v_cache.shape[2]
+    hkv = k_cache.shape[1]
+    dvv = head_size(v_cache, v_scale)
+    quant = quant_kind(k_cache, k_scale)
+    if quant == Q4_0 and not dk == dvv == triton.next_power_of_2(dk):
+        raise ValueError(
+            f"a q4_0 cache takes key and value heads of one power-of-two size, not {dk} and {dvv}"
+        )
     g = h // hkv
     if chunk is None:
         splits = _splits(t, hkv, span, q.device)
@@ -367,7 +448,7 @@ def decode_attention(
         BLOCK_DV=triton.next_power_of_2(dvv),
         IEEE=q.dtype == torch.float32,
         BASE=base is not None,
-        QUANT=k_scale is not None,
+        QUANT=quant,
     )
     bp = base if base is not None else pos
     ks = k_scale if k_scale is not None else k_cache

@@ -2,14 +2,17 @@
 
 Flash-style: each program holds a block of one head's query rows and walks the key blocks those rows may see with an
 online softmax, so nothing of size rows x keys is ever written. It reads the cache as it lies ([ctx, Hkv, D], float
-or int8 with a scale per position and head), so a chunk deep in a long prompt neither copies the cache to another
-dtype nor repeats the key heads over the query heads, and it skips the key blocks the causal mask (and a sliding
-window) rule out: the torch path it replaces did all three, which held a 32,768-token prompt at 0.29x llama.cpp.
+or int8 with a scale per position and head, or q4_0's packed bytes dequantized as a tile loads), so a chunk deep in
+a long prompt neither copies the cache to another dtype nor repeats the key heads over the query heads, and it skips
+the key blocks the causal mask (and a sliding window) rule out: the torch path it replaces did all three, which held
+a 32,768-token prompt at 0.29x llama.cpp.
 Key blocks that every row of the program sees in full run without the mask's arithmetic."""
 
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.attention import Q4_0, head_rows, head_size, q4_tile, quant_kind
 
 
 @triton.jit
@@ -38,17 +41,22 @@ def _block(
     QUANT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
 ):
     s = s0 + tl.arange(0, BLOCK_N)
     sm = s < span
-    kt = tl.load(
-        kc_ptr + s[None, :] * (HKV * Dk) + dk[:, None], mask=sm[None, :] & (dk[:, None] < Dk), other=0.0
-    )  # [DK, BN]
+    if QUANT == 2:  # heads of DK = DV values, dk and dv their lanes
+        kt = tl.trans(q4_tile(kc_ptr, ks_ptr, s, sm, dk, HKV * (DK // 2), HKV * (DK // 32), DK // 2))
+    else:
+        kt = tl.load(
+            kc_ptr + s[None, :] * (HKV * Dk) + dk[:, None], mask=sm[None, :] & (dk[:, None] < Dk), other=0.0
+        )  # [DK, BN]
     if IEEE:  # float32 compute stays float32 (no TF32 rounding)
         sc = tl.dot(q, kt.to(q.dtype), input_precision="ieee")
     else:
         sc = tl.dot(q, kt.to(q.dtype))  # int8 codes are exact in bf16/f16; their scale multiplies the scores
-    if QUANT:
+    if QUANT == 1:
         sc = sc * tl.load(ks_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32)[None, :]
     if SOFTCAP:  # softcap * tanh(x / softcap), in the log2 domain after
         x = sc * (qk_scale / softcap)
@@ -66,10 +74,13 @@ def _block(
     alpha = tl.math.exp2(m_i - m_use)
     pr = tl.math.exp2(sc - m_use[:, None])
     l_i = l_i * alpha + tl.sum(pr, axis=1)
-    vb = tl.load(
-        vc_ptr + s[:, None] * (HKV * Dv) + dv[None, :], mask=sm[:, None] & (dv[None, :] < Dv), other=0.0
-    )  # [BN, DV]
-    if QUANT:
+    if QUANT == 2:
+        vb = q4_tile(vc_ptr, vs_ptr, s, sm, dv, HKV * (DV // 2), HKV * (DV // 32), DV // 2)
+    else:
+        vb = tl.load(
+            vc_ptr + s[:, None] * (HKV * Dv) + dv[None, :], mask=sm[:, None] & (dv[None, :] < Dv), other=0.0
+        )  # [BN, DV]
+    if QUANT == 1:
         pr = pr * tl.load(vs_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32)[None, :]
     if IEEE:
         pv = tl.dot(pr, vb.to(tl.float32), input_precision="ieee")
@@ -82,9 +93,9 @@ def _block(
 @triton.jit
 def _prefill_attn_kernel(
     q_ptr,  # [T, H, Dk]
-    kc_ptr,  # [ctx, HKV, Dk] float, or int8 codes (QUANT)
+    kc_ptr,  # [ctx, HKV, Dk] float, int8 codes, or q4_0 bytes [ctx, HKV, Dk/2] (QUANT)
     vc_ptr,  # [ctx, HKV, Dv]
-    ks_ptr,  # [ctx, HKV] scales of the keys (QUANT)
+    ks_ptr,  # [ctx, HKV] scales of the keys ([ctx, HKV, Dk/32] for q4_0)
     vs_ptr,  # [ctx, HKV]
     pos_ptr,  # [T] int64
     sink_ptr,  # [H] float32 (SINKS)
@@ -121,10 +132,9 @@ def _prefill_attn_kernel(
     q = tl.load(
         q_ptr + (rows[:, None] * H + h) * Dk + dk[None, :], mask=rm[:, None] & (dk[None, :] < Dk), other=0.0
     )  # [BM, DK]
-    kc_ptr += hk * Dk
-    vc_ptr += hk * Dv
-    ks_ptr += hk
-    vs_ptr += hk
+    kc_ptr, vc_ptr, ks_ptr, vs_ptr = head_rows(
+        kc_ptr, vc_ptr, ks_ptr, vs_ptr, hk, Dk, Dv, QUANT, BLOCK_DK, BLOCK_DV
+    )
     if SINKS:  # the sink's logit is one more column of every row's softmax, with no value
         sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
@@ -147,17 +157,17 @@ def _prefill_attn_kernel(
     for s0 in range(lo, tl.minimum(full_lo, hi), BLOCK_N):
         acc, m_i, l_i = _block(
             q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, p, s0, HKV, Dk, Dv, span, window, qk_scale,
-            softcap, dk, dv, BLOCK_N, True, QUANT, SOFTCAP, IEEE,
+            softcap, dk, dv, BLOCK_N, True, QUANT, SOFTCAP, IEEE, BLOCK_DK, BLOCK_DV,
         )  # fmt: skip
     for s0 in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _block(
             q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, p, s0, HKV, Dk, Dv, span, window, qk_scale,
-            softcap, dk, dv, BLOCK_N, False, QUANT, SOFTCAP, IEEE,
+            softcap, dk, dv, BLOCK_N, False, QUANT, SOFTCAP, IEEE, BLOCK_DK, BLOCK_DV,
         )  # fmt: skip
     for s0 in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _block(
             q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, p, s0, HKV, Dk, Dv, span, window, qk_scale,
-            softcap, dk, dv, BLOCK_N, True, QUANT, SOFTCAP, IEEE,
+            softcap, dk, dv, BLOCK_N, True, QUANT, SOFTCAP, IEEE, BLOCK_DK, BLOCK_DV,
         )  # fmt: skip
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a pad row saw nothing: zeros, not NaN
     out = acc / l_i[:, None]
@@ -194,14 +204,19 @@ def prefill_attention(
     """q [T, H, Dk] at positions `pos` [T] (int64, any order) over cache positions below `span` -> [T, H, Dv] in q's
     dtype. Each row sees the positions <= its own (and within `window` of it when window > 0). `k_cache`/`v_cache`
     [ctx, Hkv, D] are the cache's own rows: float, or int8 codes with `k_scale`/`v_scale` [ctx, Hkv, 1] (a scale per
-    position and head). `sinks` [H] (float32): a logit per head that joins every row's softmax with no value."""
+    position and head), or q4_0 bytes [ctx, Hkv, D/2] with scales [ctx, Hkv, D/32]. `sinks` [H] (float32): a logit per head that joins every row's softmax with no value."""
     t, h, dk = q.shape
-    _, hkv, _ = k_cache.shape
-    dv = v_cache.shape[2]
-    assert h % hkv == 0 and k_cache.stride(2) == 1 and k_cache.stride(0) == hkv * dk
-    assert v_cache.stride(2) == 1 and v_cache.stride(0) == hkv * dv
+    hkv = k_cache.shape[1]
+    dv = head_size(v_cache, v_scale)
+    quant = quant_kind(k_cache, k_scale)
+    per = 2 if quant == Q4_0 else 1  # values a stored element holds
+    if quant == Q4_0 and not dk == dv == triton.next_power_of_2(dk):
+        raise ValueError(
+            f"a q4_0 cache takes key and value heads of one power-of-two size, not {dk} and {dv}"
+        )
+    assert h % hkv == 0 and k_cache.stride(2) == 1 and k_cache.stride(0) == hkv * dk // per
+    assert v_cache.stride(2) == 1 and v_cache.stride(0) == hkv * dv // per
     q = q.contiguous()
-    quant = k_scale is not None
     out = torch.empty(t, h, dv, dtype=q.dtype, device=q.device)
     if t == 0:
         return out
@@ -211,8 +226,8 @@ def prefill_attention(
         q,
         k_cache,
         v_cache,
-        k_scale if quant else k_cache,
-        v_scale if quant else v_cache,
+        k_scale if k_scale is not None else k_cache,
+        v_scale if v_scale is not None else v_cache,
         pos,
         sinks if sinks is not None else q,
         out,

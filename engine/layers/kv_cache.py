@@ -1,4 +1,9 @@
-"""Per-layer key/value cache of one sequence: float (f32/f16/bf16) or int8 with a scale per token and head."""
+"""Per-layer key/value cache of one sequence: float (f32/f16/bf16), int8 with a scale per token and head, or q4_0
+(4-bit codes with a scale per 32 values, llama.cpp's `-ctk q4_0` rounding).
+
+q4_0 keeps a head's D values as D/2 bytes: byte j holds value j in its low nibble and value j + D/2 in its high one,
+so a kernel reads the head's two halves as two plain tiles; the scales are float16, one per 32 values ([ctx, Hkv,
+D/32]). A value is scale * (code - 8), the scale being the block's value of largest magnitude divided by -8."""
 
 from dataclasses import dataclass
 
@@ -6,7 +11,9 @@ import torch
 
 from engine.gguf.model_config import ModelConfig
 
-KV_TYPES = ("auto", "f32", "f16", "bf16", "int8")
+KV_TYPES = ("auto", "f32", "f16", "bf16", "int8", "q4_0")
+_QUANT = ("int8", "q4_0")
+Q4_BLOCK = 32
 _FLOAT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -18,7 +25,7 @@ class KVCacheError(ValueError):
 class _LayerKV:
     k: torch.Tensor  # [ctx, Hkv, Dk] (int8 or float)
     v: torch.Tensor  # [ctx, Hkv, Dv]
-    k_scale: torch.Tensor | None = None  # [ctx, Hkv, 1] for int8
+    k_scale: torch.Tensor | None = None  # [ctx, Hkv, 1] for int8, [ctx, Hkv, D/32] for q4_0
     v_scale: torch.Tensor | None = None
 
 
@@ -36,6 +43,32 @@ def _quant8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.to(torch.float16)
 
 
+def quant4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (D a multiple of 64) -> q4_0 codes [..., D/2] (uint8, halves packed as the module says) and
+    float16 scales [..., D/32]. As llama.cpp's q4_0: d = (the block's value of largest magnitude) / -8, code =
+    min(15, trunc(x / d + 8.5)); the codes come from the float d, the stored scale is d in float16."""
+    d_ = x.shape[-1]
+    b = x.float().reshape(*x.shape[:-1], d_ // Q4_BLOCK, Q4_BLOCK)
+    big = b.gather(-1, b.abs().argmax(-1, keepdim=True))  # the signed value of largest magnitude
+    d = big / -8.0
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    codes = torch.clamp(torch.trunc(b * inv + 8.5), 0, 15).to(torch.uint8).reshape(x.shape)
+    lo, hi = codes[..., : d_ // 2], codes[..., d_ // 2 :]
+    return lo | (hi << 4), d.squeeze(-1).to(torch.float16)
+
+
+def dequant4(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q4_0 codes [..., D/2] and scales [..., D/32] -> values [..., D] in `dtype`."""
+    q = torch.cat([codes & 15, codes >> 4], dim=-1).to(torch.float32) - 8.0
+    blocks = q.reshape(*q.shape[:-1], -1, Q4_BLOCK) * scales.float().unsqueeze(-1)
+    return blocks.reshape(q.shape).to(dtype)
+
+
+def q4_head_dims_ok(*dims: int) -> bool:
+    """q4_0 halves a head into two runs of whole 32-value blocks, and the kernels read it as power-of-two tiles."""
+    return all(d in (64, 128, 256) for d in dims)
+
+
 class KVCache:
     """KV for the layers `layers` of one sequence, up to `max_ctx` positions."""
 
@@ -49,8 +82,13 @@ class KVCache:
         kv_type: str,
         device: torch.device,
     ) -> None:
-        if kv_type not in _FLOAT and kv_type != "int8":
-            raise KVCacheError(f"KV type {kv_type!r} must be resolved first (f32, f16, bf16 or int8)")
+        if kv_type not in _FLOAT and kv_type not in _QUANT:
+            raise KVCacheError(f"KV type {kv_type!r} must be resolved first (f32, f16, bf16, int8 or q4_0)")
+        if kv_type == "q4_0" and not q4_head_dims_ok(head_dim_k, head_dim_v):
+            raise KVCacheError(
+                f"--kv q4_0 needs key and value heads of 64, 128 or 256 values; this model's are {head_dim_k} and "
+                f"{head_dim_v}: use --kv int8 (half the memory of bf16) instead"
+            )
         self.kv_type = kv_type
         self.max_ctx = max_ctx
         self.length = 0  # positions filled
@@ -62,6 +100,17 @@ class KVCache:
                     torch.zeros(max_ctx, n_head_kv, head_dim_v, dtype=torch.int8, device=device),
                     torch.zeros(max_ctx, n_head_kv, 1, dtype=torch.float16, device=device),
                     torch.zeros(max_ctx, n_head_kv, 1, dtype=torch.float16, device=device),
+                )
+            elif kv_type == "q4_0":
+                self.layers[i] = _LayerKV(
+                    torch.zeros(max_ctx, n_head_kv, head_dim_k // 2, dtype=torch.uint8, device=device),
+                    torch.zeros(max_ctx, n_head_kv, head_dim_v // 2, dtype=torch.uint8, device=device),
+                    torch.zeros(
+                        max_ctx, n_head_kv, head_dim_k // Q4_BLOCK, dtype=torch.float16, device=device
+                    ),
+                    torch.zeros(
+                        max_ctx, n_head_kv, head_dim_v // Q4_BLOCK, dtype=torch.float16, device=device
+                    ),
                 )
             else:
                 dt = _FLOAT[kv_type]
@@ -89,6 +138,9 @@ class KVCache:
             keys = lk.k[:span].to(k.dtype) * lk.k_scale[:span].to(k.dtype)  # type: ignore[index]
             values = lk.v[:span].to(v.dtype) * lk.v_scale[:span].to(v.dtype)  # type: ignore[index]
             return keys, values
+        if self.kv_type == "q4_0":
+            keys = dequant4(lk.k[:span], lk.k_scale[:span], k.dtype)  # type: ignore[index]
+            return keys, dequant4(lk.v[:span], lk.v_scale[:span], v.dtype)  # type: ignore[index]
         return lk.k[:span].to(k.dtype), lk.v[:span].to(v.dtype)
 
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int) -> _LayerKV:
@@ -106,6 +158,11 @@ class KVCache:
             lk.k_scale.index_copy_(0, pos, sk)  # type: ignore[union-attr]
             lk.v.index_copy_(0, pos, qv)
             lk.v_scale.index_copy_(0, pos, sv)  # type: ignore[union-attr]
+        elif self.kv_type == "q4_0":
+            for codes, scales, x in ((lk.k, lk.k_scale, k), (lk.v, lk.v_scale, v)):
+                q, d = quant4(x)
+                codes.index_copy_(0, pos, q)
+                scales.index_copy_(0, pos, d)  # type: ignore[union-attr]
         else:
             lk.k.index_copy_(0, pos, k.to(lk.k.dtype))
             lk.v.index_copy_(0, pos, v.to(lk.v.dtype))
@@ -142,7 +199,8 @@ class KVCache:
 
 
 def kv_bytes_per_value(kv_type: str) -> float:
-    return {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0}[kv_type]
+    """Bytes a cached value costs, its share of the scales included (int8's per-head scale is counted apart)."""
+    return {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0, "q4_0": 0.5 + 2 / Q4_BLOCK}[kv_type]
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_type: str) -> int:

@@ -374,7 +374,7 @@ class StageServer:
                 f"chunk mismatch: the main process sends up to {expect.max_tokens} tokens at once, {where} takes "
                 f"{mine.max_tokens}: lower the main's --prefill or raise the worker's --prefill"
             )
-        if expect.kv not in ("f32", "f16", "bf16", "int8"):
+        if expect.kv not in ("f32", "f16", "bf16", "int8", "q4_0"):
             return f"KV type {expect.kv!r} of the main process is not one {where} knows"
         return ""
 

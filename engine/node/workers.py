@@ -63,7 +63,7 @@ def _int_range(lo: int, hi: int, also: tuple[str, ...] = ()) -> Callable[[str], 
 # Engine options a main PC may pass to a worker, each with the check its value must pass.
 # `strata-engine worker` accepts each of them (a test checks against its parser).
 FLAG_WHITELIST: dict[str, Callable[[str], str]] = {
-    "--kv": _enum("auto", "bf16", "f16", "f32", "int8"),
+    "--kv": _enum("auto", "bf16", "f16", "f32", "int8", "q4_0"),
     "--dtype": _enum("auto", "f32", "bf16", "f16"),
     "--max-context": _int_range(16, 1 << 22),
     "--prefill": _int_range(1, 1 << 20, ("auto",)),

@@ -217,15 +217,16 @@ def test_cpu_share_on_the_general_decode_path(moe_q4k: Path) -> None:
     assert cm.slots > 0 and cm.timing()["requests"] >= 8
 
 
-def test_int8_kv_decodes_on_the_fused_path(moe_q4k: Path) -> None:
-    """An int8 KV cache decodes through fast_decode (rope_store writes the codes, decode_attention reads them),
-    one sequence and slots sharing a cache: logits against the general layer's on the same cache type."""
+@pytest.mark.parametrize("kv", ["int8", "q4_0"])
+def test_quantized_kv_decodes_on_the_fused_path(moe_q4k: Path, kv: str) -> None:
+    """An int8 or q4_0 KV cache decodes through fast_decode (rope_store writes the codes, decode_attention reads
+    them), one sequence and slots sharing a cache: logits against the general layer's on the same cache type."""
     fused = load_model(moe_q4k, device="cuda", dtype="bf16")
     plain = load_model(moe_q4k, device="cuda", dtype="bf16")
     plain.model.fast = False
-    assert fused.model.fast and fused.model.slotted("int8")
-    _steps_match(plain.model, fused.model, "int8")
-    slots = fused.model.new_caches(2, 64, "int8")
+    assert fused.model.fast and fused.model.slotted(kv)
+    _steps_match(plain.model, fused.model, kv)
+    slots = fused.model.new_caches(2, 64, kv)
     assert slots[0].shared is not None and slots[0].layers[0].k_scale is not None
 
 

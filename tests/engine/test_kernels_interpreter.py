@@ -198,19 +198,18 @@ def test_rope_store(neox: bool) -> None:
     assert torch.equal(vc[pos], v.reshape(t, hkv, d))
 
 
-def test_int8_cache_write_and_decode() -> None:
-    """The decode path on an int8 KV cache: rope_store writes the codes and float16 scales KVCache.write makes of the
-    same keys and values, and decode_attention over the codes (one launch, and split and merged) equals torch's
-    attention over the dequantized cache."""
+def _write_through_rope_store(kv: str, d: int) -> tuple:
+    """Two `kv` caches holding the same 150 positions; two rows more written into one by rope_store and into the
+    other by KVCache.store -> (t, h, pos, queries, the kernel-written layer, the torch-written layer, keys and values
+    torch's store gives back)."""
     from engine.gguf.model_config import RopeConfig
-    from engine.kernels.attention import decode_attention, rope_store
-    from engine.layers.attention import attention, causal_mask
+    from engine.kernels.attention import rope_store
     from engine.layers.kv_cache import KVCache
     from engine.layers.rope import Rope
 
-    t, h, hkv, d, ctx = 2, 8, 2, 64, 200
+    t, h, hkv, ctx = 2, 8, 2, 200
     rope = Rope(RopeConfig(dim=d, base=10000.0, neox=True))
-    ours, ref = (KVCache(range(1), ctx, hkv, d, d, "int8", torch.device("cpu")) for _ in range(2))
+    ours, ref = (KVCache(range(1), ctx, hkv, d, d, kv, torch.device("cpu")) for _ in range(2))
     old = torch.arange(150)
     for c in (ours, ref):
         g = torch.Generator().manual_seed(0)
@@ -223,7 +222,18 @@ def test_int8_cache_write_and_decode() -> None:
     qo = rope_store(q, k, v, None, None, 1e-6, pos, inv, d, True, rope.mscale, lk.k, lk.v, h, torch.float32,
                     k_scale=lk.k_scale, v_scale=lk.v_scale)  # fmt: skip
     keys, values = ref.store(0, pos, rope.apply_at(k.reshape(t, hkv, d), pos), v.reshape(t, hkv, d), 152)
-    rk = ref.layers[0]
+    return t, h, pos, qo, lk, ref.layers[0], keys, values
+
+
+def test_int8_cache_write_and_decode() -> None:
+    """The decode path on an int8 KV cache: rope_store writes the codes and float16 scales KVCache.write makes of the
+    same keys and values, and decode_attention over the codes (one launch, and split and merged) equals torch's
+    attention over the dequantized cache."""
+    from engine.kernels.attention import decode_attention
+    from engine.layers.attention import attention, causal_mask
+
+    d = 64
+    t, _, pos, qo, lk, rk, keys, values = _write_through_rope_store("int8", d)
     assert torch.equal(lk.k_scale, rk.k_scale) and torch.equal(lk.v_scale, rk.v_scale)
     assert (lk.k.int() - rk.k.int()).abs().max().item() <= 1 and torch.equal(lk.v, rk.v)  # keys: RoPE's ulps
     want = attention(qo, keys, values, causal_mask(pos, 152, 0), d**-0.5).reshape(t, -1)
@@ -697,3 +707,40 @@ def test_the_token_mask_kernel_matches_the_torch_unpacking() -> None:
     want = logits.masked_fill(~keep, float("-inf"))
     got = apply_token_mask_(logits.clone(), words, n_vocab)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_q4_cache_write_decode_and_prompt(d: int) -> None:
+    """The q4_0 KV cache through the kernels: rope_store writes the codes and float16 scales KVCache.write makes of
+    the same keys and values (a code in a thousand may round the other way: the kernel's product and sum are one
+    fused operation), and decode_attention (one launch, split and merged) and prefill_attention over the packed
+    bytes equal torch's attention over the dequantized cache."""
+    from engine.kernels.attention import decode_attention
+    from engine.kernels.prefill_attention import prefill_attention
+    from engine.layers.attention import attention, causal_mask
+    from engine.layers.kv_cache import dequant4
+
+    t, h, pos, qo, lk, rk, _, _ = _write_through_rope_store("q4_0", d)
+    for got_c, want_c, got_s, want_s in (
+        (lk.k, rk.k, lk.k_scale, rk.k_scale),
+        (lk.v, rk.v, lk.v_scale, rk.v_scale),
+    ):
+        assert torch.allclose(got_s.float(), want_s.float(), rtol=1e-3)  # keys: RoPE's ulps
+        a = dequant4(got_c, got_s, torch.float32)
+        b = dequant4(want_c, want_s, torch.float32)
+        step = want_s.float().abs().repeat_interleave(32, -1)
+        assert ((a - b).abs() <= step * 1.01 + 1e-6).all()
+        assert ((a - b).abs() > 1e-6).float().mean().item() < 2e-3
+    keys = dequant4(lk.k[:152], lk.k_scale[:152], torch.float32)
+    values = dequant4(lk.v[:152], lk.v_scale[:152], torch.float32)
+    want = attention(qo, keys, values, causal_mask(pos, 152, 0), d**-0.5).reshape(t, -1)
+    for chunk in (512, 32):
+        got = decode_attention(qo, lk.k, lk.v, pos, 152, 0, d**-0.5, chunk=chunk, k_scale=lk.k_scale,
+                               v_scale=lk.v_scale)  # fmt: skip
+        assert (got - want).abs().max().item() < 1e-4
+    # a prompt chunk of 40 rows at positions 100..139 over the same cache
+    pq = torch.randn(40, h, d)
+    ppos = torch.arange(100, 140)
+    got = prefill_attention(pq, lk.k, lk.v, ppos, 140, 0, d**-0.5, 0.0, lk.k_scale, lk.v_scale)
+    want = attention(pq, keys[:140], values[:140], causal_mask(ppos, 140, 0), d**-0.5)
+    assert (got - want).abs().max().item() < 1e-5

@@ -39,7 +39,7 @@ def test_common_prefix() -> None:
     assert common_prefix([1, 2], [1, 2, 3]) == 2
 
 
-@pytest.mark.parametrize("kv", ["f32", "int8"])
+@pytest.mark.parametrize("kv", ["f32", "int8", "q4_0"])
 def test_switching_conversations_reuses_kept_kv(lm: LoadedModel, kv: str) -> None:
     runner = Runner(lm.model, lm.tokenizer, 512, kv, prompt_cache=PromptCache(64 << 20, min_tokens=4))
     a = _prompt(lm, "Conversation A talks about the sea and its ships.")

@@ -1,0 +1,84 @@
+"""What a quantized KV cache costs in accuracy deep into a context: logits against a bf16 cache's, as JSON.
+
+    python bench/kv_quality.py --model M.gguf [--depth 32768] [--kv-types int8,q4_0] [--steps 16]
+        [--out bench/results/kv-quality.json]
+
+One model on the GPU; for bf16 and each KV type a cache is filled with the same `depth` prompt tokens (chunks of
+--prefill auto's size, as the server reads them), then `steps` greedy steps follow the bf16 cache's tokens (so every
+type sees the same inputs). Reported per type: the cosine of each step's logits with bf16's (min, mean), how often
+its top token is bf16's, and the KV bytes a position costs."""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.engine_bench import prompt_ids, read_prompt
+from bench.report import emit
+from engine.experts.policy import ExpertPolicy
+from engine.layers.kv_cache import kv_bytes_per_token
+from engine.pipeline.loader import load_model
+from engine.pipeline.prefill import device_chunk
+
+
+def run(model, kv: str, ids: torch.Tensor, chunk: int, follow: list[int] | None, steps: int) -> tuple:
+    """Fill a `kv` cache with ids, then `steps` steps (feeding `follow`'s tokens, or its own greedy ones) -> the
+    steps' logits [steps, V] on the host, and the tokens fed."""
+    depth = int(ids.shape[0])
+    cache = model.new_cache(depth + steps + 8, kv)
+    read_prompt(model, ids[:-1], cache, chunk)
+    tok, p, out, fed = ids[-1:], depth - 1, [], []
+    for i in range(steps):
+        logits = model.forward(tok, cache, p)[-1].float()
+        out.append(logits.cpu())
+        fed.append(int(tok))
+        nxt = follow[i + 1] if follow is not None and i + 1 < len(follow) else int(logits.argmax())
+        tok, p = torch.tensor([nxt]), p + 1
+    del cache
+    torch.cuda.empty_cache()
+    return torch.stack(out), fed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--depth", type=int, default=32768)
+    ap.add_argument("--kv-types", default="int8,q4_0")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    lm = load_model(a.model, device="cuda", dtype="bf16")
+    m = lm.model
+    chunk = device_chunk(m, a.depth + a.steps + 8, "bf16", None, ExpertPolicy.reserve_mib)
+    ids = prompt_ids(a.depth)
+    res: dict = {
+        "model": Path(a.model).name,
+        "depth": a.depth,
+        "steps": a.steps,
+        "reference": "bf16",
+        "types": {},
+    }
+    t = time.perf_counter()
+    ref, fed = run(m, "bf16", ids, chunk, None, a.steps)
+    res["bf16_s"] = round(time.perf_counter() - t, 1)
+    for kv in a.kv_types.split(","):
+        t = time.perf_counter()
+        got, _ = run(m, kv, ids, chunk, fed, a.steps)
+        cos = torch.nn.functional.cosine_similarity(got.double(), ref.double(), dim=1)
+        res["types"][kv] = {
+            "cosine_min": round(cos.min().item(), 6),
+            "cosine_mean": round(cos.mean().item(), 6),
+            "top1_agree": round((got.argmax(1) == ref.argmax(1)).float().mean().item(), 4),
+            "kv_bytes_per_position": kv_bytes_per_token(lm.config, kv) * lm.config.n_layer,
+            "bf16_bytes_per_position": kv_bytes_per_token(lm.config, "bf16") * lm.config.n_layer,
+            "s": round(time.perf_counter() - t, 1),
+        }
+    emit(res, a.out)
+
+
+if __name__ == "__main__":
+    main()
