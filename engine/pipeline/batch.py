@@ -236,6 +236,12 @@ class BatchRunner:
         # with verify windows a step holds up to a window's rows a slot
         return warm(caches, len(caches) * (self.spec.n + 1)) if self.spec is not None else warm(caches)
 
+    def warm_prompts(self) -> list[int]:
+        """Build the prompt path's kernels of every chunk size a step can hold before the first request, where
+        the model has no prompt graphs to capture (a layer split: SplitModel.warm_prompts) -> the sizes read."""
+        warm = getattr(self.model, "warm_prompts", None)
+        return warm([s.cache for s in self.slots], self.step_tokens) if warm is not None else []
+
     # ---- admission ------------------------------------------------------------------------------------------
 
     @property

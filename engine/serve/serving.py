@@ -226,6 +226,11 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                 if warmed:
                     log.info("%d slots: decode graphs for 1-%d rows captured in %.1f s", slots, warmed,
                              time.perf_counter() - t0)  # fmt: skip
+                t0 = time.perf_counter()
+                read = batch.warm_prompts()
+                if read:
+                    log.info("prompt kernels for chunks of 2-%d tokens built in %.1f s (%d sizes, every stage)",
+                             read[-1], time.perf_counter() - t0, len(read))  # fmt: skip
             graphs = getattr(lm.model, "prompt_graphs", None)
             if graphs is not None:  # every prompt length then runs from graphs: none waits for a capture
                 t0 = time.perf_counter()

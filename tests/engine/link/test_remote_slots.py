@@ -390,3 +390,32 @@ def test_verify_windows_of_slots_cross_the_link_and_roll_back_there(
         assert any(r[2] > 1 for rows in sent[1:] for r in rows if r[1] > 20)  # windows after the prompts
     finally:
         sm.close()
+
+
+def test_prompt_kernels_are_built_at_load_through_the_worker_and_leave_the_slots_as_they_were(
+    model: Path, workers: dict[str, WorkerProc], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """warm_prompts (a split on a card, before the first request): dummy chunks of each size a step holds go
+    through the local stages and the worker, alone and two in a step; afterwards the slots hold nothing, the expert
+    counts are as before, and requests get their tokens alone."""
+    whole = load_model(model, "cpu", "f32")
+    lm = _load(model, 3, workers["last3"].port, parallel=3)
+    sm = lm.model  # type: ignore[attr-defined]
+    try:
+        monkeypatch.setattr(SplitModel, "_builds_kernels", lambda self: True)  # the CPU stands in for a card
+        sent = _messages(sm)
+        br = BatchRunner(sm, lm.tokenizer, 256, "f32", slots=3, step_tokens=12)  # type: ignore[attr-defined]
+        counts = [m.expert_counts.clone() for m in sm.local_models() if m.expert_counts is not None]
+        assert br.warm_prompts() == [3, 4, 7, 8, 11, 12]  # the buckets up to 12 tokens and one short of each
+        # each size alone, and two in a step while they fit (a lone chunk past pipe_chunk goes in pieces)
+        assert [[r[2] for r in rows] for rows in sent][:4] == [[3], [3, 3], [4], [4, 4]]
+        assert sum(r[2] for rows in sent for r in rows) == 3 + 4 + 7 + 8 + 11 + 12 + 2 * (3 + 4)
+        assert all(s.cache.length == 0 for s in br.slots)
+        after = [m.expert_counts for m in sm.local_models() if m.expert_counts is not None]
+        assert all(torch.equal(a, b) for a, b in zip(counts, after, strict=True))
+        reqs = [
+            GenerationRequest(p, max_tokens=4, sampling=GREEDY, ignore_eos=True) for p in _prompts(3, seed=21)
+        ]
+        _each_as_alone(br, reqs, whole)
+    finally:
+        sm.close()
