@@ -419,3 +419,16 @@ def test_prompt_kernels_are_built_at_load_through_the_worker_and_leave_the_slots
         _each_as_alone(br, reqs, whole)
     finally:
         sm.close()
+
+
+def test_groups_default_to_two_only_where_the_main_computes_on_the_cpu() -> None:
+    from types import SimpleNamespace
+
+    from engine.serve.serving import auto_groups
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert auto_groups(SimpleNamespace(devices=[cpu, cpu, cpu]), remote=True) == 2
+    assert (
+        auto_groups(SimpleNamespace(devices=[gpu, cpu, gpu]), remote=True) == 1
+    )  # a card's rows cost little
+    assert auto_groups(SimpleNamespace(devices=[cpu]), remote=False) == 1
