@@ -46,11 +46,12 @@ def _quant8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quant4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] (D a multiple of 64) -> q4_0 codes [..., D/2] (uint8, halves packed as the module says) and
     float16 scales [..., D/32]. As llama.cpp's q4_0: d = (the block's value of largest magnitude) / -8, code =
-    min(15, trunc(x / d + 8.5)); the codes come from the float d, the stored scale is d in float16."""
+    min(15, trunc(x / d + 8.5)); the codes come from the float d, the stored scale is d in float16. Where +a and -a
+    tie for the largest magnitude, +a (as the kernels' writer, engine/kernels/attention.py _store_q4, decides)."""
     d_ = x.shape[-1]
     b = x.float().reshape(*x.shape[:-1], d_ // Q4_BLOCK, Q4_BLOCK)
-    big = b.gather(-1, b.abs().argmax(-1, keepdim=True))  # the signed value of largest magnitude
-    d = big / -8.0
+    mx, mn = b.amax(-1, keepdim=True), b.amin(-1, keepdim=True)
+    d = torch.where(-mn > mx, mn, mx) / -8.0  # the signed value of largest magnitude, over -8
     inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
     codes = torch.clamp(torch.trunc(b * inv + 8.5), 0, 15).to(torch.uint8).reshape(x.shape)
     lo, hi = codes[..., : d_ // 2], codes[..., d_ // 2 :]

@@ -75,3 +75,11 @@ def test_q4_kv_logits_stay_near_a_float_caches(tmp_path: Path, arch: str) -> Non
         for a, b in zip(got, want, strict=True)
     ]
     assert sum(cos) / len(cos) > 0.95 and sorted(cos)[len(cos) // 2] > 0.97, cos
+
+
+def test_a_tie_for_the_largest_magnitude_takes_the_positive_value() -> None:
+    x = torch.zeros(1, 64)
+    x[0, 3], x[0, 9] = -2.0, 2.0  # first the negative one
+    codes, scales = quant4(x)
+    assert scales[0, 0].item() == -0.25  # 2 / -8
+    assert dequant4(codes, scales, torch.float32)[0, 9].item() == 2.0
