@@ -126,6 +126,8 @@ def test_kv_layouts() -> None:
     # int8: one byte per value and a 2-byte scale per 32 values = 0.53125 of bf16.
     assert KV_BYTES_SCALE["int8"] == 0.53125
     assert SMALL.layer_kv_bytes(0, 1024, "int8") == 544 * 1024
+    # q4_0: half a byte per value and a 2-byte scale per 32 = 0.28125 of bf16, as the engine's cache allocates
+    assert KV_BYTES_SCALE["q4_0"] == 0.28125 and SMALL.layer_kv_bytes(0, 1024, "q4_0") == 288 * 1024
     fit = estimate_fit(sliding, [card(0, 4096)], context=1000, **OPTS)
     assert fit.cards[0].kv_bytes == 2 * 128 * 2048 + 2 * 1000 * 2048
     assert fit.summary_text() == "fits fully (dense model)"
