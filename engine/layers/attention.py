@@ -66,6 +66,8 @@ def attention(
         return torch.cat(
             [attention(q[a : a + rows], k, v, mask[a : a + rows], scale, softcap) for a in range(0, t, rows)]
         )
+    if not q.is_cuda and t <= GROUPED_MAX_ROWS:
+        return _grouped(q, k, v, mask, scale, softcap)
     n_kv = k.shape[1]
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, S, D]
     if softcap <= 0:
@@ -94,6 +96,28 @@ def attention(
     scores = scores.masked_fill(~mask, float("-inf"))
     out = torch.softmax(scores, dim=-1).to(vh.dtype) @ vh  # [H, T, Dv]
     return out.transpose(0, 1)
+
+
+# CPU steps of up to this many rows attend through `_grouped`: on 2 cores torch's SDPA with grouped heads took 375 us
+# for one row of Gemma 3 270M's 4 heads over 300 keys, two products and a softmax 35.
+GROUPED_MAX_ROWS = 16
+
+
+def _grouped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """A few rows' attention as two products: each key head's group of query heads and all the rows against its
+    keys at once, q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv], mask [T, S] -> [T, H, Dv]."""
+    t, h, d = q.shape
+    hkv, dv = k.shape[1], v.shape[2]
+    g = h // hkv
+    qg = q.reshape(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d)  # rows (query head in group, row)
+    scores = (qg @ k.permute(1, 2, 0)) * scale  # [Hkv, G*T, S]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask.repeat(g, 1)[None], float("-inf"))
+    out = torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v.transpose(0, 1)  # [Hkv, G*T, Dv]
+    return out.reshape(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, h, dv)
 
 
 _QUERY_BLOCK = 128  # queries per score block: bounds the [H, block, S] scores of long prompt chunks
