@@ -56,7 +56,7 @@ _CPU_BLOCK_ROWS = 8
 class QTensor:
     """A weight of logical shape `shape` stored as raw GGUF blocks `raw` ([..., row_bytes], uint8)."""
 
-    __slots__ = ("cache", "dense", "parts", "qtype", "raw", "shape")
+    __slots__ = ("cache", "cpu", "dense", "parts", "qtype", "raw", "shape")
 
     def __init__(self, raw: torch.Tensor, qtype: QT, shape: tuple[int, ...]) -> None:
         self.raw = raw
@@ -65,6 +65,7 @@ class QTensor:
         self.cache: FloatCache | None = None  # where a CPU matmul may keep its dequantized copy
         self.dense: torch.Tensor | None = None  # that copy, once made
         self.parts: dict[int, QTensor] | None = None  # slices kept (experts), so that their copies last
+        self.cpu: cpu_blocks.Weight | None = None  # the CPU kernels' view of raw, made at the first product
 
     @property
     def device(self) -> torch.device:
@@ -185,7 +186,9 @@ class QTensor:
         n_out, n_in = self.shape
         rows = x.numel() // n_in
         if rows <= _CPU_BLOCK_ROWS:
-            return cpu_blocks.matmul(self.raw, self.qtype, n_out, n_in, x).to(x.dtype)
+            if self.cpu is None:
+                self.cpu = cpu_blocks.Weight(self.raw, self.qtype, n_out, n_in)
+            return self.cpu.matmul(x).to(x.dtype)
         step = max(1, _TILE_ELEMS // n_in)
         parts = [
             x
