@@ -20,7 +20,7 @@ from engine.layers.kv_cache import KVCache
 from engine.link import protocol as P
 from engine.link.client import StageClient, StageError
 from engine.models.decoder import DecoderLM
-from engine.models.family_base import BatchPart, logit_rows
+from engine.models.family_base import BatchPart, logit_rows, scratch_steps
 from engine.models.fast_decode import FAST_MAX_ROWS
 from engine.models.gated_delta import RecurrentCache
 from engine.pipeline.stages import LocalStage
@@ -109,15 +109,10 @@ class ModelCompute:
         """Run (and so capture) the fused decode rows of 1 .. FAST_MAX_ROWS slots once, at position 0, before the
         first step needs them; the caches and the expert counts are left as they were."""
         m, dev = self.stage.model, self.stage.device
-        counts = m.expert_counts
-        saved = counts.clone() if counts is not None else None
-        for t in range(1, min(len(self.caches), FAST_MAX_ROWS) + 1):
-            parts = [BatchPart(torch.zeros(1, dtype=torch.long), c, 0) for c in self.caches[:t]]
-            self.stage.run_rows(torch.zeros(t, m.cfg.n_embd, device=dev), parts)
-        for c in self.caches:
-            c.length = 0
-        if saved is not None and counts is not None:
-            counts.copy_(saved)
+        with scratch_steps([m], self.caches):
+            for t in range(1, min(len(self.caches), FAST_MAX_ROWS) + 1):
+                parts = [BatchPart(torch.zeros(1, dtype=torch.long), c, 0) for c in self.caches[:t]]
+                self.stage.run_rows(torch.zeros(t, m.cfg.n_embd, device=dev), parts)
 
     @torch.inference_mode()
     def forward(

@@ -20,7 +20,15 @@ from engine.layers.norm import rms_norm
 from engine.layers.qtensor import QTensor
 from engine.layers.rope import Rope
 from engine.models import fast_decode
-from engine.models.family_base import BatchPart, FamilyLM, Weights, forward_each, logit_rows, one_row_each
+from engine.models.family_base import (
+    BatchPart,
+    FamilyLM,
+    Weights,
+    forward_each,
+    logit_rows,
+    one_row_each,
+    scratch_steps,
+)
 
 
 @dataclass
@@ -295,18 +303,13 @@ class DecoderLM(FamilyLM):
         leave the caches and the expert counts as they were; -> the most rows warmed (0: no slot graphs here)."""
         if self.slot_graphs is None or not caches or caches[0].shared is None:
             return 0
-        counts = self.expert_counts
-        saved = counts.clone() if counts is not None else None
         k = len(caches)
         n = min(most or k, fast_decode.FAST_MAX_ROWS)
-        for t in range(1, n + 1):
-            self.decode_rows(
-                [BatchPart(torch.zeros(1, dtype=torch.long), caches[r % k], r // k) for r in range(t)]
-            )
-        for c in caches:
-            c.length = 0
-        if saved is not None and counts is not None:
-            counts.copy_(saved)
+        with scratch_steps([self], caches):
+            for t in range(1, n + 1):
+                self.decode_rows(
+                    [BatchPart(torch.zeros(1, dtype=torch.long), caches[r % k], r // k) for r in range(t)]
+                )
         return n
 
     def forward_rows(

@@ -15,8 +15,8 @@ runs it fast is applied from outside by engine.pipeline.loader.prepare: the expe
 CUDA graphs (`graphs`, `prompt_graphs`).
 """
 
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,6 +166,20 @@ def logit_rows(parts: Sequence[BatchPart]) -> list[int]:
         end += int(p.tokens.shape[0])
         out.extend(range(end - p.logits, end))
     return out
+
+
+@contextmanager
+def scratch_steps(models: Sequence[Any], caches: Sequence[KVCache]) -> Iterator[None]:
+    """Steps run only to build or capture something (at load): afterwards the caches hold nothing and each
+    model's expert counts are as before them."""
+    saved = [(m.expert_counts, m.expert_counts.clone()) for m in models if m.expert_counts is not None]
+    try:
+        yield
+    finally:
+        for c in caches:
+            c.length = 0
+        for counts, before in saved:
+            counts.copy_(before)
 
 
 def one_row_each(p: BatchPart) -> bool:

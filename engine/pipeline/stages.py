@@ -28,7 +28,7 @@ import torch
 from engine.gguf.model_config import ModelConfig
 from engine.layers.kv_cache import KVCache
 from engine.models.decoder import BatchRows, DecoderLM
-from engine.models.family_base import BatchPart, forward_each
+from engine.models.family_base import BatchPart, forward_each, scratch_steps
 from engine.models.fast_decode import FAST_MAX_ROWS
 from engine.models.gated_delta import RecurrentCache
 from engine.pipeline.cuda_graphs import PROMPT_BUCKETS, StepGraphs, cpu_misses
@@ -286,15 +286,10 @@ class SplitModel:
         local = bool(caches) and caches[0].shared is not None and self._rows_ready()
         if not remote and not local:
             return 0
-        saved = [(m, m.expert_counts.clone()) for m in self._models() if m.expert_counts is not None]
         n = min(len(caches), FAST_MAX_ROWS)
-        for t in range(1, n + 1) if local else [n]:
-            self.forward_batch([BatchPart(torch.zeros(1, dtype=torch.long), c, 0) for c in caches[:t]])
-        for c in caches:
-            c.length = 0
-        for m, counts in saved:
-            assert m.expert_counts is not None
-            m.expert_counts.copy_(counts)
+        with scratch_steps(self._models(), caches):
+            for t in range(1, n + 1) if local else [n]:
+                self.forward_batch([BatchPart(torch.zeros(1, dtype=torch.long), c, 0) for c in caches[:t]])
         if remote:
             log.info("remote stage: steps of up to %d rows sent, the worker's decode rows are warm", n)
         return n if local else 0
@@ -312,18 +307,15 @@ class SplitModel:
         sizes = sorted(
             {s for b in PROMPT_BUCKETS if b <= most for s in (b - 1, b) if s > 1} | {min(most, 4096)}
         )
-        saved = [(m, m.expert_counts.clone()) for m in self._models() if m.expert_counts is not None]
-        for t in sizes:
-            if t > caches[0].max_ctx:
-                break
-            self.forward_batch([BatchPart(torch.zeros(t, dtype=torch.long), caches[0], 0)])
-            if len(caches) > 1 and 2 * t <= most:
-                self.forward_batch([BatchPart(torch.zeros(t, dtype=torch.long), c, 0) for c in caches[:2]])
-        for c in caches:
-            c.length = 0
-        for m, counts in saved:
-            assert m.expert_counts is not None
-            m.expert_counts.copy_(counts)
+        with scratch_steps(self._models(), caches):
+            for t in sizes:
+                if t > caches[0].max_ctx:
+                    break
+                self.forward_batch([BatchPart(torch.zeros(t, dtype=torch.long), caches[0], 0)])
+                if len(caches) > 1 and 2 * t <= most:
+                    self.forward_batch(
+                        [BatchPart(torch.zeros(t, dtype=torch.long), c, 0) for c in caches[:2]]
+                    )
         return sizes
 
     def _builds_kernels(self) -> bool:
