@@ -8,7 +8,7 @@ the span is long; the GQA group of query heads shares each key/value block it lo
 
 Caches are float, int8 (a scale per position and head, which multiplies the scores and the probabilities) or q4_0
 (engine/layers/kv_cache.py: packed halves, a scale per 32 values, dequantized as a tile is loaded). `QUANT` names
-which: 0, 1 or 2 (`quant_kind`)."""
+which: 0, 1 or 2 (`quant_kind`, `cache_layout`)."""
 
 import functools
 
@@ -28,9 +28,19 @@ def quant_kind(cache: torch.Tensor, scale: torch.Tensor | None) -> int:
     return Q4_0 if cache.dtype == torch.uint8 else INT8
 
 
-def head_size(cache: torch.Tensor, scale: torch.Tensor | None) -> int:
-    """The head size a cache [ctx, Hkv, *] holds (q4_0 keeps two values a byte)."""
-    return cache.shape[2] * (2 if quant_kind(cache, scale) == Q4_0 else 1)
+def cache_layout(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_cache: torch.Tensor
+) -> tuple[int, int, int]:
+    """(QUANT, key head size, value head size) of a layer's cache [ctx, Hkv, *] (q4_0 keeps two values a byte,
+    and takes key and value heads of one power-of-two size: its kernels read a head as one tile)."""
+    quant = quant_kind(k_cache, k_scale)
+    per = 2 if quant == Q4_0 else 1
+    dk, dv = k_cache.shape[2] * per, v_cache.shape[2] * per
+    if quant == Q4_0 and not dk == dv == triton.next_power_of_2(dk):
+        raise ValueError(
+            f"a q4_0 cache takes key and value heads of one power-of-two size, not {dk} and {dv}"
+        )
+    return quant, dk, dv
 
 
 @triton.jit
@@ -192,12 +202,7 @@ def rope_store(
     position and head, as KVCache writes them; q4_0 caches [ctx, Hkv, D/2] (uint8) take theirs [ctx, Hkv, D/32]."""
     t = q.shape[0]
     hkv = k_cache.shape[1]
-    dh, dv = head_size(k_cache, k_scale), head_size(v_cache, v_scale)
-    quant = quant_kind(k_cache, k_scale)
-    if quant == Q4_0 and not dh == dv == triton.next_power_of_2(dh):
-        raise ValueError(
-            f"a q4_0 cache takes key and value heads of one power-of-two size, not {dh} and {dv}"
-        )
+    quant, dh, dv = cache_layout(k_cache, k_scale, v_cache)
     stride = q.stride(0)
     assert k.stride(0) == stride and v.stride(0) == stride and q.stride(1) == 1
     qo = torch.empty(t, n_head, dh, dtype=out_dtype, device=q.device)
@@ -433,12 +438,7 @@ def decode_attention(
     (uint8) theirs [ctx, Hkv, D/32]."""
     t, h, dk = q.shape
     hkv = k_cache.shape[1]
-    dvv = head_size(v_cache, v_scale)
-    quant = quant_kind(k_cache, k_scale)
-    if quant == Q4_0 and not dk == dvv == triton.next_power_of_2(dk):
-        raise ValueError(
-            f"a q4_0 cache takes key and value heads of one power-of-two size, not {dk} and {dvv}"
-        )
+    quant, _, dvv = cache_layout(k_cache, k_scale, v_cache)
     g = h // hkv
     if chunk is None:
         splits = _splits(t, hkv, span, q.device)

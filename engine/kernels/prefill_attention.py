@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention import Q4_0, head_rows, head_size, q4_tile, quant_kind
+from engine.kernels.attention import Q4_0, cache_layout, head_rows, q4_tile
 
 
 @triton.jit
@@ -207,13 +207,8 @@ def prefill_attention(
     position and head), or q4_0 bytes [ctx, Hkv, D/2] with scales [ctx, Hkv, D/32]. `sinks` [H] (float32): a logit per head that joins every row's softmax with no value."""
     t, h, dk = q.shape
     hkv = k_cache.shape[1]
-    dv = head_size(v_cache, v_scale)
-    quant = quant_kind(k_cache, k_scale)
+    quant, _, dv = cache_layout(k_cache, k_scale, v_cache)
     per = 2 if quant == Q4_0 else 1  # values a stored element holds
-    if quant == Q4_0 and not dk == dv == triton.next_power_of_2(dk):
-        raise ValueError(
-            f"a q4_0 cache takes key and value heads of one power-of-two size, not {dk} and {dv}"
-        )
     assert h % hkv == 0 and k_cache.stride(2) == 1 and k_cache.stride(0) == hkv * dk // per
     assert v_cache.stride(2) == 1 and v_cache.stride(0) == hkv * dv // per
     q = q.contiguous()
