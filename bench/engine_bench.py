@@ -55,13 +55,13 @@ def read_prompt(model, ids: torch.Tensor, cache, chunk: int, span: int = 0) -> N
             model.forward(ids[s : s + chunk], cache, s, last_only=True)
 
 
-def measure_prompt(model, n: int, reps: int, chunk: int, span: int = 0) -> float:
-    """Best tok/s of `reps` timed n-token prompts, after an untimed one (kernels of new shapes compile there);
-    reps=0: the one run, timed."""
+def measure_prompt(model, n: int, reps: int, chunk: int, span: int = 0, kv: str = "bf16") -> float:
+    """Best tok/s of `reps` timed n-token prompts into a `kv` cache, after an untimed one (kernels of new shapes
+    compile there); reps=0: the one run, timed."""
     ids = prompt_ids(n)
     best = 0.0
     for rep in range(reps + 1):
-        cache = model.new_cache(n + 8, "bf16")
+        cache = model.new_cache(n + 8, kv)
         _sync()
         t = time.perf_counter()
         read_prompt(model, ids, cache, chunk, span)

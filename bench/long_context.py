@@ -2,7 +2,8 @@
 one run, as JSON.
 
     python bench/long_context.py --model M.gguf [--prompts 4096,32768] [--depths 0,4096,16384,32768]
-        [--decode 128] [--torch-attention 32768] [--llama-bench PATH [--llama-args '-ncmoe 36' --match-llama]]
+        [--decode 128] [--kv-types bf16,q4_0] [--prompt-kv-types bf16,q4_0] [--torch-attention 32768]
+        [--llama-bench PATH [--llama-args '-ncmoe 36' --match-llama]]
         [--out bench/results/long-context.json]
 
 Ours: the prompt is read as the server reads it (chunks of --prefill auto's size, bf16 KV); decode at depth D fills a
@@ -34,7 +35,12 @@ from engine.pipeline.prefill import device_chunk, device_span
 
 
 def decode_at(model, depth: int, n: int, chunk: int, span: int, kv: str = "bf16") -> dict:
-    """Greedy decode of n tokens after `depth` prompt tokens on a `kv` cache -> tok/s, and the fill's time."""
+    """Greedy decode of n tokens after `depth` prompt tokens on a `kv` cache -> tok/s, and the fill's time (after
+    an untimed fill of up to two chunks, where a KV type's prompt kernels compile)."""
+    warm = min(max(depth, 16), 2 * chunk + 16)
+    cache = model.new_cache(warm + 8, kv)
+    read_prompt(model, prompt_ids(warm), cache, chunk, span)
+    del cache
     cache = model.new_cache(depth + n + 32, kv)
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -111,6 +117,9 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--kv-types", default="bf16", help="KV types decoded at each depth, e.g. bf16,int8")
     ap.add_argument(
+        "--prompt-kv-types", default="bf16", help="KV types the prompts are read into, e.g. bf16,q4_0"
+    )
+    ap.add_argument(
         "--torch-attention", type=int, default=0, help="also time a prompt of N with torch's attention"
     )
     ap.add_argument("--vram-budget-mib", type=int, default=None)
@@ -159,9 +168,11 @@ def main() -> None:
         "ours": {},
     }
     ours = res["ours"]
-    for n in prompts:
-        ours[f"prompt_{n}_tok_s"] = round(measure_prompt(m, n, a.reps, chunk, span), 2)
-        print(f"prompt {n}: {ours[f'prompt_{n}_tok_s']} tok/s", flush=True)
+    for kv in a.prompt_kv_types.split(","):
+        for n in prompts:
+            key = f"prompt_{n}_tok_s" if kv == "bf16" else f"prompt_{n}_{kv}_tok_s"
+            ours[key] = round(measure_prompt(m, n, a.reps, chunk, span, kv), 2)
+            print(f"prompt {n} ({kv} KV): {ours[key]} tok/s", flush=True)
     if a.torch_attention:
         kernel, m.prefill_kernel = m.prefill_kernel, None
         ours[f"prompt_{a.torch_attention}_torch_attention_tok_s"] = round(
