@@ -1,12 +1,15 @@
 """What a quantized KV cache costs in accuracy deep into a context: logits against a bf16 cache's, as JSON.
 
     python bench/kv_quality.py --model M.gguf [--depth 32768] [--kv-types int8,q4_0] [--steps 16]
-        [--out bench/results/kv-quality.json]
+        [--device cuda|cpu] [--text docs/*.md] [--out bench/results/kv-quality.json]
 
-One model on the GPU; for bf16 and each KV type a cache is filled with the same `depth` prompt tokens (chunks of
---prefill auto's size, as the server reads them), then `steps` greedy steps follow the bf16 cache's tokens (so every
-type sees the same inputs). Reported per type: the cosine of each step's logits with bf16's (min, mean), how often
-its top token is bf16's, and the KV bytes a position costs."""
+One model on the GPU (or the CPU); for the reference type (bf16 on a card, f32 on the CPU) and each KV type a cache is
+filled with the same `depth` prompt tokens (chunks of --prefill auto's size on a card, as the server reads them),
+then `steps` greedy steps follow the reference's tokens (so every type sees the same inputs). The prompt: fixed
+token ids, or with --text the files' text through the model's tokenizer (repeated to `depth`; a real model's
+attention on real text is what a KV type's rounding must survive). Reported per type: the cosine of each step's
+logits with the reference's (min, mean), how often its top token is the reference's, and the KV bytes a position
+costs."""
 
 import argparse
 import sys
@@ -30,17 +33,30 @@ def run(model, kv: str, ids: torch.Tensor, chunk: int, follow: list[int] | None,
     steps' logits [steps, V] on the host, and the tokens fed."""
     depth = int(ids.shape[0])
     cache = model.new_cache(depth + steps + 8, kv)
-    read_prompt(model, ids[:-1], cache, chunk)
+    with torch.inference_mode():
+        read_prompt(model, ids[:-1], cache, chunk)
     tok, p, out, fed = ids[-1:], depth - 1, [], []
     for i in range(steps):
-        logits = model.forward(tok, cache, p)[-1].float()
+        with torch.inference_mode():
+            logits = model.forward(tok, cache, p)[-1].float()
         out.append(logits.cpu())
         fed.append(int(tok))
         nxt = follow[i + 1] if follow is not None and i + 1 < len(follow) else int(logits.argmax())
         tok, p = torch.tensor([nxt]), p + 1
     del cache
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return torch.stack(out), fed
+
+
+def text_ids(tokenizer, files: list[str], n: int) -> torch.Tensor:
+    """The files' text as token ids, repeated to n."""
+    ids: list[int] = []
+    for f in files:
+        ids += tokenizer.encode(Path(f).read_text(encoding="utf-8"))
+    if not ids:
+        raise SystemExit(f"--text {' '.join(files)}: no text")
+    return torch.tensor((ids * (n // len(ids) + 1))[:n])
 
 
 def main() -> None:
@@ -49,22 +65,31 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=32768)
     ap.add_argument("--kv-types", default="int8,q4_0")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--text", nargs="+", help="text files read as the prompt (default: fixed token ids)")
+    ap.add_argument("--chunk", type=int, default=512, help="prompt chunk on the CPU")
     ap.add_argument("--out")
     a = ap.parse_args()
-    lm = load_model(a.model, device="cuda", dtype="bf16")
+    cuda = a.device == "cuda"
+    lm = load_model(a.model, device=a.device, dtype="bf16" if cuda else "f32")
     m = lm.model
-    chunk = device_chunk(m, a.depth + a.steps + 8, "bf16", None, ExpertPolicy.reserve_mib)
-    ids = prompt_ids(a.depth)
+    ref_kv = "bf16" if cuda else "f32"
+    chunk = (
+        device_chunk(m, a.depth + a.steps + 8, ref_kv, None, ExpertPolicy.reserve_mib) if cuda else a.chunk
+    )
+    ids = text_ids(lm.tokenizer, a.text, a.depth) if a.text else prompt_ids(a.depth)
     res: dict = {
         "model": Path(a.model).name,
+        "device": a.device,
         "depth": a.depth,
         "steps": a.steps,
-        "reference": "bf16",
+        "prompt": "text: " + " ".join(Path(f).name for f in a.text) if a.text else "fixed token ids",
+        "reference": ref_kv,
         "types": {},
     }
     t = time.perf_counter()
-    ref, fed = run(m, "bf16", ids, chunk, None, a.steps)
-    res["bf16_s"] = round(time.perf_counter() - t, 1)
+    ref, fed = run(m, ref_kv, ids, chunk, None, a.steps)
+    res[f"{ref_kv}_s"] = round(time.perf_counter() - t, 1)
     for kv in a.kv_types.split(","):
         t = time.perf_counter()
         got, _ = run(m, kv, ids, chunk, fed, a.steps)
@@ -74,7 +99,7 @@ def main() -> None:
             "cosine_mean": round(cos.mean().item(), 6),
             "top1_agree": round((got.argmax(1) == ref.argmax(1)).float().mean().item(), 4),
             "kv_bytes_per_position": kv_bytes_per_token(lm.config, kv) * lm.config.n_layer,
-            "bf16_bytes_per_position": kv_bytes_per_token(lm.config, "bf16") * lm.config.n_layer,
+            "ref_bytes_per_position": kv_bytes_per_token(lm.config, ref_kv) * lm.config.n_layer,
             "s": round(time.perf_counter() - t, 1),
         }
     emit(res, a.out)

@@ -8,7 +8,9 @@ OpenAI-style server already running (`--url`, e.g. llama-server), so that the tw
     python bench/serve_clients.py [--model F] [--clients 1,2,4,8] [--tokens 64] [--requests 2]
                                   [--serve-args "--parallel 4 --threads 2"] [--out bench/results/serve-clients.json]
     python bench/serve_clients.py --url http://127.0.0.1:8090 --clients 1,8 --out llama-server.json
-Without --model or --url the embedded default model is served.
+Without --model or --url the embedded default model is served. `--stream` streams each answer and reports, per
+request, the time to its first token and its decode rate as the client sees it ((tokens - 1) over the time from
+the first piece to the last): the served decode, apart from the prompt's reading.
 """
 
 import argparse
@@ -85,6 +87,34 @@ def ask(client: httpx.Client, prompt: str, tokens: int) -> dict[str, Any]:
     return {"latency_s": time.perf_counter() - t0, "tokens": j["usage"]["completion_tokens"], "at": wall}
 
 
+def ask_streamed(client: httpx.Client, prompt: str, tokens: int) -> dict[str, Any]:
+    """ask, streamed: with the time to the first piece and the decode rate between the first piece and the last
+    (pieces may merge, so the rate counts the tokens the usage or, without one, max_tokens says)."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    t0, wall = time.perf_counter(), time.time()
+    times: list[float] = []
+    n = tokens
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            j = json.loads(line[6:])
+            if (j.get("usage") or {}).get("completion_tokens"):
+                n = int(j["usage"]["completion_tokens"])
+            if any(c.get("text") for c in j.get("choices") or []):
+                times.append(time.perf_counter())
+    if len(times) < 2:
+        raise RuntimeError(f"a streamed answer came in {len(times)} piece(s): no decode rate")
+    return {
+        "latency_s": time.perf_counter() - t0,
+        "tokens": n,
+        "at": wall,
+        "ttft_s": times[0] - t0,
+        "decode_tok_s": (n - 1) / (times[-1] - times[0]),
+    }
+
+
 def at_once(clients: int, client: Callable[[int], None]) -> float:
     """Run client(k) for k < clients in threads that all start together -> the wall time until the last ends."""
     start = threading.Barrier(clients + 1)
@@ -103,8 +133,11 @@ def at_once(clients: int, client: Callable[[int], None]) -> float:
     return time.perf_counter() - t0
 
 
-def round_of(url: str, clients: int, requests: int, tokens: int, offset: int) -> dict[str, Any]:
+def round_of(
+    url: str, clients: int, requests: int, tokens: int, offset: int, stream: bool = False
+) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
+    send = ask_streamed if stream else ask
     errors: list[str] = []
 
     def client(k: int) -> None:
@@ -113,7 +146,7 @@ def round_of(url: str, clients: int, requests: int, tokens: int, offset: int) ->
                 topic = TOPICS[(offset + k * requests + i) % len(TOPICS)]
                 try:
                     results.append(
-                        ask(c, f"Request {offset + k * requests + i}: a short essay about {topic}.", tokens)
+                        send(c, f"Request {offset + k * requests + i}: a short essay about {topic}.", tokens)
                     )
                 except Exception as e:  # counted and reported
                     errors.append(f"{type(e).__name__}: {e}")
@@ -121,6 +154,16 @@ def round_of(url: str, clients: int, requests: int, tokens: int, offset: int) ->
     wall = at_once(clients, client)
     total = sum(r["tokens"] for r in results)
     lat = [r["latency_s"] for r in results]
+    streamed = (
+        {
+            "ttft_s": [round(r["ttft_s"], 3) for r in results],
+            "decode_tok_s": [round(r["decode_tok_s"], 2) for r in results],
+            "decode_tok_s_median": round(statistics.median(r["decode_tok_s"] for r in results), 2),
+            "ttft_median_s": round(statistics.median(r["ttft_s"] for r in results), 3),
+        }
+        if stream and results
+        else {}
+    )
     return {
         "clients": clients,
         "requests": len(results),
@@ -132,6 +175,7 @@ def round_of(url: str, clients: int, requests: int, tokens: int, offset: int) ->
         "latency_max_s": round(max(lat), 3) if lat else None,
         "latencies_s": [round(x, 3) for x in lat],
         "started_at": [round(r["at"], 3) for r in results],  # wall clock (time.time), to match sampled stacks
+        **streamed,
     }
 
 
@@ -166,6 +210,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--server-log", type=Path, help="our server's log, whole")
     ap.add_argument(
+        "--stream", action="store_true", help="stream: time to first token and decode per request"
+    )
+    ap.add_argument(
         "--stacks", type=Path, help="sample our server's stacks into this file (bench/stack_sample.py)"
     )
     a = ap.parse_args()
@@ -181,7 +228,7 @@ def main() -> None:
         rounds = []
         for n, clients in enumerate(int(x) for x in a.clients.split(",")):
             before = _steps(url) if a.url is None else None
-            r = round_of(url, clients, a.requests, a.tokens, offset=100 * n)
+            r = round_of(url, clients, a.requests, a.tokens, offset=100 * n, stream=a.stream)
             if before is not None:
                 r["server_steps"] = _round_steps(before, _steps(url), r["wall_s"])
             rounds.append(r)
