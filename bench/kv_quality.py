@@ -7,9 +7,10 @@ One model on the GPU (or the CPU); for the reference type (bf16 on a card, f32 o
 filled with the same `depth` prompt tokens (chunks of --prefill auto's size on a card, as the server reads them),
 then `steps` greedy steps follow the reference's tokens (so every type sees the same inputs). The prompt: fixed
 token ids, or with --text the files' text through the model's tokenizer (repeated to `depth`; a real model's
-attention on real text is what a KV type's rounding must survive). Reported per type: the cosine of each step's
-logits with the reference's (min, mean), how often its top token is the reference's, and the KV bytes a position
-costs."""
+attention on real text is what a KV type's rounding must survive), and every type then follows the text itself,
+scoring a perplexity over the `steps` tokens after `depth`. Reported per type: the cosine of each step's logits with
+the reference's (min, mean), the mean KL divergence from the reference's, how often its top token is the
+reference's, the perplexity (with --text), and the KV bytes a position costs."""
 
 import argparse
 import sys
@@ -49,6 +50,13 @@ def run(model, kv: str, ids: torch.Tensor, chunk: int, follow: list[int] | None,
     return torch.stack(out), fed
 
 
+def perplexity(logits: torch.Tensor, follow: list[int]) -> float:
+    """exp of the mean negative log-likelihood of follow[1:] under the steps' logits (step i predicts follow[i+1])."""
+    n = min(logits.shape[0], len(follow) - 1)
+    nll = -logits[:n].double().log_softmax(1)[torch.arange(n), torch.tensor(follow[1 : n + 1])]
+    return round(float(nll.mean().exp()), 4)
+
+
 def text_ids(tokenizer, files: list[str], n: int) -> torch.Tensor:
     """The files' text as token ids, repeated to n."""
     ids: list[int] = []
@@ -77,7 +85,10 @@ def main() -> None:
     chunk = (
         device_chunk(m, a.depth + a.steps + 8, ref_kv, None, ExpertPolicy.reserve_mib) if cuda else a.chunk
     )
-    ids = text_ids(lm.tokenizer, a.text, a.depth) if a.text else prompt_ids(a.depth)
+    ids = text_ids(lm.tokenizer, a.text, a.depth + a.steps) if a.text else prompt_ids(a.depth)
+    # on text every type follows the text itself (teacher forcing), whose next tokens score a perplexity
+    follow = ids[a.depth - 1 :].tolist() if a.text else None
+    ids = ids[: a.depth]
     res: dict = {
         "model": Path(a.model).name,
         "device": a.device,
@@ -88,13 +99,18 @@ def main() -> None:
         "types": {},
     }
     t = time.perf_counter()
-    ref, fed = run(m, ref_kv, ids, chunk, None, a.steps)
+    ref, fed = run(m, ref_kv, ids, chunk, follow, a.steps)
     res[f"{ref_kv}_s"] = round(time.perf_counter() - t, 1)
+    if follow is not None:
+        res[f"{ref_kv}_perplexity"] = perplexity(ref, follow)
     for kv in a.kv_types.split(","):
         t = time.perf_counter()
-        got, _ = run(m, kv, ids, chunk, fed, a.steps)
+        got, _ = run(m, kv, ids, chunk, follow or fed, a.steps)
         cos = torch.nn.functional.cosine_similarity(got.double(), ref.double(), dim=1)
+        lp, lq = ref.double().log_softmax(1), got.double().log_softmax(1)
         res["types"][kv] = {
+            "kl_mean": round((lp.exp() * (lp - lq)).sum(1).mean().item(), 6),
+            **({"perplexity": perplexity(got, follow)} if follow is not None else {}),
             "cosine_min": round(cos.min().item(), 6),
             "cosine_mean": round(cos.mean().item(), 6),
             "top1_agree": round((got.argmax(1) == ref.argmax(1)).float().mean().item(), 4),

@@ -22,6 +22,7 @@ from engine.link.remote import HeadStage, RemoteStage, data_digest, header_diges
 from engine.link.transport import parse_endpoint
 from engine.models.decoder import DecoderLM
 from engine.models.registry import file_config
+from engine.pipeline.kv_check import check_q4_keys
 from engine.pipeline.loader import LoadedModel, build, loaded, resolve_dtype
 from engine.pipeline.split import (
     SplitOptions,
@@ -106,6 +107,8 @@ def load_split_model(
     if first.type == "cuda" and first.index is not None:
         torch.cuda.set_device(first)
     lm = loaded(path, gf, cfg, tok, model, opts.cpu_weights_mib, ", ".join(sp.labels), dt)
+    if kv_type == "q4_0":
+        check_q4_keys(model, tok)
     return replace(lm, sequences=sequences, context=max_context)
 
 
