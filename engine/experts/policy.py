@@ -22,6 +22,7 @@ class PlacedModel(Protocol):
 
 log = logging.getLogger("strata.engine")
 MiB = 1 << 20
+GiB = 1 << 30
 MISS_PATHS = ("direct", "copy")
 EVICTIONS = ("profile", "lru", "lfu")
 # Room kept for activations, the dequantized tiles of prompt chunks and CUDA graphs.
@@ -76,6 +77,15 @@ def build_expert_cache(model: PlacedModel, policy: ExpertPolicy) -> ExpertCache:
     if not all_in:  # prompt chunks stage the experts left in host memory: keep their room
         budget -= stage_bytes(per_expert, n_expert)
     capacity = plan_capacity(per_expert, n_expert, budget, policy.profile, max_pairs=policy.slots)
+    if policy.kv_bytes > 0 and not all_in and per_expert:
+        # KV and experts share the card: say what the context costs in experts, and how to get them back
+        each = sum(per_expert.values()) / len(per_expert)
+        log.info(
+            "the KV cache still to come (%.2f GiB for the context and slots, with any later stage's share of this "
+            "card) takes the room of %d experts on %s; a shorter "
+            "--max-context, fewer --parallel slots or a smaller --kv type (int8: half of bf16's bytes) give it back",
+            policy.kv_bytes / GiB, min(int(policy.kv_bytes // each), n_expert * len(per_expert)), _label(model.device),
+        )  # fmt: skip
     if budget <= 0:
         log.warning(
             "no VRAM left for experts on %s (budget %.0f MiB): every expert is read from host RAM",
