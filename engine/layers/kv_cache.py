@@ -5,8 +5,10 @@ q4_0 keeps a head's D values as D/2 bytes: byte j holds value j in its low nibbl
 so a kernel reads the head's two halves as two plain tiles; the scales are float16, one per 32 values ([ctx, Hkv,
 D/32]). A value is scale * (code - 8), the scale being the block's value of largest magnitude divided by -8."""
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.gguf.model_config import ModelConfig
@@ -35,6 +37,16 @@ def resolve_kv_type(kv: str, compute_dtype: torch.dtype) -> str:
     if kv != "auto":
         return kv
     return {torch.float32: "f32", torch.float16: "f16"}.get(compute_dtype, "bf16")
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on the CPU from numpy's calloc, whose pages stay unmapped until written, so that a cache
+    holds resident memory for the positions it has used rather than for its whole --max-context (torch.zeros
+    writes every page)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(n, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _quant8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,30 +106,31 @@ class KVCache:
         self.max_ctx = max_ctx
         self.length = 0  # positions filled
         self.layers: dict[int, _LayerKV] = {}
+        device = torch.device(device)
+
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return _zeros(shape, dtype, device)
+
         for i in layers:
             if kv_type == "int8":
                 self.layers[i] = _LayerKV(
-                    torch.zeros(max_ctx, n_head_kv, head_dim_k, dtype=torch.int8, device=device),
-                    torch.zeros(max_ctx, n_head_kv, head_dim_v, dtype=torch.int8, device=device),
-                    torch.zeros(max_ctx, n_head_kv, 1, dtype=torch.float16, device=device),
-                    torch.zeros(max_ctx, n_head_kv, 1, dtype=torch.float16, device=device),
+                    zeros(max_ctx, n_head_kv, head_dim_k, dtype=torch.int8),
+                    zeros(max_ctx, n_head_kv, head_dim_v, dtype=torch.int8),
+                    zeros(max_ctx, n_head_kv, 1, dtype=torch.float16),
+                    zeros(max_ctx, n_head_kv, 1, dtype=torch.float16),
                 )
             elif kv_type == "q4_0":
                 self.layers[i] = _LayerKV(
-                    torch.zeros(max_ctx, n_head_kv, head_dim_k // 2, dtype=torch.uint8, device=device),
-                    torch.zeros(max_ctx, n_head_kv, head_dim_v // 2, dtype=torch.uint8, device=device),
-                    torch.zeros(
-                        max_ctx, n_head_kv, head_dim_k // Q4_BLOCK, dtype=torch.float16, device=device
-                    ),
-                    torch.zeros(
-                        max_ctx, n_head_kv, head_dim_v // Q4_BLOCK, dtype=torch.float16, device=device
-                    ),
+                    zeros(max_ctx, n_head_kv, head_dim_k // 2, dtype=torch.uint8),
+                    zeros(max_ctx, n_head_kv, head_dim_v // 2, dtype=torch.uint8),
+                    zeros(max_ctx, n_head_kv, head_dim_k // Q4_BLOCK, dtype=torch.float16),
+                    zeros(max_ctx, n_head_kv, head_dim_v // Q4_BLOCK, dtype=torch.float16),
                 )
             else:
                 dt = _FLOAT[kv_type]
                 self.layers[i] = _LayerKV(
-                    torch.zeros(max_ctx, n_head_kv, head_dim_k, dtype=dt, device=device),
-                    torch.zeros(max_ctx, n_head_kv, head_dim_v, dtype=dt, device=device),
+                    zeros(max_ctx, n_head_kv, head_dim_k, dtype=dt),
+                    zeros(max_ctx, n_head_kv, head_dim_v, dtype=dt),
                 )
 
     @property

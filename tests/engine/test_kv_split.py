@@ -1,5 +1,7 @@
 """KVCache.split: slots' caches as rows of one cache (the fused decode path runs their rows together)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -24,3 +26,23 @@ def test_split_caches_are_views_of_their_rows(kv: str) -> None:
 def test_a_split_too_fine_is_refused() -> None:
     with pytest.raises(KVCacheError, match="cannot split"):
         KVCache(range(1), 2, 1, 4, 4, "f32", torch.device("cpu")).split(3)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident set from /proc")
+@pytest.mark.parametrize("kv", ["f32", "bf16", "int8", "q4_0"])
+def test_a_cpu_cache_holds_memory_for_the_positions_it_has_used(kv: str) -> None:
+    """A CPU cache's pages are mapped as positions are written, not for the whole --max-context at once (the CPU's
+    resident memory then follows the conversation, not the longest context the engine allows)."""
+
+    def rss() -> int:
+        text = Path("/proc/self/status").read_text()
+        return int(text.split("VmRSS:")[1].split()[0]) << 10
+
+    before = rss()
+    cache = KVCache(range(8), 16384, 8, 128, 128, kv, torch.device("cpu"))  # 128-512 MiB in all
+    assert rss() - before < cache.nbytes // 8
+    k = torch.randn(4, 8, 128)
+    lk = cache.write(3, torch.arange(4), k, k, 4)
+    assert lk.k.shape[0] == 16384 and bool((lk.k[4:].float() == 0).all())
+    got = cache.store(3, torch.arange(4, 5), k[:1], k[:1], 5)[0]
+    assert torch.allclose(got[:4].float(), k, atol=0.3 if kv == "q4_0" else 0.02)
