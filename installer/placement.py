@@ -213,6 +213,7 @@ class StageFit:
     held: int  # pairs its cache holds (the hottest of its layers)
     profiled_held: int  # of those, pairs the profile saw used
     weight_held: float  # their profile weight
+    kv_bytes: int = 0  # of fixed_bytes: the KV of its layers at the context, for every sequence
 
     @property
     def layers(self) -> int:
@@ -375,7 +376,8 @@ class _Pricer:
             else:
                 top = np.partition(w, w.size - held)[w.size - held :]  # the `held` hottest pairs
                 weight, profiled = float(top.sum()), int(np.count_nonzero(top))
-        fit = StageFit(card, a, b, first, last, fixed, usable, capacity, pairs, held, profiled, weight)
+        kv = int(self.kv[b] - self.kv[a])
+        fit = StageFit(card, a, b, first, last, fixed, usable, capacity, pairs, held, profiled, weight, kv)
         self._memo[key] = fit
         return fit
 
@@ -404,7 +406,22 @@ def _shortfall_error(stages: Sequence[StageFit], context: int, what: str) -> Pla
         f"{what}: {worst.card.label} ({worst.card.name}) needs {worst.fixed_bytes / GIB:.1f} GiB for layers "
         f"{worst.begin}-{worst.end - 1} (dense weights, the KV of {context} tokens and working buffers"
         f"{', the head' if worst.last else ''}) but has {worst.usable_bytes / GIB:.1f} GiB free after the reserve: "
-        "move the split, add a card, or lower --max-context or --vram-reserve-mib"
+        f"move the split, add a card, or lower --max-context or --vram-reserve-mib{_kv_way_out(worst, context)}"
+    )
+
+
+def _kv_way_out(fit: StageFit, context: int) -> str:
+    """Where the KV is what does not fit: the context that fits with this KV type, and that a smaller type gives.
+    (Experts give way to KV first: the cache holds whatever room is left, since every position's KV is read at
+    every step and an expert only when a token chooses it; KV is never moved to host RAM.)"""
+    if not fit.kv_bytes or fit.kv_bytes < fit.shortfall:
+        return ""
+    per = fit.kv_bytes / max(context, 1)
+    fits = int((fit.kv_bytes - fit.shortfall) / per) // CONTEXT_STEP * CONTEXT_STEP if per else 0
+    where = f" (the KV of {context} tokens is {fit.kv_bytes / GIB:.1f} GiB of it"
+    where += f"; --max-context {fits} fits)" if fits >= CONTEXT_STEP else ")"
+    return (
+        f"{where}; a smaller KV type holds more: --kv int8 half of bf16's bytes, --kv q4_0 about 0.28 of them"
     )
 
 

@@ -321,3 +321,19 @@ def test_profile_of_another_model_is_refused() -> None:
             Budget(4096),
             profile=np.ones((10, 8)),
         )
+
+
+def test_a_context_whose_kv_does_not_fit_says_which_context_fits_and_the_smaller_kv_types() -> None:
+    # small_moe: 12 layers of 2,048 KV bytes a token (24 KiB a position), 290 MiB of dense weights and table/head
+    g = small_moe()
+    gpu = card(0, 4, RTX_3060)  # ~3.7 GiB usable after the reserve
+    plan([gpu], g, Budget(65536))  # 1.5 GiB of KV: fits
+    with pytest.raises(PlacementError, match="does not fit the card") as e:
+        plan([gpu], g, Budget(262144))  # 6 GiB of KV
+    msg = str(e.value)
+    assert "the KV of 262144 tokens is 6.0 GiB" in msg and "--kv int8" in msg and "--kv q4_0" in msg
+    fits = int(msg.split("; --max-context ")[1].split()[0])
+    assert fits % 1024 == 0 and 65536 < fits < 262144
+    plan([gpu], g, Budget(fits))  # the context the message names does fit
+    with pytest.raises(PlacementError):
+        plan([gpu], g, Budget(fits + 2048))
