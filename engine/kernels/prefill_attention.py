@@ -110,7 +110,6 @@ def _prefill_attn_kernel(
     qk_scale,
     softcap,
     G: tl.constexpr,  # query heads per key head
-    PACK: tl.constexpr,  # query heads a program holds (a divisor of G)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr,
@@ -120,15 +119,10 @@ def _prefill_attn_kernel(
     SINKS: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    # a program's BLOCK_M lanes are BLOCK_M / PACK rows of PACK query heads that share a key head (lane i: row
-    # i // PACK, head i % PACK of the group), so that a tile read (and for a quantized cache, decoded) serves PACK
-    # heads; head groups fastest, so that groups reading one key head's blocks run side by side (L2)
-    hb = tl.program_id(0)
+    h = tl.program_id(0)  # heads fastest: the G heads that read one key head's blocks run side by side (L2)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)  # the last rows, which see the most keys, first
-    hk = hb * PACK // G
-    lane = tl.arange(0, BLOCK_M)
-    rows = mb * (BLOCK_M // PACK) + lane // PACK
-    hh = hb * PACK + lane % PACK  # [BM] each lane's query head
+    hk = h // G
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     rm = rows < T
     p = tl.load(pos_ptr + rows, mask=rm, other=-1).to(tl.int32)
     q_lo = tl.min(tl.where(rm, p, 2147483647), axis=0)
@@ -136,15 +130,14 @@ def _prefill_attn_kernel(
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
     q = tl.load(
-        q_ptr + (rows[:, None] * H + hh[:, None]) * Dk + dk[None, :],
-        mask=rm[:, None] & (dk[None, :] < Dk),
-        other=0.0,
+        q_ptr + (rows[:, None] * H + h) * Dk + dk[None, :], mask=rm[:, None] & (dk[None, :] < Dk), other=0.0
     )  # [BM, DK]
     kc_ptr, vc_ptr, ks_ptr, vs_ptr = head_rows(
         kc_ptr, vc_ptr, ks_ptr, vs_ptr, hk, Dk, Dv, QUANT, BLOCK_DK, BLOCK_DV
     )
     if SINKS:  # the sink's logit is one more column of every row's softmax, with no value
-        m_i = tl.load(sink_ptr + hh).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -179,22 +172,10 @@ def _prefill_attn_kernel(
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a pad row saw nothing: zeros, not NaN
     out = acc / l_i[:, None]
     tl.store(
-        o_ptr + (rows[:, None] * H + hh[:, None]) * Dv + dv[None, :],
+        o_ptr + (rows[:, None] * H + h) * Dv + dv[None, :],
         out.to(o_ptr.dtype.element_ty),
         mask=rm[:, None] & (dv[None, :] < Dv),
     )
-
-
-def default_pack(quant: int, g: int) -> int:
-    """Query heads a program holds: for a quantized cache all G that share a key head (up to 8, a power of two),
-    so that each tile is decoded once for them rather than once per head; one for a float cache, whose tiles the
-    G programs reading them find in L2."""
-    if quant == 0:
-        return 1
-    pack = 1
-    while pack < 8 and g % (pack * 2) == 0:
-        pack *= 2
-    return pack
 
 
 def _tiles(t: int, d: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -219,14 +200,11 @@ def prefill_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
-    pack: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, Dk] at positions `pos` [T] (int64, any order) over cache positions below `span` -> [T, H, Dv] in q's
     dtype. Each row sees the positions <= its own (and within `window` of it when window > 0). `k_cache`/`v_cache`
     [ctx, Hkv, D] are the cache's own rows: float, or int8 codes with `k_scale`/`v_scale` [ctx, Hkv, 1] (a scale per
-    position and head), or q4_0 bytes [ctx, Hkv, D/2] with scales [ctx, Hkv, D/32]. `sinks` [H] (float32): a logit
-    per head that joins every row's softmax with no value. `pack`: query heads a program holds (default:
-    default_pack)."""
+    position and head), or q4_0 bytes [ctx, Hkv, D/2] with scales [ctx, Hkv, D/32]. `sinks` [H] (float32): a logit per head that joins every row's softmax with no value."""
     t, h, dk = q.shape
     hkv = k_cache.shape[1]
     quant, _, dv = cache_layout(k_cache, k_scale, v_cache)
@@ -238,11 +216,8 @@ def prefill_attention(
     if t == 0:
         return out
     bdk, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
-    g = h // hkv
-    pack = default_pack(quant, g) if pack is None else pack
-    assert g % pack == 0 and pack & (pack - 1) == 0, f"pack {pack} must be a power of two dividing {g}"
-    bm, bn, warps, stages = _tiles(t * pack, max(bdk, bdv), q.dtype)
-    _prefill_attn_kernel[(h // pack, triton.cdiv(t * pack, bm))](
+    bm, bn, warps, stages = _tiles(t, max(bdk, bdv), q.dtype)
+    _prefill_attn_kernel[(h, triton.cdiv(t, bm))](
         q,
         k_cache,
         v_cache,
@@ -260,8 +235,7 @@ def prefill_attention(
         window,
         scale,
         softcap,
-        G=g,
-        PACK=pack,
+        G=h // hkv,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_DK=bdk,

@@ -139,9 +139,7 @@ def test_decode_attention(t: int, h: int, hkv: int, d: int, span: int, window: i
      (70, 130, 4, 1, 32, 48, 40, 0.0, False, False), (33, 10, 4, 4, 64, 64, 0, 30.0, False, False),
      (64, 90, 4, 2, 64, 64, 0, 0.0, True, False), (50, 20, 4, 2, 64, 64, 16, 0.0, False, True)],
 )  # fmt: skip
-@pytest.mark.parametrize("packed", [False, True])
 def test_prefill_attention(
-    packed: bool,
     t: int,
     start: int,
     h: int,
@@ -154,8 +152,7 @@ def test_prefill_attention(
     sinks: bool,
 ) -> None:
     """The flash prompt kernel against the torch paths: causal rows deep into the cache, grouped heads, a window
-    (the masked blocks at both ends), soft-capping, int8 codes with their scales, and gpt-oss's sinks; each with a
-    program per query head and with the query heads of a key head packed into one program."""
+    (the masked blocks at both ends), soft-capping, int8 codes with their scales, and gpt-oss's sinks."""
     from engine.kernels.prefill_attention import prefill_attention
     from engine.layers.attention import attention, causal_mask, sink_attention
 
@@ -171,9 +168,7 @@ def test_prefill_attention(
         keys, values = kc.float() * ks.float(), vc.float() * vs.float()
     pos = torch.arange(start, span)
     sk = torch.randn(h) if sinks else None
-    got = prefill_attention(
-        q, kc, vc, pos, span, window, dk**-0.5, softcap, ks, vs, sk, pack=h // hkv if packed else 1
-    )
+    got = prefill_attention(q, kc, vc, pos, span, window, dk**-0.5, softcap, ks, vs, sk)
     mask = causal_mask(pos, span, window)
     if sk is not None:
         ref = sink_attention(q, keys[:span], values[:span], mask, dk**-0.5, sk)
