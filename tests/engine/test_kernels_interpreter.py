@@ -137,7 +137,8 @@ def test_decode_attention(t: int, h: int, hkv: int, d: int, span: int, window: i
     "t,start,h,hkv,dk,dv,window,softcap,int8,sinks",
     [(37, 0, 4, 2, 64, 64, 0, 0.0, False, False), (100, 50, 8, 2, 64, 64, 0, 0.0, False, False),
      (70, 130, 4, 1, 32, 48, 40, 0.0, False, False), (33, 10, 4, 4, 64, 64, 0, 30.0, False, False),
-     (64, 90, 4, 2, 64, 64, 0, 0.0, True, False), (50, 20, 4, 2, 64, 64, 16, 0.0, False, True)],
+     (64, 90, 4, 2, 64, 64, 0, 0.0, True, False), (50, 20, 4, 2, 64, 64, 16, 0.0, False, True),
+     (3, 2100, 4, 2, 64, 64, 0, 0.0, False, False), (8, 2200, 8, 2, 64, 64, 300, 0.0, True, False)],
 )  # fmt: skip
 def test_prefill_attention(
     t: int,
@@ -152,7 +153,8 @@ def test_prefill_attention(
     sinks: bool,
 ) -> None:
     """The flash prompt kernel against the torch paths: causal rows deep into the cache, grouped heads, a window
-    (the masked blocks at both ends), soft-capping, int8 codes with their scales, and gpt-oss's sinks."""
+    (the masked blocks at both ends), soft-capping, int8 codes with their scales, gpt-oss's sinks, and steps of a
+    few rows deep into the cache (the new tokens after a long shared prefix)."""
     from engine.kernels.prefill_attention import prefill_attention
     from engine.layers.attention import attention, causal_mask, sink_attention
 
