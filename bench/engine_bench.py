@@ -23,8 +23,8 @@ from engine.experts.policy import ExpertPolicy
 from engine.pipeline.loader import load_model
 
 
-def _kv_bytes(model_path: str, ctx: int) -> int:
-    """The bf16 KV cache of the longest prompt measured (allocated after load: the expert budget leaves room)."""
+def _kv_bytes(model_path: str, ctx: int, kv: str = "bf16") -> int:
+    """The `kv` cache of the longest prompt measured (allocated after load: the expert budget leaves room)."""
     from engine.gguf.reader import GGUFFile
     from engine.layers.kv_cache import kv_bytes_per_token
     from engine.models.registry import file_config
@@ -32,7 +32,7 @@ def _kv_bytes(model_path: str, ctx: int) -> int:
 
     gf = GGUFFile.open(model_path)
     c = file_config(gf, Tokenizer.from_metadata(gf.metadata).vocab_size)
-    return c.n_layer * ctx * kv_bytes_per_token(c, "bf16")
+    return c.n_layer * ctx * kv_bytes_per_token(c, kv)
 
 
 def _sync() -> None:

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.engine_bench import _kv_bytes, measure_prompt, prompt_ids, read_prompt
 from bench.report import emit
 from engine.experts.policy import ExpertPolicy
+from engine.layers.kv_cache import kv_bytes_per_value
 from engine.pipeline.loader import load_model
 from engine.pipeline.prefill import device_chunk, device_span
 
@@ -137,6 +138,9 @@ def main() -> None:
     prompts = [int(x) for x in a.prompts.split(",") if x]
     depths = [int(x) for x in a.depths.split(",") if x]
     max_ctx = max([*prompts, *(d + a.decode + 32 for d in depths)]) + 8
+    # the budget keeps room for the largest KV type measured (a q4_0-only run fits a longer context in less VRAM)
+    used = {*a.prompt_kv_types.split(","), *(a.kv_types.split(",") if depths else ())}
+    reserve_kv = max(used, key=lambda kv: kv_bytes_per_value(kv))
     lc = None
     if a.match_llama:
         assert a.llama_bench, "--match-llama needs --llama-bench"
@@ -151,12 +155,12 @@ def main() -> None:
         dtype="bf16",
         experts=ExpertPolicy(
             vram_budget_mib=a.vram_budget_mib,
-            kv_bytes=_kv_bytes(a.model, max_ctx) if a.vram_budget_mib else 0,
+            kv_bytes=_kv_bytes(a.model, max_ctx, reserve_kv) if a.vram_budget_mib else 0,
         ),
     )
     m = lm.model
-    chunk = device_chunk(m, max_ctx, "bf16", a.vram_budget_mib, ExpertPolicy.reserve_mib)
-    span = device_span(m, chunk, max_ctx, "bf16", a.vram_budget_mib, ExpertPolicy.reserve_mib)
+    chunk = device_chunk(m, max_ctx, reserve_kv, a.vram_budget_mib, ExpertPolicy.reserve_mib)
+    span = device_span(m, chunk, max_ctx, reserve_kv, a.vram_budget_mib, ExpertPolicy.reserve_mib)
     res: dict = {
         "model": Path(a.model).name,
         "load_s": round(time.perf_counter() - t0, 1),
