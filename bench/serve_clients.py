@@ -78,6 +78,18 @@ def start_server(
     return proc, url
 
 
+def server_for(
+    url: str | None, model: Path | None, serve_args: str, log: Path | None, first: list[str] | None = None
+) -> tuple[subprocess.Popen[str] | None, str, str]:
+    """The server a bench measures: the one running at `url`, or ours started on `model` (the embedded default
+    model) with `first` and then `serve_args` -> (our process or None, its URL, the model's name)."""
+    if url:
+        return None, url, "(the server's)"
+    path = model or default_model_path()
+    proc, url = start_server(path, [*(first or []), *shlex.split(serve_args)], log)
+    return proc, url, path.name
+
+
 def ask(client: httpx.Client, prompt: str, tokens: int) -> dict[str, Any]:
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
     t0, wall = time.perf_counter(), time.time()

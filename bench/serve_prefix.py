@@ -13,7 +13,6 @@ from the cache (`prompt_tokens_details.cached_tokens`). Done when request 2's ti
 import argparse
 import json
 import platform
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -23,8 +22,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.serve_clients import start_server
-from installer.default_model import default_model_path
+from bench.serve_clients import server_for
 
 
 def prefix_text(tokens: int, seed: str) -> str:
@@ -58,16 +56,10 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=30000)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    proc = None
-    if a.url:
-        url, model = a.url, "(the server's)"
-    else:
-        path = a.model or default_model_path()
-        args = shlex.split(a.serve_args)
-        if "--max-context" not in args:
-            args = ["--max-context", str(a.prefix * 5 // 4 + 1024), *args]
-        proc, url = start_server(path, args, a.out.with_suffix(".log") if a.out else None)
-        model = path.name
+    room = [] if "--max-context" in a.serve_args else ["--max-context", str(a.prefix * 5 // 4 + 1024)]
+    proc, url, model = server_for(
+        a.url, a.model, a.serve_args, a.out.with_suffix(".log") if a.out else None, room
+    )
     try:
         with httpx.Client(base_url=url, timeout=1800) as client:
             ask(client, "A warm-up request.")

@@ -12,7 +12,6 @@ for a new length makes that request wait."""
 import argparse
 import json
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -22,8 +21,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.serve_clients import start_server
-from installer.default_model import default_model_path
+from bench.serve_clients import server_for
 
 WORDS = ["river", "stone", "cloud", "field", "light", "north", "table", "green", "water", "sound"]
 
@@ -57,15 +55,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, default=20)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    proc = None
-    if a.url:
-        url, model = a.url, "(the server's)"
-    else:
-        path = a.model or default_model_path()
-        proc, url = start_server(
-            path, shlex.split(a.serve_args), a.out.with_suffix(".log") if a.out else None
-        )
-        model = path.name
+    proc, url, model = server_for(a.url, a.model, a.serve_args, a.out.with_suffix(".log") if a.out else None)
     rows = []
     try:
         with httpx.Client(base_url=url, timeout=600) as client:
