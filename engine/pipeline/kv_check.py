@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.layers.kv_cache import dequant4, quant4, resolve_kv_type
+from engine.layers.kv_cache import dequant4, q4_head_dims_ok, quant4, resolve_kv_type
 from engine.models.family_base import scratch_steps
 
 log = logging.getLogger("strata.engine")
@@ -44,7 +44,7 @@ def q4_key_errors(model: Any, tokenizer: Any) -> dict[int, float]:
         out = {}
         for i, lk in sorted(getattr(cache, "layers", {}).items()):
             k = lk.k[:n].float()
-            if k.shape[-1] % 64:
+            if not q4_head_dims_ok(k.shape[-1]):  # heads a q4_0 cache refuses anyway
                 continue
             codes, scales = quant4(k)
             err = (dequant4(codes, scales, torch.float32) - k).norm()
