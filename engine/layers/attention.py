@@ -14,6 +14,15 @@ from installer.engine_options import runtime_switches
 # Steps of more rows than this attend through the flash prompt kernel on CUDA; decode-sized steps have their own
 # kernel (engine/kernels/attention.py) or are too small for a block of query rows to pay.
 FLASH_MIN_ROWS = 8
+# ... and so does a step of a few rows over a span longer than this: torch's path copies the whole span of every
+# layer's keys and values to the compute dtype (at 32K positions 3 GB a step for Qwen3-30B-A3B), which held the
+# few new tokens of a request sharing a 32K-token prefix for 0.25 s.
+FLASH_DEEP_SPAN = 2048
+
+
+def takes_flash(kernel: Any, rows: int, span: int) -> bool:
+    """Whether a step of `rows` rows over `span` positions attends through the flash prompt kernel."""
+    return kernel is not None and (rows > FLASH_MIN_ROWS or (rows > 1 and span > FLASH_DEEP_SPAN))
 
 
 def project_qkv(
@@ -174,11 +183,11 @@ def cached_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store k, v at `pos` in `cache` and attend q to its positions below `span` -> [T, H, Dv]. `kernel`: the flash
-    prompt kernel (flash_kernel), which steps of more than FLASH_MIN_ROWS rows take: it reads the cache in place,
+    prompt kernel (flash_kernel), which the steps takes_flash names take: it reads the cache in place,
     int8 included, and skips the keys the mask rules out. Otherwise the cache's keys and values up to `span` in the
     compute dtype through torch, with `masks` (FamilyLM.step_masks) or a mask made here. `sinks` [H] (gpt-oss):
     a logit per head that joins each row's softmax with no value (sink_attention on the torch path)."""
-    if kernel is not None and q.shape[0] > FLASH_MIN_ROWS:
+    if takes_flash(kernel, q.shape[0], span):
         lk = cache.write(layer, pos, k, v, span)
         return kernel.prefill_attention(
             q, lk.k, lk.v, pos, span, window, scale, softcap, lk.k_scale, lk.v_scale, sinks

@@ -29,7 +29,7 @@ from engine.gguf import names
 from engine.gguf.model_config import ModelConfig
 from engine.gguf.quants import SUPPORTED_TYPES
 from engine.gguf.reader import GGUFError, GGUFFile
-from engine.layers.attention import FLASH_MIN_ROWS, causal_mask, flash_kernel
+from engine.layers.attention import causal_mask, flash_kernel, takes_flash
 from engine.layers.kv_cache import KVCache
 from engine.layers.moe import ExpertBiases, ExpertMath, Experts, ExpertWeights, Glu, silu_glu
 from engine.layers.norm import rms_norm
@@ -408,7 +408,7 @@ class FamilyLM:
         """The attention masks of one step at device positions `pos`, one per window the layers use: made once
         for all the layers a step runs, not once a layer (a few launches each); none where the rows attend
         through the flash kernel, which computes its own."""
-        if self.prefill_kernel is not None and pos.shape[0] > FLASH_MIN_ROWS:
+        if takes_flash(self.prefill_kernel, pos.shape[0], span):
             return {}
         return {w: causal_mask(pos, span, w) for w in self._windows()}
 
