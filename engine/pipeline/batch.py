@@ -1,8 +1,9 @@
 """Several conversations at once: slots, and a scheduler that runs them through the model in shared steps.
 
 Each slot is one sequence with its own KV cache (a slotted cache: `slots` caches of `max_ctx` positions). A request
-is admitted to a free slot (the one whose cached tokens share the longest prefix with its prompt, so a follow-up
-turn reads only its new tokens), and from then on every `step` is one forward of the model over all busy slots
+is admitted to a free slot (`choose_slot`: the one whose cached tokens share the longest prefix with its prompt, so
+a follow-up turn reads only its new tokens; else an empty or the least recently used one), and from then on every
+`step` is one forward of the model over all busy slots
 (continuous batching): one row for each slot that decodes, and prompt chunks of the slots that read their prompts
 within the step's token budget (chunked prefill), so a long prompt never holds the others' decode for more than
 one step. A finished, failed or cancelled request leaves its slot at the end of the step it was seen in.
@@ -30,6 +31,7 @@ import torch
 
 from engine.layers.kv_cache import KVCache
 from engine.models.family_base import BatchPart
+from engine.pipeline.cuda_graphs import warm_prompts
 from engine.pipeline.drafts import Draft, DraftSource
 from engine.pipeline.generate import (
     DoneEvent,
@@ -152,6 +154,22 @@ class Slot:
         self.tokens: list[int] = []
         self.request: _Request | None = None
         self.generated = 0  # tokens of the current request (per-slot rate)
+        self.used = 0  # when it last took a request (the admission count): the least recently used gives way
+
+
+def choose_slot(free: list[Slot], target: list[int], reuse: bool) -> Slot:
+    """The free slot for a request whose prompt (less its last token) is `target`. A slot that holds at least half
+    of that prompt as a prefix (the next turn, a regenerated answer, the same tools and history with a new
+    question) is taken, the longest share first; otherwise an empty slot, then the least recently used one, so
+    that a long prefix held in a slot outlives requests that share little or nothing with it."""
+    shares = {s.index: common_prefix(s.tokens, target) if reuse else 0 for s in free}
+    keeps = [s for s in free if shares[s.index] > 0 and 2 * shares[s.index] >= len(target)]
+    if keeps:
+        return max(keeps, key=lambda s: (shares[s.index], -s.used))
+    empty = [s for s in free if not s.tokens]
+    if empty:
+        return empty[0]
+    return min(free, key=lambda s: s.used)
 
 
 class BatchRunner:
@@ -207,6 +225,7 @@ class BatchRunner:
             else [model.new_cache(max_ctx, kv_type) for _ in range(slots)]  # type: ignore[attr-defined]
         )
         self.slots = [Slot(i, c) for i, c in enumerate(caches)]
+        self._admitted = 0
         self.spec = spec if spec is not None and spec.n > 0 and spec.suffix else None
         if self.spec is not None:
             for c in caches:  # a cache with recurrent state keeps the states a window's rollback returns to
@@ -238,9 +257,8 @@ class BatchRunner:
 
     def warm_prompts(self) -> list[int]:
         """Build the prompt path's kernels of every chunk size a step can hold before the first request, where
-        the model has no prompt graphs to capture (a layer split: SplitModel.warm_prompts) -> the sizes read."""
-        warm = getattr(self.model, "warm_prompts", None)
-        return warm([s.cache for s in self.slots], self.step_tokens) if warm is not None else []
+        the model has no prompt graphs to capture (cuda_graphs.warm_prompts) -> the sizes read."""
+        return warm_prompts(self.model, [s.cache for s in self.slots], self.step_tokens)
 
     # ---- admission ------------------------------------------------------------------------------------------
 
@@ -267,7 +285,9 @@ class BatchRunner:
         if not free:
             raise RuntimeError("no free slot: admit when `free` says one is")
         target = prompt[:-1]
-        slot = max(free, key=lambda s: common_prefix(s.tokens, target) if req.cache_prompt else 0)
+        slot = choose_slot(free, target, req.cache_prompt)
+        self._admitted += 1
+        slot.used = self._admitted
         slot.tokens = reuse_prefix(slot.cache, slot.tokens, prompt, req.cache_prompt, self.prompt_cache)
         sampler = new_sampler(req, self.tok)
         r = _Request(

@@ -31,7 +31,7 @@ from engine.models.decoder import BatchRows, DecoderLM
 from engine.models.family_base import BatchPart, forward_each, scratch_steps
 from engine.models.fast_decode import FAST_MAX_ROWS
 from engine.models.gated_delta import RecurrentCache
-from engine.pipeline.cuda_graphs import PROMPT_BUCKETS, StepGraphs, cpu_misses
+from engine.pipeline.cuda_graphs import StepGraphs, cpu_misses, read_prompt_sizes
 from engine.pipeline.handoff import Handoff, HandoffMode
 from engine.pipeline.stage_clock import ForwardClock
 
@@ -295,28 +295,12 @@ class SplitModel:
         return n if local else 0
 
     def warm_prompts(self, caches: Sequence[KVCache], most: int) -> list[int]:
-        """Read dummy prompt chunks of the sizes a step holds (PROMPT_BUCKETS up to `most` tokens, and one token
-        short of each: Triton builds a kernel per tile height and per whether a length is a multiple of 16) through
-        every stage once, alone and two in a step, in the first slots' caches; the caches and the expert counts are
-        left as they were. A one-card server captures its prompt graphs at load for this; a split's stages (a
-        remote worker's too, through the link) otherwise built their prompt kernels while the first requests
-        waited (on one H200, eight requests' first round over a remote stage took 8 s where the next took 1.6).
-        -> the sizes read ([] where no stage is on a GPU)."""
+        """cuda_graphs.warm_prompts through every stage (a remote worker's too, through the link: on one H200,
+        eight requests' first round over a remote stage took 8 s where the next took 1.6) -> the sizes read ([]
+        where no stage is on a GPU)."""
         if not caches or not self._builds_kernels():
             return []
-        sizes = sorted(
-            {s for b in PROMPT_BUCKETS if b <= most for s in (b - 1, b) if s > 1} | {min(most, 4096)}
-        )
-        with scratch_steps(self._models(), caches):
-            for t in sizes:
-                if t > caches[0].max_ctx:
-                    break
-                self.forward_batch([BatchPart(torch.zeros(t, dtype=torch.long), caches[0], 0)])
-                if len(caches) > 1 and 2 * t <= most:
-                    self.forward_batch(
-                        [BatchPart(torch.zeros(t, dtype=torch.long), c, 0) for c in caches[:2]]
-                    )
-        return sizes
+        return read_prompt_sizes(self, self._models(), caches, most)
 
     def _builds_kernels(self) -> bool:
         """Whether a stage here builds kernels as shapes first come (Triton, on a GPU)."""

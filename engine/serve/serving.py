@@ -28,6 +28,7 @@ from engine.layers.kv_cache import resolve_kv_type
 from engine.link.client import StageError
 from engine.link.startup import load_split_model
 from engine.pipeline.batch import BatchRunner
+from engine.pipeline.cuda_graphs import warm_prompts
 from engine.pipeline.generate import (
     DoneEvent,
     Event,
@@ -233,28 +234,34 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                 log.info("%d slots in %d groups: a group's step goes out while the worker computes another's",
                          slots, batch.groups)  # fmt: skip
             if batch is not None:
-                t0 = time.perf_counter()
+                tw = time.perf_counter()
                 warmed = batch.warm()
                 if warmed:
                     log.info("%d slots: decode graphs for 1-%d rows captured in %.1f s", slots, warmed,
-                             time.perf_counter() - t0)  # fmt: skip
-                t0 = time.perf_counter()
+                             time.perf_counter() - tw)  # fmt: skip
+                tw = time.perf_counter()
                 read = batch.warm_prompts()
                 if read:
                     log.info("prompt kernels for chunks of 2-%d tokens built in %.1f s (%d sizes, every stage)",
-                             read[-1], time.perf_counter() - t0, len(read))  # fmt: skip
+                             read[-1], time.perf_counter() - tw, len(read))  # fmt: skip
             graphs = getattr(lm.model, "prompt_graphs", None)
             if graphs is not None:  # every prompt length then runs from graphs: none waits for a capture
-                t0 = time.perf_counter()
+                tw = time.perf_counter()
                 sizes = graphs.warm(chunk, kv)
                 if sizes:
                     log.info("prompt graphs for chunks of 2-%d tokens (%d sizes) captured in %.1f s", sizes[-1],
-                             len(sizes), time.perf_counter() - t0)  # fmt: skip
+                             len(sizes), time.perf_counter() - tw)  # fmt: skip
             runner = (
                 Runner(lm.model, lm.tokenizer, o.max_context, kv, chunk, cache, spec=spec, prefill_span=span)
                 if batch is None
                 else None
             )
+            if runner is not None:
+                tw = time.perf_counter()
+                read = warm_prompts(lm.model, [runner.cache], chunk)
+                if read:
+                    log.info("prompt kernels for chunks of 2-%d tokens built in %.1f s (%d sizes)", read[-1],
+                             time.perf_counter() - tw, len(read))  # fmt: skip
             layout = stage_layout(lm.model, lm.config.n_layer)
             recorder = _profile_recorder(lm, split, o.profile_every_s)
         except Exception as e:  # the server stays up and says why on /health

@@ -168,6 +168,69 @@ def test_a_follow_up_turn_lands_in_the_slot_that_holds_its_prefix(qwen: object) 
     assert _summary(events) == _summary(_alone(qwen, turn2))
 
 
+def test_an_unrelated_request_leaves_a_held_prefix_for_its_return(qwen: object) -> None:
+    """A request that shares nothing with any slot goes to an empty (or the least recently used) slot, so a long
+    prefix held in another slot is still there when a request that shares it comes back."""
+    br = BatchRunner(qwen.model, qwen.tokenizer, 256, "f32", slots=3)  # type: ignore[attr-defined]
+    shared = list(range(10, 70))
+    a = GenerationRequest([*shared, 1, 2], max_tokens=3, sampling=GREEDY, ignore_eos=True)
+    b = GenerationRequest(list(range(100, 160)), max_tokens=3, sampling=GREEDY, ignore_eos=True)
+    c = GenerationRequest(list(range(200, 260)), max_tokens=3, sampling=GREEDY, ignore_eos=True)
+    again = GenerationRequest([*shared, 3, 4], max_tokens=3, sampling=GREEDY, ignore_eos=True)
+    slots = []
+    for req in (a, b, c):  # one after another: every slot but the first is free each time
+        events: list[Event] = []
+        slots.append(br.admit(req, events.append))
+        while br.busy:
+            br.step()
+    assert len({s.index for s in slots}) == 3  # b and c took the empty slots, not a's
+    events = []
+    assert br.admit(again, events.append) is slots[0]
+    while br.busy:
+        br.step()
+    done = [e for e in events if isinstance(e, DoneEvent)][0]
+    assert done.timings.prompt_cached == len(shared)
+    assert _summary(events) == _summary(_alone(qwen, again))
+    # With no empty slot left, an unrelated request takes the least recently used one (b's), not a's
+    d = GenerationRequest(list(range(300, 340)), max_tokens=3, sampling=GREEDY, ignore_eos=True)
+    assert br.admit(d, [].append) is slots[1]
+    while br.busy:
+        br.step()
+
+
+def test_prompt_kernels_are_built_before_the_first_request_and_leave_the_caches_as_they_were(
+    qwen: object,
+) -> None:
+    """cuda_graphs.read_prompt_sizes (what warm_prompts runs on a card without prompt graphs): each bucket size up
+    to the step's tokens and one short of each, alone and two in a step; afterwards the caches hold nothing, the
+    expert counts are as before, and a request gets the tokens it gets alone. On the CPU nothing is built."""
+    from engine.pipeline.cuda_graphs import read_prompt_sizes, warm_prompts
+
+    m = qwen.model  # type: ignore[attr-defined]
+    br = BatchRunner(m, qwen.tokenizer, 256, "f32", slots=2, step_tokens=12)  # type: ignore[attr-defined]
+    caches = [s.cache for s in br.slots]
+    assert warm_prompts(m, caches, 12) == []  # the CPU builds no kernels
+    counts = m.expert_counts.clone() if m.expert_counts is not None else None
+    read: list[list[int]] = []
+    real = m.forward_batch
+
+    def forward_batch(parts: list[BatchPart]) -> torch.Tensor:
+        read.append([int(p.tokens.shape[0]) for p in parts])
+        return real(parts)
+
+    m.forward_batch = forward_batch
+    try:
+        assert read_prompt_sizes(m, [m], caches, 12) == [3, 4, 7, 8, 11, 12]
+    finally:
+        del m.forward_batch
+    assert read == [[3], [3, 3], [4], [4, 4], [7], [8], [11], [12]]
+    assert all(c.length == 0 for c in caches)
+    if counts is not None:
+        assert torch.equal(counts, m.expert_counts)
+    req = GenerationRequest(_prompts(1, seed=5)[0], max_tokens=6, sampling=GREEDY, ignore_eos=True)
+    assert _summary(_run(br, [req])[0]) == _summary(_alone(qwen, req))
+
+
 def test_requests_that_cannot_be_read_are_refused_before_they_take_a_slot(qwen: object) -> None:
     br = BatchRunner(qwen.model, qwen.tokenizer, 32, "f32", slots=1)  # type: ignore[attr-defined]
     with pytest.raises(GenerationError, match="empty"):
