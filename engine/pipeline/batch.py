@@ -3,10 +3,9 @@
 Each slot is one sequence with its own KV cache (a slotted cache: `slots` caches of `max_ctx` positions). A request
 is admitted to a free slot (`choose_slot`: the one whose cached tokens share the longest prefix with its prompt, so
 a follow-up turn reads only its new tokens; else an empty or the least recently used one), and from then on every
-`step` is one forward of the model over all busy slots
-(continuous batching): one row for each slot that decodes, and prompt chunks of the slots that read their prompts
-within the step's token budget (chunked prefill), so a long prompt never holds the others' decode for more than
-one step. A finished, failed or cancelled request leaves its slot at the end of the step it was seen in.
+`step` is one forward of the model over all busy slots (continuous batching): one row for each slot that decodes,
+and prompt chunks of the slots that read their prompts within the step's token budget (chunked prefill), so a long
+prompt never holds the others' decode for more than one step. A finished, failed or cancelled request leaves its slot at the end of the step it was seen in.
 
 On a GPU the steps overlap the host's work (`overlap`): a step's plain rows draw their tokens on the device
 (sampling.draw_rows), the next step reads them from there and is queued before the host reads the tokens back and
