@@ -3,7 +3,9 @@ weights on the chosen device in block format; then apply from outside what runs 
 expert cache, the decode step's and the prompt chunks' CUDA graphs. Model files build plain models; every model the
 engine runs is made by `build`."""
 
+import ctypes
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,4 +152,17 @@ def loaded(
         where,
         str(dtype).removeprefix("torch."),
     )
+    release_freed_heap()
     return LoadedModel(Path(path), gf, cfg, model, tok, chat)  # type: ignore[arg-type]
+
+
+def release_freed_heap() -> None:
+    """Give the C heap's freed pages back to the system after a load (glibc only). Building a tokenizer and the
+    layers frees much more than it keeps (a 262k vocabulary's 515k merges pass through Python and Rust), and glibc
+    holds freed memory at the top of its heap: 36 MB of Gemma 3 270M's resident memory on a CPU."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # another C library (musl): nothing to do
+        pass
