@@ -28,6 +28,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.report import emit
 from bench.serve_clients import start_server
 from bench.serve_prefix import prefix_text
 from engine.gguf.reader import GGUFFile
@@ -138,11 +139,9 @@ def main() -> None:
         "two_pc_args": a.two_pc_args,
         "over_one_pc": {name: round(arm["prompt_tok_s_best"] / one, 3) for name, arm in arms.items()}
         if one
-        else None,
+        else {},
     }
-    if a.out:
-        a.out.write_text(json.dumps(out, indent=1))
-    print(json.dumps(out["over_one_pc"]))
+    emit(out, str(a.out) if a.out else None)
 
 
 if __name__ == "__main__":
