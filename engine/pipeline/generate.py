@@ -229,16 +229,23 @@ class Runner:
         self.tok = tokenizer
         self.max_ctx = max_ctx
         self.prefill_chunk = max(1, prefill_chunk)
-        # Prompts read layer by layer in spans of several chunks, where a model streams experts for its chunks
-        # (engine/pipeline/prefill.py, span_tokens): each layer's experts cross PCIe once a span, not once a chunk.
+        # Prompts read in spans of several chunks (model.forward_span) where that is faster: layer by layer where a
+        # model streams experts for its chunks (engine/pipeline/prefill.py, span_tokens: each layer's experts cross
+        # PCIe once a span, not once a chunk); as one pipeline on a split whose stages read pieces at once (it
+        # empties once a span, not once a chunk).
         self.prefill_span = self.prefill_chunk
         if (
             prefill_span is not None
             and prefill_span > self.prefill_chunk
-            and getattr(model, "layer_major", False)
-            and getattr(model, "streams_experts", False)
+            and (
+                (getattr(model, "layer_major", False) and getattr(model, "streams_experts", False))
+                or getattr(model, "pipelines_prompts", False)
+            )
         ):
             self.prefill_span = prefill_span
+            if getattr(model, "pipelines_prompts", False):
+                log.info("prompts read through the stages %d tokens at a time, one pipeline each (chunks of %d)",
+                         prefill_span, self.prefill_chunk)  # fmt: skip
         self.cache: KVCache = model.new_cache(max_ctx, kv_type)  # type: ignore[attr-defined]
         if self.spec.n > 0 and hasattr(self.cache, "step_states"):
             # Recurrent state (delta-net layers) kept after each row of a window: a rejection goes back exactly.

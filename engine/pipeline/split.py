@@ -488,6 +488,11 @@ def prefill_chunk(
     return default
 
 
+# Chunks of a pipelined split's span: 4 x 4 pieces on two stages empty the pipeline once for 16 pieces (1.88x one
+# stage's time at best) where chunk by chunk it emptied once for 4 (1.6x).
+SPLIT_SPAN_CHUNKS = 4
+
+
 def prefill_span(
     model: object,
     chunk: int,
@@ -496,9 +501,10 @@ def prefill_span(
     budget_mib: int | None = None,
     reserve_mib: int = ExpertPolicy.reserve_mib,
 ) -> int:
-    """The tokens `Runner` reads per forward, layer by layer in chunks of `chunk`, on one card that streams
-    experts for its prompt chunks (engine/pipeline/prefill.py, span_tokens); `chunk` elsewhere."""
+    """The tokens `Runner` reads per forward: layer by layer in chunks of `chunk` on one card that streams experts
+    for its prompt chunks (engine/pipeline/prefill.py, span_tokens); as one pipeline of `SPLIT_SPAN_CHUNKS`
+    chunks on a split whose stages read a prompt's pieces at once (SplitModel.forward_span); `chunk` elsewhere."""
     if isinstance(model, SplitModel):
-        return chunk
+        return min(max_ctx, chunk * SPLIT_SPAN_CHUNKS) if model.pipelines_prompts else chunk
 
     return device_span(model, chunk, max_ctx, kv_type, budget_mib, reserve_mib)

@@ -353,6 +353,18 @@ class SplitModel:
             self.timing_sink(self._timing_line(t, start))
         return logits
 
+    @property
+    def pipelines_prompts(self) -> bool:
+        """Whether a long prompt flows through the stages in pieces (stages on different devices or PCs)."""
+        return bool(self.pipeline) and len(self.stages) > 1
+
+    def forward_span(self, tokens: torch.Tensor, cache: KVCache, start: int, chunk: int) -> torch.Tensor:
+        """A prompt span of several chunks as one pipelined forward -> the last row's logits [1, V]. The pipeline
+        empties only at the span's end, where chunk by chunk it emptied at each chunk's: a chunk of n pieces costs
+        n + 1 piece-times on two stages, a span of 4n costs 4n + 1. The pieces are `pipe_chunk` tokens either way
+        (`chunk` is the single-model reader's argument, unused here)."""
+        return self.forward(tokens, cache, start, last_only=True)
+
     def forward_batch(self, parts: Sequence[BatchPart]) -> torch.Tensor:
         """Several sequences in one step -> each part's wanted logit rows in order (its last row; a verify window's
         every row): the rows of all the parts go through each stage together and cross each hand-off as one

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from engine.link.startup import load_split_model
-from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
+from engine.pipeline.generate import DoneEvent, GenerationRequest, PromptChunkEvent, Runner
 from engine.pipeline.loader import load_model
 from engine.pipeline.prompt_cache import PromptCache
 from engine.pipeline.sampling import GREEDY
-from engine.pipeline.split import SplitOptions
+from engine.pipeline.split import SPLIT_SPAN_CHUNKS, SplitOptions, prefill_span
 from engine.pipeline.stages import SplitModel
 from engine.testing.tiny_models import write_tiny_model
 
@@ -159,3 +159,27 @@ def test_prompt_chunks_compute_the_last_rows_logits_only(models: dict[str, Path]
         # the next step reads the same cache: the same logits either way
         nxt = torch.tensor([PROMPT[0]])
         assert torch.equal(m.forward(nxt, last_cache, len(PROMPT)), m.forward(nxt, full_cache, len(PROMPT)))
+
+
+def test_a_pipelined_split_reads_a_long_prompt_in_spans_that_empty_the_pipeline_once(
+    models: dict[str, Path],
+) -> None:
+    """On a split whose stages read pieces at once, Runner reads a prompt in spans of several chunks (the pipeline
+    empties once a span, not once a chunk): the same pieces at the same positions, so the unsplit model's greedy
+    tokens; a split whose stages take turns keeps reading chunk by chunk."""
+    base = load_model(models["qwen3moe"], "cpu", "f32")
+    opts = SplitOptions(device="cpu", layer_split=(3,), pipeline=True, pipe_chunk=PIECE)
+    sm = load_split_model(models["qwen3moe"], opts, 64, "f32", "f32").model
+    assert prefill_span(sm, 4, 64) == 4 * SPLIT_SPAN_CHUNKS
+    assert prefill_span(sm, 8, 20) == 20  # never past the context
+    serial = load_split_model(
+        models["qwen3moe"], SplitOptions(device="cpu", layer_split=(3,), pipe_chunk=PIECE), 64, "f32", "f32"
+    ).model
+    assert not serial.pipelines_prompts and prefill_span(serial, 4, 64) == 4
+
+    runner = Runner(sm, base.tokenizer, 64, "f32", 4, prefill_span=16)  # type: ignore[arg-type]
+    req = GenerationRequest(PROMPT, max_tokens=10, sampling=GREEDY, ignore_eos=True)
+    events = list(runner.generate(req))
+    assert [e.tokens for e in events if isinstance(e, PromptChunkEvent)] == [16, 6]
+    got = next(e for e in events if isinstance(e, DoneEvent)).tokens
+    assert got == _greedy(base.model, base.tokenizer, "f32", PIECE)
