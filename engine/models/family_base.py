@@ -177,7 +177,9 @@ def scratch_steps(models: Sequence[Any], caches: Sequence[KVCache]) -> Iterator[
         yield
     finally:
         for c in caches:
-            c.length = 0
+            c.truncate(
+                0
+            )  # a recurrent cache's states go back to the start with it (setting length would not)
         for counts, before in saved:
             counts.copy_(before)
 

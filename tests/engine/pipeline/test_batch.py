@@ -231,6 +231,28 @@ def test_prompt_kernels_are_built_before_the_first_request_and_leave_the_caches_
     assert _summary(_run(br, [req])[0]) == _summary(_alone(qwen, req))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_prompt_warm_leaves_every_familys_slots_and_a_runners_cache_as_they_were(
+    tmp_path: Path, family: str
+) -> None:
+    """What warm_prompts runs at a card's load (here on the CPU, the same calls), for each family's model without
+    prompt graphs (recurrent state included): afterwards requests in the slots and in a single Runner get the
+    tokens they get from a fresh model."""
+    from engine.pipeline.cuda_graphs import read_prompt_sizes
+
+    lm = load_model(
+        write_tiny_family(tmp_path / f"{family}.gguf", family, qtype="Q8_0", seed=3), "cpu", "f32"
+    )
+    reqs = [GenerationRequest(p, max_tokens=5, sampling=GREEDY, ignore_eos=True) for p in _prompts(2, seed=7)]
+    want = [_summary(_alone(lm, r)) for r in reqs]
+    br = BatchRunner(lm.model, lm.tokenizer, 256, "f32", slots=2, step_tokens=12)  # type: ignore[attr-defined]
+    assert read_prompt_sizes(lm.model, [lm.model], [s.cache for s in br.slots], 12) == [3, 4, 7, 8, 11, 12]
+    assert [_summary(e) for e in _run(br, reqs)] == want
+    runner = Runner(lm.model, lm.tokenizer, 256, "f32")  # type: ignore[attr-defined]
+    read_prompt_sizes(lm.model, [lm.model], [runner.cache], 12)
+    assert [_summary(list(runner.generate(r))) for r in reqs] == want
+
+
 def test_requests_that_cannot_be_read_are_refused_before_they_take_a_slot(qwen: object) -> None:
     br = BatchRunner(qwen.model, qwen.tokenizer, 32, "f32", slots=1)  # type: ignore[attr-defined]
     with pytest.raises(GenerationError, match="empty"):
