@@ -90,6 +90,7 @@ class _Request:
     pending_row: int = 0  # its row in that step
     t_prompt: float = 0.0
     t_decode: float = 0.0
+    prompt_tok_s: float = 0.0  # the rate its last prompt step read at (0: none yet)
     drafts: DraftSource | None = None  # where its verify windows' drafts come from (--spec), None: no windows
     window: Draft | None = None  # the drafts read after its token in the step in flight
     windows: int = 0  # decode forwards (of a request that drafts)
@@ -142,6 +143,12 @@ def _timer(model: object) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(torch.cuda.current_stream(dev))
     return start, end
+
+
+# On a pipelined split, a prompt read alone takes a span of several chunks only where the span reads within this
+# many seconds (a request that comes in meanwhile waits for it): a card's stages read 8,192 tokens in about that,
+# two CPUs a chunk of 2,048 in ~20 s already.
+SPAN_WAIT_S = 2.0
 
 
 class Slot:
@@ -205,16 +212,22 @@ class BatchRunner:
         # Rows one step reads at most: every decoding slot's row, then prompt tokens up to this budget.
         self.step_tokens = max(slots, step_tokens)
         self.prompt_cache = prompt_cache
-        # A slot reading its prompt alone reads spans of several chunks layer by layer where the model streams its
-        # experts for prompt chunks (Runner's prefill_span): each layer's experts cross PCIe once a span.
+        # A slot reading its prompt alone reads spans of several chunks (Runner's prefill_span): layer by layer where
+        # the model streams its experts for prompt chunks (each layer's experts cross PCIe once a span), and as one
+        # pipeline on a split whose stages read pieces at once (it empties once a span). A request that comes in
+        # meanwhile waits for the span, so on a split a span is taken only where it reads within `SPAN_WAIT_S` at
+        # the rate the request's last chunk read (a card's stages, not a CPU's).
         self.span = (
             prefill_span
             if prefill_span is not None
             and prefill_span > self.step_tokens
-            and getattr(model, "layer_major", False)
-            and getattr(model, "streams_experts", False)
+            and (
+                (getattr(model, "layer_major", False) and getattr(model, "streams_experts", False))
+                or getattr(model, "pipelines_prompts", False)
+            )
             else None
         )
+        self._span_by_rate = bool(getattr(model, "pipelines_prompts", False))
         many = getattr(
             model, "new_caches", None
         )  # a model's slots may share one cache (DecoderLM.new_caches)
@@ -410,9 +423,12 @@ class BatchRunner:
             plan.append((slot, r, n, r.read))
             budget -= n
         if len(plan) == 1 and plan[0][2] > 0 and self.span is not None:
-            # one prompt and nothing else to run: a span of it, layer by layer
-            slot, r, _, at = plan[0]
-            n = min(len(r.prompt) - at, self.span)
+            # one prompt and nothing else to run: a span of it (layer by layer, or one pipeline)
+            slot, r, n, at = plan[0]
+            span = self.span
+            if self._span_by_rate:
+                span = min(span, max(n, int(r.prompt_tok_s * SPAN_WAIT_S)))
+            n = min(len(r.prompt) - at, span)
             parts, plan = [BatchPart(torch.tensor(r.prompt[at : at + n]), slot.cache, at)], [(slot, r, n, at)]
         return parts, plan
 
@@ -530,6 +546,7 @@ class BatchRunner:
                 self._decided(slot, token, f.logits[row], fed=later)
                 continue
             r.emit(PromptChunkEvent(at, n, ms))
+            r.prompt_tok_s = n / max(ms, 1e-3) * 1e3
             if at + n == len(r.prompt):  # the prompt is read: its last row's logits give the first token
                 now = time.perf_counter()
                 r.timings.prompt_ms = (now - r.t_prompt) * 1e3
