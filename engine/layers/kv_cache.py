@@ -6,9 +6,9 @@ so a kernel reads the head's two halves as two plain tiles; the scales are float
 D/32]). A value is scale * (code - 8), the scale being the block's value of largest magnitude divided by -8."""
 
 import math
+import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.gguf.model_config import ModelConfig
@@ -40,13 +40,20 @@ def resolve_kv_type(kv: str, compute_dtype: torch.dtype) -> str:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor; on the CPU from numpy's calloc, whose pages stay unmapped until written, so that a cache
-    holds resident memory for the positions it has used rather than for its whole --max-context (torch.zeros
-    writes every page)."""
+    """A zeroed tensor; on the CPU an anonymous memory map, whose pages stay unmapped until written, so that a
+    cache holds resident memory for the positions it has used rather than for its whole --max-context (torch.zeros
+    writes every page; calloc does too where it reuses freed heap memory, which a heap's raised mmap threshold
+    makes it do for buffers up to 32 MB)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(n, dtype=np.uint8)).view(dtype).view(shape)
+    if n < _MAPPED_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    # the tensor keeps the map alive (torch.frombuffer holds a reference to it)
+    return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8).view(dtype).view(shape)
+
+
+_MAPPED_BYTES = 1 << 20  # smaller buffers come from the heap: a map per buffer is not worth it
 
 
 def _quant8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

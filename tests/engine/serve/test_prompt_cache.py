@@ -124,9 +124,13 @@ def test_server_second_turn_reuses_the_first(server: ServerProc) -> None:
     system = {"role": "system", "content": "You answer in a few words."}
     a1 = [system, {"role": "user", "content": "What is the colour of the sea on a sunny day?"}]
     r1 = server.post("/v1/chat/completions", {"messages": a1, "max_tokens": 6, "temperature": 0}).json()
-    # Another conversation in between, so that the first one must come back from the prompt cache.
-    other = [{"role": "user", "content": "Something unrelated about trains and stations."}]
-    server.post("/v1/chat/completions", {"messages": other, "max_tokens": 6, "temperature": 0})
+    # As many other conversations in between as the server has slots, so that the first one's slot is taken (the
+    # least recently used goes first) and it must come back from the prompt cache.
+    slots = server.get("/stats").json()["slots"]["total"]
+    for i in range(slots):
+        topic = ("trains and stations", "a recipe for bread", "the rules of chess", "mountains in winter")[i % 4]
+        other = [{"role": "user", "content": f"{i}: something unrelated about {topic}."}]
+        server.post("/v1/chat/completions", {"messages": other, "max_tokens": 6, "temperature": 0})
     a2 = [*a1, r1["choices"][0]["message"], {"role": "user", "content": "And at night?"}]
     body = {"messages": a2, "max_tokens": 8, "temperature": 0}
     cached = server.post("/v1/chat/completions", body).json()
