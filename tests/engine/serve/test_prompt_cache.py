@@ -128,7 +128,9 @@ def test_server_second_turn_reuses_the_first(server: ServerProc) -> None:
     # least recently used goes first) and it must come back from the prompt cache.
     slots = server.get("/stats").json()["slots"]["total"]
     for i in range(slots):
-        topic = ("trains and stations", "a recipe for bread", "the rules of chess", "mountains in winter")[i % 4]
+        topic = ("trains and stations", "a recipe for bread", "the rules of chess", "mountains in winter")[
+            i % 4
+        ]
         other = [{"role": "user", "content": f"{i}: something unrelated about {topic}."}]
         server.post("/v1/chat/completions", {"messages": other, "max_tokens": 6, "temperature": 0})
     a2 = [*a1, r1["choices"][0]["message"], {"role": "user", "content": "And at night?"}]
