@@ -5,7 +5,8 @@ is admitted to a free slot (`choose_slot`: the one whose cached tokens share the
 a follow-up turn reads only its new tokens; else an empty or the least recently used one), and from then on every
 `step` is one forward of the model over all busy slots (continuous batching): one row for each slot that decodes,
 and prompt chunks of the slots that read their prompts within the step's token budget (chunked prefill), so a long
-prompt never holds the others' decode for more than one step. A finished, failed or cancelled request leaves its slot at the end of the step it was seen in.
+prompt never holds the others' decode for more than one step. A finished, failed or cancelled request leaves its
+slot at the end of the step it was seen in.
 
 On a GPU the steps overlap the host's work (`overlap`): a step's plain rows draw their tokens on the device
 (sampling.draw_rows), the next step reads them from there and is queued before the host reads the tokens back and
@@ -44,6 +45,7 @@ from engine.pipeline.generate import (
     TokenEvent,
     check_prompt,
     new_sampler,
+    reads_spans,
     reuse_prefix,
     sync_device,
     token_logprob,
@@ -219,12 +221,7 @@ class BatchRunner:
         # the rate the request's last chunk read (a card's stages, not a CPU's).
         self.span = (
             prefill_span
-            if prefill_span is not None
-            and prefill_span > self.step_tokens
-            and (
-                (getattr(model, "layer_major", False) and getattr(model, "streams_experts", False))
-                or getattr(model, "pipelines_prompts", False)
-            )
+            if prefill_span is not None and prefill_span > self.step_tokens and reads_spans(model)
             else None
         )
         self._span_by_rate = bool(getattr(model, "pipelines_prompts", False))

@@ -202,6 +202,15 @@ def reuse_prefix(
     return cached[:live]
 
 
+def reads_spans(model: object) -> bool:
+    """Whether a prompt read alone is faster in spans of several chunks (`model.forward_span`): layer by layer where
+    the model streams experts for its chunks, or as one pipeline on a split whose stages read pieces at once."""
+    return bool(
+        (getattr(model, "layer_major", False) and getattr(model, "streams_experts", False))
+        or getattr(model, "pipelines_prompts", False)
+    )
+
+
 class Runner:
     """Runs one sequence at a time through a model with its KV cache, reusing the cached prefix of the last one
     and, with a `PromptCache`, of several recent ones. With `spec` (`--spec N`) it decodes in verify windows of
@@ -234,14 +243,7 @@ class Runner:
         # PCIe once a span, not once a chunk); as one pipeline on a split whose stages read pieces at once (it
         # empties once a span, not once a chunk).
         self.prefill_span = self.prefill_chunk
-        if (
-            prefill_span is not None
-            and prefill_span > self.prefill_chunk
-            and (
-                (getattr(model, "layer_major", False) and getattr(model, "streams_experts", False))
-                or getattr(model, "pipelines_prompts", False)
-            )
-        ):
+        if prefill_span is not None and prefill_span > self.prefill_chunk and reads_spans(model):
             self.prefill_span = prefill_span
             if getattr(model, "pipelines_prompts", False):
                 log.info("prompts read through the stages %d tokens at a time, one pipeline each (chunks of %d)",
