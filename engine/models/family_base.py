@@ -177,9 +177,8 @@ def scratch_steps(models: Sequence[Any], caches: Sequence[KVCache]) -> Iterator[
         yield
     finally:
         for c in caches:
-            c.truncate(
-                0
-            )  # a recurrent cache's states go back to the start with it (setting length would not)
+            # a recurrent cache's states go back to the start with it (setting its length would not)
+            c.truncate(0)
         for counts, before in saved:
             counts.copy_(before)
 

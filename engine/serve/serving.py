@@ -239,11 +239,6 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                 if warmed:
                     log.info("%d slots: decode graphs for 1-%d rows captured in %.1f s", slots, warmed,
                              time.perf_counter() - tw)  # fmt: skip
-                tw = time.perf_counter()
-                read = batch.warm_prompts()
-                if read:
-                    log.info("prompt kernels for chunks of 2-%d tokens built in %.1f s (%d sizes, every stage)",
-                             read[-1], time.perf_counter() - tw, len(read))  # fmt: skip
             graphs = getattr(lm.model, "prompt_graphs", None)
             if graphs is not None:  # every prompt length then runs from graphs: none waits for a capture
                 tw = time.perf_counter()
@@ -256,12 +251,14 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                 if batch is None
                 else None
             )
-            if runner is not None:
-                tw = time.perf_counter()
-                read = warm_prompts(lm.model, [runner.cache], chunk)
-                if read:
-                    log.info("prompt kernels for chunks of 2-%d tokens built in %.1f s (%d sizes)", read[-1],
-                             time.perf_counter() - tw, len(read))  # fmt: skip
+            # where no prompt graphs were captured, the prompt kernels are built now (cuda_graphs.warm_prompts)
+            tw = time.perf_counter()
+            read = (
+                batch.warm_prompts() if batch is not None else warm_prompts(lm.model, [runner.cache], chunk)
+            )
+            if read:
+                log.info("prompt kernels for chunks of 2-%d tokens built in %.1f s (%d sizes, every stage)", read[-1],
+                         time.perf_counter() - tw, len(read))  # fmt: skip
             layout = stage_layout(lm.model, lm.config.n_layer)
             recorder = _profile_recorder(lm, split, o.profile_every_s)
         except Exception as e:  # the server stays up and says why on /health
