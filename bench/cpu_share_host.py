@@ -52,12 +52,13 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     cache = ExpertCache({0: _layer()}, torch.device("cpu"), {0: 0})
     cm = CpuMisses(cache, 1.0, K, "silu", ratio=1.0)
-    row, c = cm._box[0], a.experts
+    row, c, lay = cm._box[0], a.experts, cm.layout
     row[ho.IDS : ho.IDS + K] = list(range(K))
-    row[ho.IDS + K : ho.IDS + 2 * K] = [1] * c + [0] * (K - c)
+    row[ho.IDS + lay.pairs : ho.IDS + lay.pairs + K] = [1] * c + [0] * (K - c)
     row[ho.HDR_TAKE] = c
-    cm._boxf[0, ho.IDS + 2 * K : ho.IDS + 3 * K] = 0.1
-    cm.box[0, ho.X_OFF : ho.X_OFF + D].view(torch.float32).copy_(torch.randn(D))
+    row[ho.HDR_ROWS] = 1
+    cm._boxf[0, ho.IDS + 2 * lay.pairs : ho.IDS + 2 * lay.pairs + K] = 0.1
+    cm.box[0, lay.x : lay.x + D].view(torch.float32).copy_(torch.randn(D))
     ce = cm.layers[0]
     ids, w = np.arange(c), np.full(c, 0.1, np.float32)
     x, y = np.random.default_rng(0).standard_normal(D).astype(np.float32), np.zeros(D, np.float32)

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
@@ -57,9 +58,10 @@ class CpuInPlaceExperts:
         if x.shape[0] > IN_PLACE_MAX_ROWS or not int8_activations():
             return self.host.mix(x, w, ids)
         out = torch.empty(x.shape, dtype=torch.float32)
-        xs, wf = x.float().contiguous(), w.float().contiguous()
-        for t in range(x.shape[0]):  # a token's experts straight from their blocks, one call a token
-            self.kernels.mix(ids[t].numpy(), wf[t].numpy(), xs[t].numpy(), out[t].numpy())  # type: ignore[attr-defined]
+        t, k = ids.shape
+        tok = np.repeat(np.arange(t), k)  # the tokens' experts straight from their blocks, each read once
+        self.kernels.mix_rows(ids.reshape(-1).numpy(), tok, w.float().reshape(-1).numpy(),  # type: ignore[attr-defined]
+                              x.float().contiguous().numpy(), out.numpy())  # fmt: skip
         return out
 
 
@@ -76,15 +78,16 @@ class CachedExperts:
     def hand_off(
         self, ids: torch.Tensor, w: torch.Tensor, x32: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """A one-token step's missed experts that the CPU takes (--cpu-experts; x32 the experts' float32 input
-        [1, D]): (claim [k], 1 where the CPU computes the slot, or None where it takes none of this layer's; the
-        weights the GPU's sum uses, the CPU's slots zeroed). `take_back` adds the CPU's sum to the output."""
+        """A decode step's missed experts that the CPU takes (--cpu-experts; x32 the experts' float32 input
+        [T, D]): (claim [T * k], 1 where the CPU computes the pair's expert, or None where it takes none of this
+        layer's; the weights the GPU's sum uses, the CPU's pairs zeroed). `take_back` adds the CPU's sums to the
+        output."""
         cpu = self.cache.cpu_misses
         posted = cpu.post(self.layer, ids, w, x32) if cpu is not None else None
         return (None, w) if posted is None else posted
 
     def take_back(self, out: torch.Tensor, claim: torch.Tensor | None) -> torch.Tensor:
-        """out [1, D] float32 with the CPU's share of the step added (in place), where `hand_off` claimed any."""
+        """out [T, D] float32 with the CPU's share of the step added (in place), where `hand_off` claimed any."""
         cpu = self.cache.cpu_misses
         return out if claim is None or cpu is None else cpu.collect(self.layer, out)
 

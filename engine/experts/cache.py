@@ -170,7 +170,10 @@ class ExpertCache:
         eviction: str = "profile",
         lfu_decay: float = 0.9,
         max_selections: int = 64,
+        stage_slots: int = 8,
     ) -> None:
+        """stage_slots: the distinct missed experts a decode step stages in VRAM (`--expert-misses copy`; the rest
+        are read in place)."""
         self.device = device
         self.miss_path = (
             miss_path  # "direct": kernels read missed experts from host memory; "copy": staged first
@@ -235,6 +238,11 @@ class ExpertCache:
                     le.nbytes, eviction, lfu_decay, max_selections,
                 )  # fmt: skip
             self.layers[li] = le
+        self.n_expert = max((le.n_expert for le in self.layers.values()), default=0)
+        self.stage_slots = stage_slots
+        self.stage_stride = max(
+            (p.expert_bytes for le in self.layers.values() for p in le.projections), default=0
+        )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         st = self.stats()
@@ -260,19 +268,21 @@ class ExpertCache:
         self, li: int, ids: torch.Tensor, claim: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a decode step of layer li that has experts in host memory: with `--expert-policy lru/lfu`, admit
-        its misses into the layer's slots; else, with `--expert-misses copy` and one token, stage the missed ones
-        in VRAM. -> (per-selection tables [3, T * k], the ids [T, k] to read them with); None where the kernels
-        read the cache's own tables. `claim` [T * k]: selections the CPU computes (neither copied nor admitted)."""
+        its misses into the layer's slots; else, with `--expert-misses copy`, stage the step's missed experts in
+        VRAM, each once however many rows chose it. -> (tables [3, S], the ids [T, k] to read them with: per
+        selection with the identity, or per expert with the step's ids); None where the kernels read the cache's
+        own tables. `claim` [T * k]: selections the CPU computes (neither copied nor admitted)."""
         le = self.layers[li]
         if le.lru is not None and ids.numel() <= self.identity.numel():
             return le.lru.admit(ids, claim), self.identity[: ids.numel()].view(ids.shape)
-        if self.miss_path != "copy" or le.host_tables is None or ids.shape[0] != 1:
+        if self.miss_path != "copy" or le.host_tables is None or ids.shape[0] > MAX_STEP_ROWS:
             return None
-        if self.stager is None or self.stager.slots != ids.numel():
-            stride = max(p.expert_bytes for lx in self.layers.values() for p in lx.projections)
-            self.stager = kernels.stage_copy.Stager(self.device, ids.numel(), stride)
+        if self.stager is None:  # made once, at the most experts a step stages: graphs keep its addresses
+            self.stager = kernels.stage_copy.Stager(
+                self.device, self.stage_slots, self.stage_stride, self.n_expert
+            )
         assert le.tables is not None and le.nbytes is not None
-        return self.stager.stage(ids, le.tables, le.host_tables, le.nbytes, claim), self.stager.identity
+        return self.stager.stage(ids, le.tables, le.host_tables, le.nbytes, claim), ids
 
     def prompt_tables(self, li: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The gate, up and down tables a prompt chunk's grouped kernels read for layer li. Where the layer has

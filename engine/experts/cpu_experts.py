@@ -288,6 +288,20 @@ class CpuExperts:
         )
         return torch.from_numpy(out)
 
+    def mix_rows(
+        self, ids: np.ndarray, tok: np.ndarray, w: np.ndarray, x: np.ndarray, out: np.ndarray
+    ) -> None:
+        """A step's rows, numpy in and out (the decode hand-off's mailbox): (expert, token) pairs ids, tok int [n]
+        of held experts with weights w float32 [n], x float32 [T, D] -> out float32 [T, D] (written): each token's
+        weighted sum of its pairs' experts. In place, an expert's blocks are read once for all its tokens."""
+        if self.q4k is not None:
+            self.q4k.mix_rows(ids, tok, w, x, out)
+            return
+        tok = np.asarray(tok)
+        for t in range(x.shape[0]):
+            sel = np.flatnonzero(tok == t)
+            self.mix_into(np.asarray(ids)[sel], np.asarray(w, dtype=np.float32)[sel], x[t], out[t])
+
     def mix_into(self, ids: np.ndarray, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
         """One token, numpy in and out (the decode hand-off's mailbox): ids int [n] held experts, w float32 [n],
         x float32 [D] -> out float32 [D] = sum of w * expert(x), written in place."""

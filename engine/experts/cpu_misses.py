@@ -21,11 +21,14 @@ kernels: 270-380 us an expert from a second thread, 150-160 us from the launchin
 import logging
 import time
 import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from engine.experts.cache import MAX_STEP_ROWS
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.share_tuner import ShareTuner, nested_turn
 from engine.kernels import cpu_handoff as ho
@@ -80,11 +83,15 @@ class CpuMisses:
                 d = self.layers[li].d
         self.d = d
         self.rows = {li: r for r, li in enumerate(self.layers)}
-        self.answer, self.sum_at, words = ho.row_layout(k, max(d, 1))
+        self.max_rows = (
+            MAX_STEP_ROWS  # decode rows a step hands over at most (a decode step's fused launches)
+        )
+        self.layout = ho.row_layout(k, max(d, 1), self.max_rows)
+        self.answer = self.layout.answer
         n_rows = max(len(self.layers), 1)
         pin = dev.type == "cuda"  # the device reads and writes these in place, over PCIe
-        self.box = torch.zeros(n_rows, words, dtype=torch.int32, pin_memory=pin)
-        self.quota = torch.zeros(k + 1, dtype=torch.int32, pin_memory=pin)
+        self.box = torch.zeros(n_rows, self.layout.words, dtype=torch.int32, pin_memory=pin)
+        self.quota = torch.zeros(self.layout.pairs + 1, dtype=torch.int32, pin_memory=pin)
         self.tuner: ShareTuner | None = None
         self._seen = 0.0  # when the host last saw a step reach its first held layer (perf_counter)
         self._apply(DEFAULT_RATIO if ratio is None else ratio)
@@ -98,16 +105,19 @@ class CpuMisses:
         self.cpu_of = cpu_of.to(dev)
         self._layer_of = list(self.rows)
         self.cnt = torch.zeros(n_rows, dtype=torch.int32, device=dev)
-        self.claim = torch.zeros(n_rows, k, dtype=torch.int32, device=dev)
-        self.wg = torch.zeros(n_rows, k, dtype=torch.float32, device=dev)
+        self.claim = torch.zeros(n_rows, self.layout.pairs, dtype=torch.int32, device=dev)
+        self.wg = torch.zeros(n_rows, self.layout.pairs, dtype=torch.float32, device=dev)
         self.taken = torch.zeros(1, dtype=torch.int64, device=dev)
         self.error: BaseException | None = None
         self._box = self.box.numpy()
         self._boxf = self.box.view(torch.float32).numpy()
         self._done = np.zeros(n_rows, dtype=np.int32)
-        # each row's input and sum as float32 [D] views of the mailbox, made once (the answer reads them)
-        self._x = [self._boxf[r, ho.X_OFF : ho.X_OFF + d] for r in range(n_rows)]
-        self._y = [self._boxf[r, self.sum_at : self.sum_at + d] for r in range(n_rows)]
+        # each mailbox's inputs and sums as float32 [rows, D] views, made once (the answer reads them)
+        lay, most = self.layout, self.max_rows
+        self._x = [self._boxf[r, lay.x : lay.x + most * d].reshape(most, d) for r in range(n_rows)]
+        self._y = [self._boxf[r, lay.y : lay.y + most * d].reshape(most, d) for r in range(n_rows)]
+        self._recorded: list[int] | None = None  # a capture's posts (recording)
+        self._rows_seen = 0  # rows of the last step timed for the tuner
         self.served = [0, 0, 0.0]  # requests answered, experts computed, seconds spent computing them
         held = sum(ce.n_held for ce in self.layers.values())
         in_place = sum(ce.q4k is not None for ce in self.layers.values())
@@ -119,18 +129,19 @@ class CpuMisses:
                  ", tuned while serving" if self.tuner else "")  # fmt: skip
         if in_place:  # compile (or load from the disk cache) now, not in the first decode step
             ce = next(ce for ce in self.layers.values() if ce.q4k is not None)
-            ce.mix_into(
+            ce.mix_rows(
+                np.zeros(1, np.int64),
                 np.zeros(1, np.int64),
                 np.zeros(1, np.float32),
-                np.zeros(d, np.float32),
-                np.zeros(d, np.float32),
+                np.zeros((1, d), np.float32),
+                np.zeros((1, d), np.float32),
             )
 
     # -- the device side, from the decode step --------------------------------------------------------------------
 
     def set_ratio(self, ratio: float) -> None:
-        """Fix the CPU's share of a step's misses (no more tuning): quota[m] = round(ratio * m) slots when the step
-        misses m experts. Read by the device at every step (pinned memory), so it can change between steps, graphs
+        """Fix the CPU's share of a step's misses (no more tuning): quota[m] = round(ratio * m) experts when the step
+        misses m distinct experts. Read by the device at every step (pinned memory), so it can change between steps, graphs
         included."""
         self.tuner = None
         self._apply(ratio)
@@ -139,42 +150,59 @@ class CpuMisses:
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"the CPU's share of misses must be within 0..1, not {ratio}")
         self.ratio = ratio
-        self.quota.copy_(torch.tensor([int(ratio * m + 0.5) for m in range(self.k + 1)], dtype=torch.int32))
+        self.quota.copy_(
+            torch.tensor([int(ratio * m + 0.5) for m in range(self.quota.numel())], dtype=torch.int32)
+        )
 
     def post(
         self, li: int, ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Layer li of a one-token step: ids, w [1, k], the experts' float32 input x [1, D] (device). Returns the
-        claim int32 [k] (1: the CPU computes that slot; the GPU neither copies it nor weighs it) and the weights
-        with the CPU's slots zeroed; None where the CPU holds none of this layer's experts or T > 1."""
+        """Layer li of a decode step of T rows: ids, w [T, k], the experts' float32 input x [T, D] (device). Returns
+        the claim int32 [T * k] (1: the CPU computes that pair's expert; the GPU neither copies it nor weighs it)
+        and the weights [T, k] with the CPU's pairs zeroed; None where the CPU holds none of this layer's experts
+        or T is over `max_rows`."""
         r = self.rows.get(li)
-        if r is None or ids.shape[0] != 1:
+        t = ids.shape[0]
+        if r is None or t > self.max_rows:
             return None
         self.check()
         le = self.cache.layers[li]
         assert le.tables is not None and le.host_tables is not None
-        ho.post(ids, w.float(), x, self.cpu_of[r], le.tables[0], le.host_tables[0], self.quota, self.claim[r],
-                self.wg[r], self.cnt[r : r + 1], self.taken, self.box[r])  # fmt: skip
-        return self.claim[r], self.wg[r].view(1, -1)
+        p = ids.numel()
+        claim, wg = self.claim[r, :p], self.wg[r, :p]
+        if self._recorded is not None and torch.cuda.is_current_stream_capturing():
+            self._recorded.append(r)
+        ho.post(ids, w.float().contiguous(), x.contiguous(), self.cpu_of[r], le.tables[0], le.host_tables[0],
+                self.quota, claim, wg, self.cnt[r : r + 1], self.taken, self.box[r], self.layout)  # fmt: skip
+        return claim, wg.view(t, -1)
 
     def collect(self, li: int, out: torch.Tensor) -> torch.Tensor:
-        """out [1, D] float32 (device) with the CPU's share of layer li added, once the CPU has answered. Run
+        """out [T, D] float32 (device) with the CPU's share of layer li added, once the CPU has answered. Run
         eagerly, the host answers this layer's request here; in a graph capture, `serve_step` does after each
         replay."""
         r = self.rows[li]
         eager = self.cache.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
         if eager:
             self._serve_when_posted(r)
-        ho.collect(out, self.claim[r], self.cnt[r : r + 1], self.box[r])
+        ho.collect(out, self.claim[r, : out.shape[0] * self.k], self.cnt[r : r + 1], self.box[r], self.layout)
         if eager:
             self.check()
         return out
 
-    def serve_step(self, rows: int) -> None:
-        """After a captured step of `rows` tokens is replayed: answer its requests, one a held layer, in order."""
-        if rows != 1:
+    @contextmanager
+    def recording(self) -> Iterator[list[int]]:
+        """The mailboxes the posts of a graph capture inside this block write to, in order."""
+        self._recorded = []
+        try:
+            yield self._recorded
+        finally:
+            self._recorded = None
+
+    def serve_posts(self, posts: Sequence[int]) -> None:
+        """After a captured step is replayed: answer its requests (`posts`, recorded at its capture), in order."""
+        if not posts:
             return
-        for r in self.rows.values():
+        for r in posts:
             self._serve_when_posted(r)
         self.check()
 
@@ -216,13 +244,15 @@ class CpuMisses:
         seen = time.perf_counter() if first else 0.0
         self._serve(r)
         if first:
-            self._tune(seen)
+            self._tune(seen, int(self._box[r, ho.HDR_ROWS]))
 
-    def _tune(self, seen: float) -> None:
-        """A step reached the first held layer at `seen`: the time since the last one is a decode step's (or a
-        pause, which the tuner ignores); the tuner's share goes to the device for the steps that follow."""
+    def _tune(self, seen: float, rows: int) -> None:
+        """A step of `rows` rows reached the first held layer at `seen`: the time since the last one is a decode
+        step's (or a pause, which the tuner ignores), where that step had as many rows (steps of other sizes take
+        other times); the tuner's share goes to the device for the steps that follow."""
         last, self._seen = self._seen, seen
-        if self.tuner is None or not last:
+        same, self._rows_seen = rows == self._rows_seen, rows
+        if self.tuner is None or not last or not same:
             return
         before = self.tuner.ratio
         ratio = self.tuner.observe(seen - last)
@@ -233,16 +263,17 @@ class CpuMisses:
                      100 * self.tuner.ratio, 1e3 * self.tuner.best_median, 100 * before)  # fmt: skip
 
     def _serve(self, r: int) -> None:
-        row, k = self._box[r], self.k
+        row, k, pm = self._box[r], self.k, self.layout.pairs
         seq = int(row[ho.HDR_REQ])
-        y = self._y[r]
+        t = min(max(int(row[ho.HDR_ROWS]), 1), self.max_rows)
+        y = self._y[r][:t]
         t0 = time.perf_counter()
         try:
-            take = np.flatnonzero(row[ho.IDS + k : ho.IDS + 2 * k])
+            take = np.flatnonzero(row[ho.IDS + pm : ho.IDS + pm + t * k])
             if take.size:
                 ce = self.layers[self._layer_of[r]]
-                w = self._boxf[r, ho.IDS + 2 * k : ho.IDS + 3 * k][take]
-                ce.mix_into(row[ho.IDS : ho.IDS + k][take], w, self._x[r], y)
+                w = self._boxf[r, ho.IDS + 2 * pm : ho.IDS + 2 * pm + t * k][take]
+                ce.mix_rows(row[ho.IDS : ho.IDS + t * k][take], take // k, w, self._x[r][:t], y)
             else:
                 y[:] = 0.0
         except BaseException as e:  # answered with zeros; check() raises it after the step

@@ -75,10 +75,14 @@ class Q4KExperts:
         """ids int [n] distinct experts, w float32 [n] their weights, x float32 [D] -> out float32 [D] (written):
         the weighted sum of the experts' outputs."""
         ids = np.asarray(ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.n_experts):
-            raise ValueError(
-                f"expert ids {ids.tolist()} out of range: this layer has 0..{self.n_experts - 1}"
-            )
-        w = np.asarray(w, dtype=np.float32)
+        self.mix_rows(ids, np.zeros(ids.size, np.int64), w, x.reshape(1, -1), out.reshape(1, -1))
+
+    def mix_rows(
+        self, ids: np.ndarray, tok: np.ndarray, w: np.ndarray, x: np.ndarray, out: np.ndarray
+    ) -> None:
+        """(expert, token) pairs ids, tok int [n] with weights w float32 [n], x float32 [T, D] -> out float32 [T, D]
+        (written): each token's weighted sum of its pairs' experts; an expert's blocks read once for its pairs."""
+        ids, tok, w, starts = cpu_blocks.group_pairs(ids, tok, w, self.n_experts, x.shape[0])
         with _LOCK:
-            self._mix(self._g, self._u, self._d, self.down_q6k, self.f, self.d, ids, w, x, out)
+            self._mix(self._g, self._u, self._d, self.down_q6k, self.f, self.d, ids, tok, w, starts,
+                      np.ascontiguousarray(x, dtype=np.float32), out)  # fmt: skip

@@ -182,28 +182,33 @@ def row_dot(w, r0, n_blocks, xq, xd, xs, xs16, q6k):
 
 
 @nb.njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def mix(gate, up, down, down_q6k, f, d, ids, ws, x, out):
-    """out[D] = sum_j ws[j] * down_j(silu(gate_j x) * up_j x) for the experts ids[j]: gate, up the flat
-    Q4_K bytes of [E, f, d], down the Q4_K (or, with down_q6k, Q6_K) bytes of [E, d, f]; x float32 [d]."""
-    nt = ids.shape[0]
+def mix(gate, up, down, down_q6k, f, d, ids, tok, ws, starts, x, out):
+    """out[t] = sum over the pairs j of token t of ws[j] * down_j(silu(gate_j x[t]) * up_j x[t]), for the (expert,
+    token) pairs j: ids[j] the expert, tok[j] the token, grouped by expert (the pairs of group g are starts[g] ..
+    starts[g + 1]: each weight row is read once for all of them). gate, up: the flat Q4_K bytes of [E, f, d];
+    down: the Q4_K (or, with down_q6k, Q6_K) bytes of [E, d, f]; x float32 [T, d]; out float32 [T, d] (written)."""
+    nt, n_tok, n_grp = ids.shape[0], x.shape[0], starts.shape[0] - 1
     rb1 = u64(d // QK * BLOCK_BYTES)
     rb2 = u64(f // QK * (Q6K_BYTES if down_q6k else BLOCK_BYTES))
-    xq = np.empty(d, np.int8)
-    xd = np.empty(d // QK, np.float32)
-    xs = np.empty(d // 32, np.int16)
-    xs16 = np.empty(d // 16, np.int16)
-    quantize(x, xq, xd, xs, xs16)
+    xq = np.empty((n_tok, d), np.int8)
+    xd = np.empty((n_tok, d // QK), np.float32)
+    xs = np.empty((n_tok, d // 32), np.int16)
+    xs16 = np.empty((n_tok, d // 16), np.int16)
+    for t in range(n_tok):
+        quantize(x[t], xq[t], xd[t], xs[t], xs16[t])
     h = np.empty((nt, f), np.float32)
     tasks = (f + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for t in nb.prange(nt * tasks):
-        j = t // tasks
-        n0 = (t - j * tasks) * ROWS_PER_TASK
-        e = u64(ids[j])
+    for t in nb.prange(n_grp * tasks):
+        g = t // tasks
+        n0 = (t - g * tasks) * ROWS_PER_TASK
+        e = u64(ids[starts[g]])
         for n in range(n0, min(f, n0 + ROWS_PER_TASK)):
             r = (e * u64(f) + u64(n)) * rb1
-            a = row_dot(gate, r, d // QK, xq, xd, xs, xs16, False)
-            b = row_dot(up, r, d // QK, xq, xd, xs, xs16, False)
-            h[j, n] = a / (np.float32(1.0) + np.exp(-a)) * b
+            for j in range(starts[g], starts[g + 1]):
+                i = tok[j]
+                a = row_dot(gate, r, d // QK, xq[i], xd[i], xs[i], xs16[i], False)
+                b = row_dot(up, r, d // QK, xq[i], xd[i], xs[i], xs16[i], False)
+                h[j, n] = a / (np.float32(1.0) + np.exp(-a)) * b
     hq = np.empty((nt, f), np.int8)
     hd = np.empty((nt, f // QK), np.float32)
     hs = np.empty((nt, f // 32), np.int16)
@@ -212,8 +217,8 @@ def mix(gate, up, down, down_q6k, f, d, ids, ws, x, out):
         quantize(h[j], hq[j], hd[j], hs[j], hs16[j])
     for t in nb.prange((d + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         for n in range(t * ROWS_PER_TASK, min(d, t * ROWS_PER_TASK + ROWS_PER_TASK)):
-            s = np.float32(0.0)
+            for i in range(n_tok):
+                out[i, n] = np.float32(0.0)
             for j in range(nt):
                 r = (u64(ids[j]) * u64(d) + u64(n)) * rb2
-                s += ws[j] * row_dot(down, r, f // QK, hq[j], hd[j], hs[j], hs16[j], down_q6k)
-            out[n] = s
+                out[tok[j], n] += ws[j] * row_dot(down, r, f // QK, hq[j], hd[j], hs[j], hs16[j], down_q6k)

@@ -27,6 +27,7 @@ MISS_PATHS = ("direct", "copy")
 EVICTIONS = ("profile", "lru", "lfu")
 # Room kept for activations, the dequantized tiles of prompt chunks and CUDA graphs.
 WORKSPACE_BYTES = 768 * MiB
+STAGE_ROWS = 8  # decode rows whose misses the staging area holds (decode_stage_slots)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class ExpertPolicy:
     # decode steps admit their misses on the card (engine/kernels/expert_lru.py)
     eviction: str = "profile"
     lfu_decay: float = 0.9
+    rows: int = 1  # decode rows a step at most (--parallel): the staging area holds their misses
 
 
 def expert_budget(device: torch.device, policy: ExpertPolicy) -> int:
@@ -66,6 +68,12 @@ def stage_bytes(per_expert: dict[int, int], n_expert: int) -> int:
     return max(per_expert.values(), default=0) * n_expert
 
 
+def decode_stage_slots(k: int, rows: int) -> int:
+    """Experts a decode step's staging area holds: every miss of up to STAGE_ROWS rows (a step that misses more
+    distinct experts reads the rest in place, over PCIe)."""
+    return k * max(1, min(rows, STAGE_ROWS))
+
+
 def build_expert_cache(model: PlacedModel, policy: ExpertPolicy) -> ExpertCache:
     experts = {i: lw.experts for i, lw in model.layers.items() if lw.experts is not None}
     per_expert = {i: sum(q.raw[0].numel() for q in (ew.gate, ew.up, ew.down)) for i, ew in experts.items()}
@@ -74,8 +82,12 @@ def build_expert_cache(model: PlacedModel, policy: ExpertPolicy) -> ExpertCache:
     all_in = budget >= n_expert * sum(per_expert.values()) and (
         policy.slots is None or policy.slots >= n_expert * len(per_expert)
     )
-    if not all_in:  # prompt chunks stage the experts left in host memory: keep their room
+    stage_slots = decode_stage_slots(model.cfg.n_expert_used, policy.rows)
+    if not all_in:  # prompt chunks and decode steps stage the experts left in host memory: keep their room
         budget -= stage_bytes(per_expert, n_expert)
+        if policy.miss_path == "copy" and experts:
+            stride = max(q.raw[0].numel() for ew in experts.values() for q in (ew.gate, ew.up, ew.down))
+            budget -= 3 * stage_slots * -(-stride // 8) * 8  # kernels.stage_copy.Stager's area
     capacity = plan_capacity(per_expert, n_expert, budget, policy.profile, max_pairs=policy.slots)
     if policy.kv_bytes > 0 and not all_in and per_expert:
         # KV and experts share the card: say what the context costs in experts, and how to get them back
@@ -106,6 +118,7 @@ def build_expert_cache(model: PlacedModel, policy: ExpertPolicy) -> ExpertCache:
         eviction=policy.eviction if model.device.type == "cuda" else "profile",
         lfu_decay=policy.lfu_decay,
         max_selections=MAX_STEP_ROWS * model.cfg.n_expert_used,
+        stage_slots=stage_slots,
     )
     auto = policy.cpu_share is None
     if auto and (

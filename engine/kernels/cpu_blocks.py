@@ -114,6 +114,24 @@ def warm_up() -> None:
         log.info("CPU kernels compiled in %.0f s (kept in Numba's cache for the next start)", secs)
 
 
+def group_pairs(
+    ids: np.ndarray, tok: np.ndarray, w: np.ndarray, n_experts: int, n_tok: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(expert, token) pairs sorted by expert for the experts' kernels: (ids, tok, w, starts), the pairs of group g
+    being starts[g] .. starts[g + 1]. Checks the ids and tokens are in range."""
+    ids = np.asarray(ids, dtype=np.int64)
+    tok = np.asarray(tok, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
+        raise ValueError(f"expert ids {ids.tolist()} out of range: this layer has 0..{n_experts - 1}")
+    if tok.size and (tok.min() < 0 or tok.max() >= n_tok):
+        raise ValueError(f"token rows {tok.tolist()} out of range: the input has {n_tok}")
+    order = np.argsort(ids, kind="stable")
+    ids, tok = ids[order], tok[order]
+    cut = np.flatnonzero(np.diff(ids)) + 1
+    starts = np.concatenate(([0], cut, [ids.size]) if ids.size else ([0],)).astype(np.int64)
+    return ids, tok, np.asarray(w, dtype=np.float32)[order], starts
+
+
 def _row_bytes(qtype: QT, k: int) -> int:
     return k // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
 
@@ -146,11 +164,15 @@ class BlockExperts:
     def mix(self, ids: np.ndarray, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
         """ids int [n] distinct experts, w float32 [n] their weights, x float32 [D] -> out float32 [D] (written)."""
         ids = np.asarray(ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.n_experts):
-            raise ValueError(
-                f"expert ids {ids.tolist()} out of range: this layer has 0..{self.n_experts - 1}"
-            )
+        self.mix_rows(ids, np.zeros(ids.size, np.int64), w, x.reshape(1, -1), out.reshape(1, -1))
+
+    def mix_rows(
+        self, ids: np.ndarray, tok: np.ndarray, w: np.ndarray, x: np.ndarray, out: np.ndarray
+    ) -> None:
+        """(expert, token) pairs ids, tok int [n] with weights w float32 [n], x float32 [T, D] -> out float32 [T, D]
+        (written): each token's weighted sum of its pairs' experts; an expert's blocks read once for its pairs."""
+        ids, tok, w, starts = group_pairs(ids, tok, w, self.n_experts, x.shape[0])
         j = _jit()
         with LOCK:
-            j.mix(self._g, self._u, self._d, self._kinds, self._rb[0], self._rb[1], self.f, self.d, ids,
-                  np.asarray(w, dtype=np.float32), np.ascontiguousarray(x, dtype=np.float32), out, j.F16)  # fmt: skip
+            j.mix(self._g, self._u, self._d, self._kinds, self._rb[0], self._rb[1], self.f, self.d, ids, tok, w,
+                  starts, np.ascontiguousarray(x, dtype=np.float32), out, j.F16)  # fmt: skip

@@ -845,35 +845,38 @@ def dequantize(w, kind, n_out, k, row_bytes, out, f16):
 
 
 @nb.njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, ws, x, out, f16):
-    """out[d] = sum_j ws[j] * down_j(silu(gate_j x) * up_j x) for the experts ids[j], each read in place from the
-    flat blocks of gate and up [E, f, d] and down [E, d, f] (block types kinds[0..2]); x float32 [d]. The input
-    and the hidden rows are rounded to 8 bits per 32 values, as in matmul."""
-    nt = ids.shape[0]
-    xr = x.reshape(1, d)
-    xq = np.empty((1, d), np.int8)
-    xd = np.empty((1, d // 32), np.float32)
-    xs = np.empty((1, d // 16), np.int32)
-    quantize(xr, xq, xd, xs)
+def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, ws, starts, x, out, f16):
+    """out[t] = sum over the pairs j of token t of ws[j] * down_j(silu(gate_j x[t]) * up_j x[t]) for the (expert,
+    token) pairs j (ids[j], tok[j]), grouped by expert as starts says (each weight row read once for its group),
+    each expert read in place from the flat blocks of gate and up [E, f, d] and down [E, d, f] (block types
+    kinds[0..2]); x float32 [T, d], out float32 [T, d] (written). The input and the hidden rows are rounded to
+    8 bits per 32 values, as in matmul."""
+    nt, n_tok, n_grp = ids.shape[0], x.shape[0], starts.shape[0] - 1
+    xq = np.empty((n_tok, d), np.int8)
+    xd = np.empty((n_tok, d // 32), np.float32)
+    xs = np.empty((n_tok, d // 16), np.int32)
+    quantize(x, xq, xd, xs)
     h = np.empty((nt, f), np.float32)
     tasks = (f + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for t in nb.prange(nt * tasks):
-        j = t // tasks
-        n0 = (t - j * tasks) * ROWS_PER_TASK
-        e = np.int64(ids[j])
+    for t in nb.prange(n_grp * tasks):
+        g = t // tasks
+        n0 = (t - g * tasks) * ROWS_PER_TASK
+        e = np.int64(ids[starts[g]])
         for n in range(n0, min(f, n0 + ROWS_PER_TASK)):
             r = (e * f + n) * gate_row_bytes
-            a = row_dot(gate, kinds[0], r, d, xq[0], xd[0], xs[0], f16)
-            b = row_dot(up, kinds[1], r, d, xq[0], xd[0], xs[0], f16)
-            h[j, n] = a / (np.float32(1.0) + np.exp(-a)) * b
+            for j in range(starts[g], starts[g + 1]):
+                i = tok[j]
+                a = row_dot(gate, kinds[0], r, d, xq[i], xd[i], xs[i], f16)
+                b = row_dot(up, kinds[1], r, d, xq[i], xd[i], xs[i], f16)
+                h[j, n] = a / (np.float32(1.0) + np.exp(-a)) * b
     hq = np.empty((nt, f), np.int8)
     hd = np.empty((nt, f // 32), np.float32)
     hs = np.empty((nt, f // 16), np.int32)
     quantize(h, hq, hd, hs)
     for t in nb.prange((d + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         for n in range(t * ROWS_PER_TASK, min(d, t * ROWS_PER_TASK + ROWS_PER_TASK)):
-            acc = np.float32(0.0)
+            for i in range(n_tok):
+                out[i, n] = np.float32(0.0)
             for j in range(nt):
                 r = (np.int64(ids[j]) * d + n) * down_row_bytes
-                acc += ws[j] * row_dot(down, kinds[2], r, f, hq[j], hd[j], hs[j], f16)
-            out[n] = acc
+                out[tok[j], n] += ws[j] * row_dot(down, kinds[2], r, f, hq[j], hd[j], hs[j], f16)

@@ -57,6 +57,16 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: tuple | None, stream: torch.cud
         gc.enable()
 
 
+@contextmanager
+def posts_of(cpu: "CpuMisses | None") -> Iterator[list[int]]:
+    """The mailboxes a capture posts to (--cpu-experts), in order: the host answers those after each replay."""
+    if cpu is None:
+        yield []
+        return
+    with cpu.recording() as posts:
+        yield posts
+
+
 class GraphTable(Generic[G]):
     """Captured graphs by (KV cache, span bucket), the least recently used dropped past MAX_GRAPHS. A cache's graphs
     go when the cache does: they write into its tensors, and a later cache could be given the same id()."""
@@ -96,6 +106,7 @@ class _Graph:
     offsets: torch.Tensor  # [T] long: 0..T-1
     pos: torch.Tensor  # [T] long: start + offsets
     out: torch.Tensor
+    posts: tuple[int, ...] = ()  # the CPU's mailboxes the step posts to (--cpu-experts), in order
 
 
 class StepGraphs:
@@ -131,7 +142,7 @@ class StepGraphs:
         g.graph.replay()
         out = g.out.clone()  # the next replay overwrites the graph's output
         if self.cpu is not None:
-            self.cpu.serve_step(t)  # the host's share of the step's missed experts
+            self.cpu.serve_posts(g.posts)  # the host's share of the step's missed experts
         return out
 
     def _capture(self, inp: torch.Tensor, cache: KVCache, start: int, span: int) -> _Graph:
@@ -149,12 +160,12 @@ class StepGraphs:
                 self.body(buf, cache, pos, span)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with capturing(graph, self.pool, side):
+        with posts_of(self.cpu) as posts, capturing(graph, self.pool, side):
             out = self.body(buf, cache, pos, span)
         self.pool, self.keeper = graph.pool(), graph
         if saved is not None and self.counts is not None:
             self.counts.copy_(saved)
-        return _Graph(graph, buf, offsets, pos, out)
+        return _Graph(graph, buf, offsets, pos, out, tuple(posts))
 
 
 def capturable(model: "DecoderLM") -> bool:
@@ -201,6 +212,7 @@ class _SlotGraph:
     pos: torch.Tensor  # [T] long: each row's position
     base: torch.Tensor  # [T] long: where each row's sequence starts in the shared cache
     out: torch.Tensor  # [T, V] logits
+    posts: tuple[int, ...] = ()  # the CPU's mailboxes the step posts to (--cpu-experts), in order
 
 
 class SlotGraphs:
@@ -210,7 +222,7 @@ class SlotGraphs:
 
     def __init__(self, model: "DecoderLM") -> None:
         self.model = model
-        self.cpu = cpu_misses(model)  # the host answers one-row steps' requests, as in StepGraphs
+        self.cpu = cpu_misses(model)  # the host answers the steps' requests, as in StepGraphs
         self.graphs: GraphTable[_SlotGraph] = GraphTable()
         self.pool: tuple | None = None
         self.keeper: torch.cuda.CUDAGraph | None = None  # keeps the pool (capturing)
@@ -239,7 +251,7 @@ class SlotGraphs:
         g.graph.replay()
         out = g.out.clone()
         if self.cpu is not None:
-            self.cpu.serve_step(t)
+            self.cpu.serve_posts(g.posts)
         return out
 
     def _capture(
@@ -256,12 +268,12 @@ class SlotGraphs:
                 m.forward_rows(bufs[0], shared, bufs[1], bufs[2], span, head)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with capturing(graph, self.pool, side):
+        with posts_of(self.cpu) as posts, capturing(graph, self.pool, side):
             out = m.forward_rows(bufs[0], shared, bufs[1], bufs[2], span, head)
         self.pool, self.keeper = graph.pool(), graph
         if saved is not None and counts is not None:
             counts.copy_(saved)
-        return _SlotGraph(graph, *bufs, out)
+        return _SlotGraph(graph, *bufs, out, tuple(posts))
 
 
 # Prompt chunks of 2-1,024 tokens run as the graphs of the smallest of these sizes that holds them, padded (a graph

@@ -427,6 +427,7 @@ def _policies(
                 eviction=opts.expert_policy,
                 cpu_share=opts.cpu_share,
                 cpu_ratio=opts.cpu_ratio,
+                rows=sequences,
             )
         )
     return out

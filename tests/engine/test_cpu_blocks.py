@@ -116,3 +116,17 @@ def test_routed_experts_of_other_block_types_are_computed_in_place(qtype: QT) ->
     assert _cos(out.astype(np.float64), want) >= 0.999
     with pytest.raises(ValueError, match="out of range"):
         kernels.mix(np.array([6]), np.ones(1, np.float32), x, out)
+    # a step of several rows (the CPU's share of a batched step): each row as its own call, to the bit
+    xs = np.stack([x, rng.standard_normal(d).astype(np.float32)])
+    pairs = (
+        np.array([4, 1, 3, 1, 5]),
+        np.array([0, 0, 0, 1, 1]),
+        np.array([0.5, 0.3, 0.2, 0.6, 0.4], np.float32),
+    )
+    rows = np.empty((2, d), np.float32)
+    kernels.mix_rows(*pairs, xs, rows)
+    for t in range(2):
+        alone = np.empty(d, np.float32)
+        sel = pairs[1] == t
+        kernels.mix(pairs[0][sel], pairs[2][sel], xs[t], alone)
+        assert np.array_equal(rows[t], alone)

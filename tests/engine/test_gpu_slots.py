@@ -103,12 +103,22 @@ def test_rope_store_writes_each_row_at_its_base() -> None:
 
 @pytest.mark.parametrize(
     ("graphs", "policy"),
-    [(False, None), (True, None), (True, ExpertPolicy(slots=4, cpu_share=1.0, cpu_ratio=1.0))],
-    ids=["eager", "graphs", "graphs-cpu-share"],
+    [
+        (False, None),
+        (True, None),
+        (True, ExpertPolicy(slots=4, cpu_share=0.0, rows=2)),  # misses staged, more than the area holds
+        (False, ExpertPolicy(slots=4, cpu_share=1.0, cpu_ratio=1.0)),
+        (True, ExpertPolicy(slots=4, cpu_share=1.0, cpu_ratio=1.0)),
+        (True, ExpertPolicy(slots=4, cpu_share=1.0, cpu_ratio=0.5, rows=16)),
+    ],
+    ids=["eager", "graphs", "graphs-staged", "eager-cpu-share", "graphs-cpu-share", "graphs-cpu-half"],
 )
 def test_rows_of_several_slots_match_each_sequence_alone(
     moe_q4k: Path, graphs: bool, policy: ExpertPolicy | None
 ) -> None:
+    """Each row of a step of 18 slots (two passes: 16 and 2) against its sequence alone; with most experts in host
+    RAM, the step's misses staged once each (an area for 2 rows' misses: the rest read in place) or handed to the
+    CPU a whole expert at a time for all the rows that chose it."""
     lm = load_model(moe_q4k, device="cuda", dtype="bf16", cuda_graphs=graphs, experts=policy)
     m = lm.model
     n = 18  # more rows than one pass takes (16): two passes a step
@@ -120,9 +130,13 @@ def test_rows_of_several_slots_match_each_sequence_alone(
         m.forward(torch.tensor(p), c, 0, last_only=True)
         m.forward(torch.tensor(p), r, 0, last_only=True)
     toks = [40 + i for i in range(n)]
+    cm = m.expert_cache.cpu_misses if m.expert_cache is not None else None
     for step in range(6):
         parts = [BatchPart(torch.tensor([toks[s]]), caches[s], len(prompts[s]) + step) for s in range(n)]
+        before = cm.timing()["experts"] if cm is not None else 0
         got = m.forward_batch(parts)
+        if cm is not None:  # the step's rows handed experts to the CPU
+            assert cm.timing()["experts"] > before
         for s in range(n):
             ref = m.forward(torch.tensor([toks[s]]), refs[s], len(prompts[s]) + step)
             assert _cos(got[s], ref[-1]) >= 0.999, (step, s)

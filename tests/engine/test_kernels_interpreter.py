@@ -313,12 +313,9 @@ def test_down_combine_writes_the_next_layers_norm(variant: int) -> None:
     assert (codes > 0).float().mean().item() < 0.02
 
 
-def test_missed_experts_are_staged_and_hits_keep_their_slot() -> None:
-    from engine.kernels.stage_copy import Stager
-
-    e_n, k = 6, 3
+def _stage_setup(e_n: int, vram_experts: tuple[int, ...]):  # type: ignore[no-untyped-def]
     host = [[_blocks(QT.Q4_K, 16, 512, 10 * p + e) for e in range(e_n)] for p in range(3)]
-    vram = {p: {e: host[p][e].clone() for e in (1, 4)} for p in range(3)}
+    vram = {p: {e: host[p][e].clone() for e in vram_experts} for p in range(3)}
     tables = torch.tensor(
         [
             [vram[p][e].data_ptr() if e in vram[p] else host[p][e].data_ptr() for e in range(e_n)]
@@ -327,25 +324,69 @@ def test_missed_experts_are_staged_and_hits_keep_their_slot() -> None:
     )
     host_tables = torch.tensor([[host[p][e].data_ptr() for e in range(e_n)] for p in range(3)])
     nbytes = torch.tensor([host[p][0].numel() for p in range(3)])
-    st = Stager(torch.device("cpu"), k, int(nbytes.max()))
+    return host, vram, tables, host_tables, nbytes
+
+
+def _staged_copy(st, out: torch.Tensor, p: int, e: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The bytes the step's table points at for projection p of expert e (an address in the staging area)."""
+    at = (out[p, e].item() - st.area.data_ptr()) // st.stride
+    assert 0 <= at < 3 * st.slots
+    return st.area.view(-1, st.stride)[at]
+
+
+def test_missed_experts_are_staged_and_hits_keep_their_slot() -> None:
+    from engine.kernels.stage_copy import Stager
+
+    e_n, k = 6, 3
+    host, vram, tables, host_tables, nbytes = _stage_setup(e_n, (1, 4))
+    st = Stager(torch.device("cpu"), k, int(nbytes.max()), e_n)
     ids = torch.tensor([[4, 0, 5]])
     out = st.stage(ids, tables, host_tables, nbytes)
     for p in range(3):
-        for j, e in enumerate(ids[0].tolist()):
-            if e in vram[p]:
-                assert out[p, j].item() == vram[p][e].data_ptr()
+        for e in range(e_n):
+            if e in vram[p] or e not in ids[0].tolist():
+                assert out[p, e].item() == tables[p, e].item()  # the layer's own entry
             else:
-                assert out[p, j].item() == st.area[p, j].data_ptr()
-                assert torch.equal(st.area[p, j, : host[p][e].numel()], host[p][e].reshape(-1))
-    # a slot the CPU claims (--cpu-experts) is not copied: its staging slot keeps what it held
+                assert torch.equal(_staged_copy(st, out, p, e)[: host[p][e].numel()], host[p][e].reshape(-1))
+    # an expert the CPU claims (--cpu-experts) is not copied: its entry points into the area, whose bytes stay
     before = st.area.clone()
     out = st.stage(
         torch.tensor([[2, 3, 1]]), tables, host_tables, nbytes, torch.tensor([1, 0, 0], dtype=torch.int32)
     )
     for p in range(3):
-        assert torch.equal(st.area[p, 0], before[p, 0])
-        assert torch.equal(st.area[p, 1, : host[p][3].numel()], host[p][3].reshape(-1))
-        assert out[p, 2].item() == vram[p][1].data_ptr()
+        assert st.area.data_ptr() <= out[p, 2].item() < st.area.data_ptr() + st.area.numel()
+        assert torch.equal(_staged_copy(st, out, p, 3)[: host[p][3].numel()], host[p][3].reshape(-1))
+        assert out[p, 1].item() == vram[p][1].data_ptr()
+        assert out[p, 0].item() == host[p][0].data_ptr()  # not chosen this step: the layer's own entry
+    assert torch.equal(st.area[:, 1:], before[:, 1:])  # only slot 0 was written (expert 3)
+
+
+def test_a_step_of_several_rows_stages_each_missed_expert_once() -> None:
+    """Rows that chose the same missed expert share one staging slot; a step that misses more distinct experts
+    than the area holds reads the rest in place (their host addresses stay in the table)."""
+    from engine.kernels.stage_copy import Stager
+
+    e_n = 8
+    host, vram, tables, host_tables, nbytes = _stage_setup(e_n, (1,))
+    st = Stager(torch.device("cpu"), 4, int(nbytes.max()), e_n)
+    ids = torch.tensor([[0, 1, 2], [2, 0, 3], [5, 2, 1]])  # misses 0, 2, 3, 5: four distinct, 2 chosen thrice
+    out = st.stage(ids, tables, host_tables, nbytes)
+    slots = set()
+    for p in range(3):
+        for e in (0, 2, 3, 5):
+            assert torch.equal(_staged_copy(st, out, p, e)[: host[p][e].numel()], host[p][e].reshape(-1))
+            slots.add(out[p, e].item())
+        assert out[p, 1].item() == vram[p][1].data_ptr()
+    assert len(slots) == 12  # four experts, three projections, each in a slot of its own
+    ids = torch.tensor([[0, 2, 3], [4, 5, 6], [7, 0, 2]])  # seven distinct misses, four slots
+    out = st.stage(ids, tables, host_tables, nbytes)
+    staged = [e for e in (0, 2, 3, 4, 5, 6, 7) if out[0, e].item() != host_tables[0, e].item()]
+    assert staged == [0, 2, 3, 4]  # in the order the step first chose them
+    for p in range(3):
+        for e in (5, 6, 7):
+            assert out[p, e].item() == host[p][e].data_ptr()  # read in place
+        for e in staged:
+            assert torch.equal(_staged_copy(st, out, p, e)[: host[p][e].numel()], host[p][e].reshape(-1))
 
 
 @pytest.mark.parametrize(
@@ -521,16 +562,16 @@ def test_cpu_share_of_misses_goes_through_the_mailbox(monkeypatch: pytest.Monkey
     assert torch.equal(out, torch.ones(1, d))
     assert row[ho.HDR_REQ].item() == 2  # every post raises the number: the thread counts them
     assert cm.post(1, ids, w, x) is None  # a layer the CPU holds nothing of
-    assert cm.post(0, ids.repeat(2, 1), w.repeat(2, 1), x.repeat(2, 1)) is None  # prompt rows: the GPU's
+    assert cm.post(0, ids.repeat(17, 1), w.repeat(17, 1), x.repeat(17, 1)) is None  # over 16 rows: the GPU's
     # a failing CPU kernel is answered with zeros (the device is never left waiting), and the caller hears
     cm.set_ratio(1.0)
     ce = cm.layers[0]
-    working = ce.mix_into
+    working = ce.mix_rows
 
-    def broken(ids: object, w: object, x: object, out: object) -> None:
+    def broken(ids: object, tok: object, w: object, x: object, out: object) -> None:
         raise MemoryError("no room")
 
-    ce.mix_into = broken  # type: ignore[method-assign]
+    ce.mix_rows = broken  # type: ignore[method-assign]
     cm.post(0, ids, w, x)
     out = torch.zeros(1, d)
     with pytest.raises(RuntimeError, match=r"computing experts on the CPU failed.*no room"):
@@ -539,10 +580,11 @@ def test_cpu_share_of_misses_goes_through_the_mailbox(monkeypatch: pytest.Monkey
     assert cm.box[0, cm.answer].item() == cm.box[0, ho.HDR_REQ].item()  # answered all the same
     # a request the host never answered: the device gives up (marked -1 in the mailbox, shortened here), the
     # caller hears, and the next step is answered normally
-    ce.mix_into = working  # type: ignore[method-assign]
+    ce.mix_rows = working  # type: ignore[method-assign]
     monkeypatch.setattr(ho, "WAIT_LIMIT", 5)
     cm.post(0, ids, w, x)
-    ho.collect(torch.zeros(1, d), cm.claim[0], cm.cnt[0:1], cm.box[0])  # the device's side only
+    # the device's side only
+    ho.collect(torch.zeros(1, d), cm.claim[0, :k], cm.cnt[0:1], cm.box[0], cm.layout)
     assert cm.box[0, ho.HDR_WAIT].item() == -1
     with pytest.raises(RuntimeError, match="GPU waited too long"):
         cm.check()
@@ -552,6 +594,38 @@ def test_cpu_share_of_misses_goes_through_the_mailbox(monkeypatch: pytest.Monkey
     ref = 0.3 * _expert_ref(ew, 3, x) + 0.2 * _expert_ref(ew, 5, x) + 0.1 * _expert_ref(ew, 6, x)
     assert _cos(out, ref) >= 0.999  # ratio 1: the CPU took every miss
     assert cm.box[0, cm.answer].item() == cm.box[0, ho.HDR_REQ].item()
+
+
+def test_cpu_share_of_a_batched_step_takes_whole_experts() -> None:
+    """A decode step of several rows: the quota counts the step's distinct missed experts, and the CPU takes an
+    expert for every row that chose it (its blocks read once); each row gets its own sum back."""
+    from engine.experts.cache import ExpertCache
+    from engine.experts.cpu_misses import CpuMisses
+    from engine.kernels import cpu_handoff as ho
+
+    e_n, f, d, k = 8, 256, 256, 4
+    ew = _moe_layer(e_n, f, d)
+    cache = ExpertCache({0: ew}, torch.device("cpu"), {0: 2})  # type: ignore[dict-item]
+    cm = CpuMisses(cache, 1.0, k, "silu", ratio=0.5)
+    # six distinct misses (3, 5, 6, 7, 2, 4; 3 and 5 chosen by two rows each): the CPU takes round(0.5 * 6) = 3,
+    # the first three in pair order, for every row that chose them
+    ids = torch.tensor([[0, 3, 5, 6], [5, 1, 3, 7], [1, 0, 2, 4]])
+    w = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.5, 0.2, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    x = torch.randn(3, d)
+    claim, wg = cm.post(0, ids, w, x)  # type: ignore[misc]
+    assert claim.view(3, k).tolist() == [[0, 1, 1, 1], [1, 0, 1, 0], [0, 0, 0, 0]]
+    assert cm.box[0, ho.HDR_MISS].item() == 6 and cm.box[0, ho.HDR_ROWS].item() == 3
+    assert wg.tolist() == [pytest.approx(r) for r in ([0.4, 0, 0, 0], [0, 0.2, 0, 0.1], [0.25] * 4)]
+    out = torch.zeros(3, d)
+    cm.collect(0, out)
+    refs = [
+        0.3 * _expert_ref(ew, 3, x[0]) + 0.2 * _expert_ref(ew, 5, x[0]) + 0.1 * _expert_ref(ew, 6, x[0]),
+        0.5 * _expert_ref(ew, 5, x[1]) + 0.2 * _expert_ref(ew, 3, x[1]),
+    ]
+    for t in range(2):
+        assert _cos(out[t], refs[t]) >= 0.999
+    assert torch.equal(out[2], torch.zeros(d))  # nothing of row 3 was taken
+    assert cm.slots == 5  # pairs
 
 
 def test_a_tuned_share_reaches_the_device() -> None:
@@ -587,7 +661,7 @@ def test_a_tuned_share_reaches_the_device() -> None:
         cm.post(0, ids, w, x)
         cm.collect(0, torch.zeros(1, d))
     assert len(seen) == 1 and seen[0] > 0  # the first step has no step before it to time
-    assert cm.ratio == 1.0 and cm.quota.tolist() == [0, 1, 2, 3, 4]
+    assert cm.ratio == 1.0 and cm.quota.tolist()[:5] == [0, 1, 2, 3, 4]
     claim, _ = cm.post(0, ids, w, x)  # type: ignore[misc]
     assert claim.tolist() == [0, 1, 1, 1]  # the three misses all go to the CPU now
     cm.collect(0, torch.zeros(1, d))

@@ -68,6 +68,33 @@ def test_mix_matches_float64_reference(layer, layer_q6k_down, ids: list[int], do
         assert np.array_equal(a, b)  # the store is only read
 
 
+@pytest.mark.parametrize("down", ["Q4_K", "Q6_K"])
+def test_rows_of_a_step_match_each_token_alone(layer, layer_q6k_down, down: str) -> None:
+    """mix_rows: a batched decode step's (expert, token) pairs, experts shared between rows read once: every row
+    bit-identical to that token's own call, and close to the float64 reference."""
+    raws, refs = layer if down == "Q4_K" else layer_q6k_down
+    k = cpu_q4k.Q4KExperts(*raws, d=D, f=F, down_q6k=down == "Q6_K")
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((4, D)).astype(np.float32)
+    rows = [[3, 0], [0, 5, 3], [], [2]]  # expert 0 and 3 chosen by two rows; row 2 takes nothing
+    ids = np.array([e for r in rows for e in r])
+    tok = np.array([t for t, r in enumerate(rows) for _ in r])
+    w = rng.uniform(0.1, 0.6, ids.size).astype(np.float32)
+    out = np.full((4, D), np.nan, dtype=np.float32)
+    k.mix_rows(ids, tok, w, x, out)
+    for t, r in enumerate(rows):
+        alone = np.full(D, np.nan, dtype=np.float32)
+        k.mix(np.array(r, dtype=np.int64), w[tok == t], x[t], alone)
+        assert np.array_equal(out[t], alone)
+        if r:
+            ref = _ref(x[t].astype(np.float64), r, w[tok == t].tolist(), refs)
+            assert out[t] @ ref / (np.linalg.norm(out[t]) * np.linalg.norm(ref)) >= 0.9995
+        else:
+            assert not out[t].any()
+    with pytest.raises(ValueError, match="token rows"):
+        k.mix_rows(ids, tok + 1, w, x, out)
+
+
 def test_no_experts_gives_zeros_and_bad_input_says_what(layer) -> None:
     raws, _ = layer
     k = cpu_q4k.Q4KExperts(*raws, d=D, f=F)
