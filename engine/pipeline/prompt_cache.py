@@ -46,9 +46,16 @@ class PromptCacheStats:
     restored_tokens: int
 
 
-def _copy_out(parts: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:
+def held_bytes(n: int, pin: bool) -> int:
+    """Host memory a buffer of n bytes takes: torch's pinned-memory allocator rounds each block up to a power of two
+    (the cache counts what it holds, so that --prompt-cache-mib bounds the memory, not only the KV bytes)."""
+    return 1 << (n - 1).bit_length() if pin and n > 0 else n
+
+
+def _copy_out(parts: list[torch.Tensor], pin: bool) -> tuple[list[torch.Tensor], int]:
     """Host copies of `parts`, in one buffer (page-locked for a card, so that the copies are queued behind the
-    device's work instead of waiting for it: a server saving a slot's KV while a step runs does not stall)."""
+    device's work instead of waiting for it: a server saving a slot's KV while a step runs does not stall), and the
+    bytes that buffer holds."""
     offsets, total = [], 0
     for t in parts:
         offsets.append(total)
@@ -59,7 +66,7 @@ def _copy_out(parts: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:
         dst = buf[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         dst.copy_(t, non_blocking=pin)
         out.append(dst)
-    return out
+    return out, held_bytes(total, pin)
 
 
 class PromptCache:
@@ -115,11 +122,10 @@ class PromptCache:
             for j, t in enumerate((lk.k, lk.v, lk.k_scale, lk.v_scale))
             if t is not None
         ]
-        copies = _copy_out([t for _, _, t in srcs], pin)
+        copies, nbytes = _copy_out([t for _, _, t in srcs], pin)
         layers: dict[int, list[torch.Tensor | None]] = {i: [None] * 4 for i in cache.layers}
         for (i, j, _), c in zip(srcs, copies, strict=True):
             layers[i][j] = c
-        nbytes = sum(c.numel() * c.element_size() for c in copies)
         return CacheEntry(list(tokens), {i: tuple(v) for i, v in layers.items()}, cache.kv_type, nbytes)
 
     def insert(self, entry: CacheEntry | None) -> None:

@@ -1,5 +1,7 @@
 """Expert cache bookkeeping that needs no GPU: capacity planning and hit/miss accounting from selection counts."""
 
+from itertools import pairwise
+
 import torch
 from gguf import GGMLQuantizationType as QT
 
@@ -77,3 +79,44 @@ def test_a_held_layer_stages_its_experts_once() -> None:
     assert cache.pending_bytes == 0
     full = ExpertCache({0: _experts()}, torch.device("cpu"), {0: 4})
     assert not full.streams_prompts and full.pending_bytes == 0
+
+
+def test_pinned_slabs_hold_several_projections_and_waste_little() -> None:
+    """The host store is pinned in slabs of a power of two (torch rounds every pinned allocation up to one): every
+    projection placed once, page-aligned, inside its slab; Qwen3-30B-A3B's 144 projections of 113 MB take 6% more
+    than their bytes, where one allocation each took 18.5% more (144 x 128 MiB)."""
+    from engine.experts.cache import PAGE, plan_slabs
+
+    for sizes in ([113_246_208] * 144, [5_000, 70_000, 3, 1 << 20, 123_457] * 7, [3 << 30, 1 << 20]):
+        plan = plan_slabs(sizes)
+        placed = [(size, o) for size, offs in plan for o in offs]
+        assert len(placed) == len(sizes)
+        for (size, o), n in zip(placed, sizes, strict=True):
+            assert size & (size - 1) == 0 and o % PAGE == 0 and o + n <= size
+        at = 0
+        for _, offs in plan:  # in order, and no two tensors of a slab overlap
+            for o, nxt in pairwise(offs):
+                assert o + sizes[at] <= nxt
+                at += 1
+            at += 1
+    a3b = plan_slabs([113_246_208] * 144)
+    assert sum(s for s, _ in a3b) <= 1.07 * 144 * 113_246_208
+
+
+def test_pin_all_copies_into_slab_views(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """pin_all's views hold the same bytes as the tensors they copy (pinning itself needs a card: here the slabs
+    are plain memory), and a failed pin leaves the rest as they were."""
+    import engine.experts.cache as cache_mod
+
+    raws = [torch.randint(0, 256, (n, 7), dtype=torch.uint8) for n in (3, 1000, 50)]
+    plain = torch.empty
+    monkeypatch.setattr(cache_mod.torch, "empty", lambda *a, pin_memory=False, **k: plain(*a, **k))
+    got = cache_mod.pin_all(raws)
+    assert all(torch.equal(g, r) and g.data_ptr() != r.data_ptr() for g, r in zip(got, raws, strict=True))
+    assert got[1].data_ptr() - got[0].data_ptr() == cache_mod.PAGE  # one slab, a page each
+
+    def refuse(*a, **k):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no pinned memory here")
+
+    monkeypatch.setattr(cache_mod.torch, "empty", refuse)
+    assert all(g is r for g, r in zip(cache_mod.pin_all(raws), raws, strict=True))

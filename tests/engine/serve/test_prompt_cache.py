@@ -39,6 +39,17 @@ def test_common_prefix() -> None:
     assert common_prefix([1, 2], [1, 2, 3]) == 2
 
 
+def test_pinned_entries_count_the_block_torch_holds() -> None:
+    """On a card an entry's copy is page-locked, and torch's pinned allocator rounds each block up to a power of two:
+    the cache counts that block, so that --prompt-cache-mib bounds the memory taken (plain memory: the bytes)."""
+    from engine.pipeline.prompt_cache import held_bytes
+
+    assert held_bytes(100 << 20, pin=True) == 128 << 20
+    assert held_bytes(1 << 20, pin=True) == 1 << 20
+    assert held_bytes(100 << 20, pin=False) == 100 << 20
+    assert held_bytes(0, pin=True) == 0
+
+
 @pytest.mark.parametrize("kv", ["f32", "int8", "q4_0"])
 def test_switching_conversations_reuses_kept_kv(lm: LoadedModel, kv: str) -> None:
     runner = Runner(lm.model, lm.tokenizer, 512, kv, prompt_cache=PromptCache(64 << 20, min_tokens=4))
