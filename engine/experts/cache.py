@@ -142,21 +142,29 @@ def plan_slabs(sizes: Sequence[int], slab: int = SLAB_BYTES) -> list[tuple[int, 
     return out
 
 
+def _pin_one(raw: torch.Tensor) -> torch.Tensor:
+    """A page-locked copy of raw, or raw itself where pinning fails (RAM short: its misses are staged through
+    copies; said)."""
+    try:
+        out = torch.empty(raw.shape, dtype=raw.dtype, pin_memory=True)
+    except RuntimeError as e:
+        log.warning("could not pin %.1f MiB of host RAM for experts (%s): misses are staged through copies",
+                    raw.numel() * raw.element_size() / 2**20, e)  # fmt: skip
+        return raw
+    out.copy_(raw)
+    return out
+
+
 def pin_all(raws: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Page-locked host copies of `raws` (views into slabs, plan_slabs), in order; where pinning fails (RAM short)
-    the rest stay as they are, and the misses of those are staged through copies (said once)."""
+    """Page-locked host copies of `raws` (views into slabs, plan_slabs), in order. Where a slab cannot be pinned
+    (RAM short) the rest are pinned one by one (_pin_one)."""
     out: list[torch.Tensor] = []
     i = 0
     for size, offsets in plan_slabs([r.numel() * r.element_size() for r in raws]):
         try:
             buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        except (
-            RuntimeError
-        ) as e:  # pinning can fail when RAM is short: the experts are then copied before use
-            rest = sum(r.numel() * r.element_size() for r in raws[i:])
-            log.warning("could not pin %.1f MiB of host RAM for experts (%s): misses are staged through copies",
-                        rest / 2**20, e)  # fmt: skip
-            return out + list(raws[i:])
+        except RuntimeError:
+            return out + [_pin_one(r) for r in raws[i:]]
         for o in offsets:
             r = raws[i]
             view = buf[o : o + r.numel() * r.element_size()].view(r.dtype).view(r.shape)

@@ -120,3 +120,16 @@ def test_pin_all_copies_into_slab_views(monkeypatch) -> None:  # type: ignore[no
 
     monkeypatch.setattr(cache_mod.torch, "empty", refuse)
     assert all(g is r for g, r in zip(cache_mod.pin_all(raws), raws, strict=True))
+    # a slab refused: the tensors are still pinned one by one
+    sizes = []
+
+    def small_only(*a, pin_memory=False, **k):  # type: ignore[no-untyped-def]
+        n = a[0] if isinstance(a[0], int) else a[0][0] * a[0][1]
+        if n >= 4096:
+            raise RuntimeError("no room for a slab")
+        sizes.append(n)
+        return plain(*a, **k)
+
+    monkeypatch.setattr(cache_mod.torch, "empty", small_only)
+    got = cache_mod.pin_all(raws[:1])
+    assert torch.equal(got[0], raws[0]) and got[0] is not raws[0] and sizes == [21]
