@@ -68,10 +68,14 @@ def stage_bytes(per_expert: dict[int, int], n_expert: int) -> int:
     return max(per_expert.values(), default=0) * n_expert
 
 
-def decode_stage_slots(k: int, rows: int) -> int:
+def decode_stage_slots(k: int, rows: int, slot_bytes: int = 0, budget: int = 0) -> int:
     """Experts a decode step's staging area holds: every miss of up to STAGE_ROWS rows (a step that misses more
-    distinct experts reads the rest in place, over PCIe)."""
-    return k * max(1, min(rows, STAGE_ROWS))
+    distinct experts reads the rest in place, over PCIe), but no more than an eighth of the experts' `budget` in
+    `slot_bytes` slots beyond one row's k (large experts on a small card keep their room for cached ones). Pure."""
+    slots = k * max(1, min(rows, STAGE_ROWS))
+    if slot_bytes > 0:
+        slots = min(slots, max(k, budget // 8 // slot_bytes // k * k))
+    return slots
 
 
 def build_expert_cache(model: PlacedModel, policy: ExpertPolicy) -> ExpertCache:
@@ -87,7 +91,9 @@ def build_expert_cache(model: PlacedModel, policy: ExpertPolicy) -> ExpertCache:
         budget -= stage_bytes(per_expert, n_expert)
         if policy.miss_path == "copy" and experts:
             stride = max(q.raw[0].numel() for ew in experts.values() for q in (ew.gate, ew.up, ew.down))
-            budget -= 3 * stage_slots * -(-stride // 8) * 8  # kernels.stage_copy.Stager's area
+            slot_bytes = 3 * -(-stride // 8) * 8  # a slot of kernels.stage_copy.Stager's area
+            stage_slots = decode_stage_slots(model.cfg.n_expert_used, policy.rows, slot_bytes, budget)
+            budget -= stage_slots * slot_bytes
     capacity = plan_capacity(per_expert, n_expert, budget, policy.profile, max_pairs=policy.slots)
     if policy.kv_bytes > 0 and not all_in and per_expert:
         # KV and experts share the card: say what the context costs in experts, and how to get them back

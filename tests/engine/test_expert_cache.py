@@ -133,3 +133,18 @@ def test_pin_all_copies_into_slab_views(monkeypatch) -> None:  # type: ignore[no
     monkeypatch.setattr(cache_mod.torch, "empty", small_only)
     got = cache_mod.pin_all(raws[:1])
     assert torch.equal(got[0], raws[0]) and got[0] is not raws[0] and sizes == [21]
+
+
+def test_the_decode_staging_area_grows_with_the_slots_within_an_eighth_of_the_budget() -> None:
+    """Room for the misses of up to 8 rows (k experts each), at least one row's, at most an eighth of the experts'
+    budget beyond that: Qwen3-30B-A3B (k = 8, 2.65 MB an expert) on a 5 GB budget keeps 64 at --parallel 8; large
+    experts (25 MB) on a 4 GB budget keep 16."""
+    from engine.experts.policy import decode_stage_slots
+
+    mb = 1 << 20
+    assert (
+        decode_stage_slots(8, 1) == 8 and decode_stage_slots(8, 8) == 64 and decode_stage_slots(8, 16) == 64
+    )
+    assert decode_stage_slots(8, 8, int(2.65 * mb), 5 << 30) == 64
+    assert decode_stage_slots(8, 8, 25 * mb, 4 << 30) == 16
+    assert decode_stage_slots(8, 8, 25 * mb, 0) == 8  # never less than one row's
