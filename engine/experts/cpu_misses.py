@@ -83,9 +83,8 @@ class CpuMisses:
                 d = self.layers[li].d
         self.d = d
         self.rows = {li: r for r, li in enumerate(self.layers)}
-        self.max_rows = (
-            MAX_STEP_ROWS  # decode rows a step hands over at most (a decode step's fused launches)
-        )
+        # decode rows a step hands over at most (a decode step's fused launches take up to as many)
+        self.max_rows = MAX_STEP_ROWS
         self.layout = ho.row_layout(k, max(d, 1), self.max_rows)
         self.answer = self.layout.answer
         n_rows = max(len(self.layers), 1)
@@ -141,8 +140,8 @@ class CpuMisses:
 
     def set_ratio(self, ratio: float) -> None:
         """Fix the CPU's share of a step's misses (no more tuning): quota[m] = round(ratio * m) experts when the step
-        misses m distinct experts. Read by the device at every step (pinned memory), so it can change between steps, graphs
-        included."""
+        misses m distinct experts. Read by the device at every step (pinned memory), so it can change between
+        steps, graphs included."""
         self.tuner = None
         self._apply(ratio)
 
@@ -178,7 +177,7 @@ class CpuMisses:
 
     def collect(self, li: int, out: torch.Tensor) -> torch.Tensor:
         """out [T, D] float32 (device) with the CPU's share of layer li added, once the CPU has answered. Run
-        eagerly, the host answers this layer's request here; in a graph capture, `serve_step` does after each
+        eagerly, the host answers this layer's request here; in a graph capture, `serve_posts` does after each
         replay."""
         r = self.rows[li]
         eager = self.cache.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
