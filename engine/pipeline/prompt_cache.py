@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.experts.cache import plan_slabs
 from engine.layers.kv_cache import KVCache
 
 
@@ -46,27 +47,32 @@ class PromptCacheStats:
     restored_tokens: int
 
 
-def held_bytes(n: int, pin: bool) -> int:
-    """Host memory a buffer of n bytes takes: torch's pinned-memory allocator rounds each block up to a power of two
-    (the cache counts what it holds, so that --prompt-cache-mib bounds the memory, not only the KV bytes)."""
-    return 1 << (n - 1).bit_length() if pin and n > 0 else n
-
-
 def _copy_out(parts: list[torch.Tensor], pin: bool) -> tuple[list[torch.Tensor], int]:
-    """Host copies of `parts`, in one buffer (page-locked for a card, so that the copies are queued behind the
-    device's work instead of waiting for it: a server saving a slot's KV while a step runs does not stall), and the
-    bytes that buffer holds."""
-    offsets, total = [], 0
-    for t in parts:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // 16) * 16  # each part 16-byte aligned
-    buf = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=pin)
-    out = []
-    for t, o in zip(parts, offsets, strict=True):
-        dst = buf[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        dst.copy_(t, non_blocking=pin)
-        out.append(dst)
-    return out, held_bytes(total, pin)
+    """Host copies of `parts`, and the bytes of host memory they take. For a card they are page-locked, so that the
+    copies are queued behind the device's work instead of waiting for it (a server saving a slot's KV while a step
+    runs does not stall), in slabs of a power of two (experts.cache.plan_slabs): torch's pinned allocator rounds
+    each block up to one, which one buffer an entry left up to half unused, beyond what the cache counted."""
+    sizes = [t.numel() * t.element_size() for t in parts]
+    if pin:
+        plan = plan_slabs(sizes)
+    else:  # plain memory: one buffer, each part 16-byte aligned
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += -(-n // 16) * 16
+        plan = [(total, offsets)]
+    out: list[torch.Tensor] = []
+    held = i = 0
+    for size, offsets in plan:
+        buf = torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=pin)
+        held += size
+        for o in offsets:
+            t = parts[i]
+            dst = buf[o : o + sizes[i]].view(t.dtype).view(t.shape)
+            dst.copy_(t, non_blocking=pin)
+            out.append(dst)
+            i += 1
+    return out, held
 
 
 class PromptCache:
