@@ -261,11 +261,8 @@ class CpuExperts:
         if missing:
             raise ValueError(f"expert {missing[0]} is not held by this CpuExperts (it holds "
                              f"{len(self._held)} of {self.n_experts}); compute it elsewhere")  # fmt: skip
-        if self.q4k is not None:  # one kernel call a token, all its taken experts at once
-            for ti in range(t):
-                sel = (tok == ti).nonzero(as_tuple=True)[0]
-                if sel.numel():
-                    out[ti] = self._mix_row(eid[sel].tolist(), wsel[sel].tolist(), x[ti].float())
+        if self.q4k is not None:  # one kernel call for every taken pair, each expert's blocks read once
+            self.mix_rows(eid.numpy(), tok.numpy(), wsel.numpy(), x.float().contiguous().numpy(), out.numpy())
             return out
         xb = x.to(torch.bfloat16).contiguous()  # [T, D]: the kernel wants contiguous bf16 rows
         if counts is None:
