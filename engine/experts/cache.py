@@ -127,18 +127,18 @@ def plan_slabs(sizes: Sequence[int], slab: int = SLAB_BYTES) -> list[tuple[int, 
     tensor is larger. A pure function (dynamic programming over where each slab starts)."""
     need = [_up(n) for n in sizes]
     n = len(need)
-    best: list[tuple[int, int, int]] = [(0, 0, n)] * (
-        n + 1
-    )  # from tensor i on: (bytes, slabs, this slab's size)
+    # from tensor i on, the best plan: (bytes, slabs, this slab's size, the first tensor of the next slab)
+    best: list[tuple[int, int, int, int]] = [(0, 0, 0, n)] * (n + 1)
     for i in range(n - 1, -1, -1):
-        size, top = 1 << (need[i] - 1).bit_length(), max(slab, 1 << (need[i] - 1).bit_length())
+        size = 1 << (need[i] - 1).bit_length()
+        top = max(slab, size)
         choice = None
         while size <= top:
             j, used = i, 0
             while j < n and used + need[j] <= size:
                 used += need[j]
                 j += 1
-            cand = (size + best[j][0], 1 + best[j][1], size)
+            cand = (size + best[j][0], 1 + best[j][1], size, j)
             choice = cand if choice is None or cand[:2] < choice[:2] else choice
             if j == n:
                 break  # a larger slab would only hold the same tensors
@@ -148,14 +148,10 @@ def plan_slabs(sizes: Sequence[int], slab: int = SLAB_BYTES) -> list[tuple[int, 
     out: list[tuple[int, list[int]]] = []
     i = 0
     while i < n:
-        size = best[i][2]
-        offsets: list[int] = []
-        used = 0
-        while i < n and used + need[i] <= size:
-            offsets.append(used)
-            used += need[i]
-            i += 1
+        _, _, size, j = best[i]
+        offsets = [sum(need[i:m]) for m in range(i, j)]
         out.append((size, offsets))
+        i = j
     return out
 
 
