@@ -181,6 +181,17 @@ def row_dot(w, r0, n_blocks, xq, xd, xs, xs16, q6k):
     return acc
 
 
+@nb.njit(inline="always")
+def _q8_rows(rows, k):
+    """Room for `rows` rows of k values quantized as `quantize` writes them: codes, scales, sums per 32 and per 16."""
+    return (
+        np.empty((rows, k), np.int8),
+        np.empty((rows, k // QK), np.float32),
+        np.empty((rows, k // 32), np.int16),
+        np.empty((rows, k // 16), np.int16),
+    )
+
+
 @nb.njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def mix(gate, up, down, down_q6k, f, d, ids, tok, ws, starts, x, out):
     """out[t] = sum over the pairs j of token t of ws[j] * down_j(silu(gate_j x[t]) * up_j x[t]), for the (expert,
@@ -190,10 +201,7 @@ def mix(gate, up, down, down_q6k, f, d, ids, tok, ws, starts, x, out):
     nt, n_tok, n_grp = ids.shape[0], x.shape[0], starts.shape[0] - 1
     rb1 = u64(d // QK * BLOCK_BYTES)
     rb2 = u64(f // QK * (Q6K_BYTES if down_q6k else BLOCK_BYTES))
-    xq = np.empty((n_tok, d), np.int8)
-    xd = np.empty((n_tok, d // QK), np.float32)
-    xs = np.empty((n_tok, d // 32), np.int16)
-    xs16 = np.empty((n_tok, d // 16), np.int16)
+    xq, xd, xs, xs16 = _q8_rows(n_tok, d)
     for t in range(n_tok):
         quantize(x[t], xq[t], xd[t], xs[t], xs16[t])
     h = np.empty((nt, f), np.float32)
@@ -209,10 +217,7 @@ def mix(gate, up, down, down_q6k, f, d, ids, tok, ws, starts, x, out):
                 a = row_dot(gate, r, d // QK, xq[i], xd[i], xs[i], xs16[i], False)
                 b = row_dot(up, r, d // QK, xq[i], xd[i], xs[i], xs16[i], False)
                 h[j, n] = a / (np.float32(1.0) + np.exp(-a)) * b
-    hq = np.empty((nt, f), np.int8)
-    hd = np.empty((nt, f // QK), np.float32)
-    hs = np.empty((nt, f // 32), np.int16)
-    hs16 = np.empty((nt, f // 16), np.int16)
+    hq, hd, hs, hs16 = _q8_rows(nt, f)
     for j in range(nt):
         quantize(h[j], hq[j], hd[j], hs[j], hs16[j])
     for t in nb.prange((d + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
