@@ -124,6 +124,13 @@ def main() -> None:
         "--torch-attention", type=int, default=0, help="also time a prompt of N with torch's attention"
     )
     ap.add_argument("--vram-budget-mib", type=int, default=None)
+    ap.add_argument(
+        "--kv-host-fraction",
+        type=float,
+        default=0.0,
+        help="the share of the layers whose KV lives in page-locked host RAM (as --kv-resident places it: the "
+        "later layers), for every prompt and depth measured; the expert budget gets their room",
+    )
     ap.add_argument("--llama-bench", help="llama-bench binary: measured after ours")
     ap.add_argument("--llama-args", default="", help="more llama-bench arguments, e.g. '-ncmoe 36 -t 16'")
     ap.add_argument(
@@ -155,10 +162,14 @@ def main() -> None:
         dtype="bf16",
         experts=ExpertPolicy(
             vram_budget_mib=a.vram_budget_mib,
-            kv_bytes=_kv_bytes(a.model, max_ctx, reserve_kv) if a.vram_budget_mib else 0,
+            kv_bytes=int(_kv_bytes(a.model, max_ctx, reserve_kv) * (1 - a.kv_host_fraction))
+            if a.vram_budget_mib
+            else 0,
         ),
     )
     m = lm.model
+    layers = list(m.layer_range)
+    m.kv_host_layers = frozenset(layers[round(len(layers) * (1 - a.kv_host_fraction)) :])
     chunk = device_chunk(m, max_ctx, reserve_kv, a.vram_budget_mib, ExpertPolicy.reserve_mib)
     span = device_span(m, chunk, max_ctx, reserve_kv, a.vram_budget_mib, ExpertPolicy.reserve_mib)
     res: dict = {
@@ -169,6 +180,7 @@ def main() -> None:
         "prompt_chunk": chunk,
         "prompt_span": span,
         "flash_prefill": m.prefill_kernel is not None,
+        "kv_host_layers": len(m.kv_host_layers),
         "ours": {},
     }
     ours = res["ours"]

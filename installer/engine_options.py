@@ -62,6 +62,7 @@ class EngineOptions:
     dtype: str = "auto"
     kv: str = "auto"
     max_context: int = 4096  # AUTO_CONTEXT (0): chosen at load (serve's default, COMMAND_DEFAULTS)
+    kv_resident: int | None = None  # None: auto (placement.auto_kv_resident)
     prefill: str = "auto"
     activations: str | None = None  # None: int8 (engine.kernels.int8_activations)
     threads: int = 0
@@ -149,6 +150,21 @@ COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
     "profile": {"max_tokens": 16},
     "serve": {"max_context": AUTO_CONTEXT},
 }
+
+
+def kv_resident_flag(value: str) -> int | None:
+    """--kv-resident: positions of each sequence's KV kept in VRAM, or auto (None)."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is neither a count of positions (0 or more) nor auto (e.g. --kv-resident 32768)"
+        )
+    return n
 
 
 def context_flag(value: str) -> int:
@@ -290,6 +306,15 @@ def add_model_args(p: argparse.ArgumentParser | Any) -> None:
         help=f"positions the KV cache holds per sequence, or auto: from {D.max_context} up to the length the model "
         "was trained for while every slot's KV stays within an eighth of the card's free VRAM (serve's default; "
         f"on the CPU and with --remote-stage {D.max_context}); other commands' default {D.max_context}",
+    )
+    p.add_argument(
+        "--kv-resident",
+        type=kv_resident_flag,
+        metavar="N",
+        help="positions of each sequence's KV kept in VRAM; the KV of the other layers lives in page-locked host RAM "
+        "and is read across PCIe at every step (slower decode deep into the context, but a context larger than the "
+        "card runs). auto (default): all of it in VRAM where it fits beside the dense weights on one card, else the "
+        "positions that fit (said in the log)",
     )
     p.add_argument("--prefill", help="prompt chunk size in tokens, or auto (512)")
     p.add_argument(

@@ -108,6 +108,55 @@ class Geometry:
         return tokens * self.kv_bytes_per_token[layer] + (self.state_bytes[layer] if self.state_bytes else 0)
 
 
+def host_kv_layers(g: Geometry, layers: Sequence[int], context: int, resident: int | None) -> frozenset[int]:
+    """The layers of `layers` whose KV lives in page-locked host RAM under `--kv-resident resident`: VRAM keeps at
+    most the KV of `resident` positions of each sequence, as whole layers (a layer's KV is one block of memory that
+    every kernel reads in place), the layers of largest KV going first, the later of equal ones. Reading a position's
+    KV costs the same wherever its layer lies, so which layers go does not change a step's bytes over PCIe: that is
+    (context used) x (the host layers' share of a position). None, or `resident` >= `context`: none. Pure."""
+    if resident is None or resident >= context:
+        return frozenset()
+    kv = {i: g.kv_bytes(i, context) - (g.state_bytes[i] if g.state_bytes else 0) for i in layers}
+    allowed = sum(
+        g.kv_bytes(i, max(resident, 0)) - (g.state_bytes[i] if g.state_bytes else 0) for i in layers
+    )
+    held, out = sum(kv.values()), set()
+    for i in sorted((i for i in kv if kv[i] > 0), key=lambda i: (-kv[i], -i)):
+        if held <= allowed:
+            break
+        out.add(i)
+        held -= kv[i]
+    return frozenset(out)
+
+
+def auto_kv_resident(
+    g: Geometry, context: int, sequences: int, free_bytes: int, reserve: int = DEFAULT_RESERVE_BYTES,
+    overhead: int = DEFAULT_OVERHEAD_BYTES,
+) -> tuple[int | None, str]:  # fmt: skip
+    """--kv-resident auto on one card: every position's KV in VRAM where the dense weights, the KV of `sequences`
+    slots of `context` positions, the working buffers and the reserve fit the card's `free_bytes` (the experts then
+    take what is left, or none); else the positions whose KV fits beside the rest (the other layers' KV in host RAM),
+    so that the context runs rather than failing at start. None where everything fits, or where even with all of
+    the KV in host RAM the dense weights do not. -> (positions, the reason, for the log)."""
+    dense = sum(g.dense_bytes) + g.embed_bytes + g.head_bytes + g.draft_bytes
+    dense += sum(g.state_bytes) * max(1, sequences) if g.state_bytes else 0
+    per = sum(g.kv_bytes_per_token) * max(1, sequences)  # a position of every layer and slot
+    kv = sum(g.kv_bytes(i, context) for i in range(g.n_layer)) * max(1, sequences)
+    kv -= sum(g.state_bytes) * max(1, sequences) if g.state_bytes else 0
+    room = free_bytes - reserve - overhead - dense
+    if kv <= room or per <= 0:
+        return None, ""
+    if room <= 0:
+        return None, ""
+    fits = int(room // per) // CONTEXT_STEP * CONTEXT_STEP
+    return fits, (
+        f"the KV of {context} positions x {max(1, sequences)} slot(s) ({kv / GIB:.1f} GiB) does not fit beside the "
+        f"dense weights on the card ({room / GIB:.1f} GiB left after them, the reserve and working buffers): the KV "
+        f"of {fits} positions stays in VRAM and the other layers' KV lives in host RAM, read across PCIe at every "
+        "step (a shorter --max-context, fewer --parallel slots or a smaller --kv type keep it all in VRAM)"
+    )
+
+
 MAX_PARALLEL = 64  # --parallel: slots one server runs at most
 AUTO_PARALLEL = 16  # --parallel left out: at most this many slots on a card (a decode step takes 16 rows)
 CPU_PARALLEL = 4  # and on the CPU, where host RAM holds the KV
@@ -192,6 +241,12 @@ class Budget:
     reserve_later: int | None = None  # --vram-reserve-later-mib (default: reserve_first)
     overhead: int = DEFAULT_OVERHEAD_BYTES  # CUDA context, activations and prompt buffers per card
     sequences: int = 1  # --parallel: KV caches of `context` positions each
+    kv_resident: int | None = None  # --kv-resident: positions of each cache's KV in VRAM (None: all)
+
+    @property
+    def kv_positions(self) -> int:
+        """The positions of KV a card holds per sequence (the rest lives in host RAM)."""
+        return self.context if self.kv_resident is None else min(self.context, max(self.kv_resident, 0))
 
     def reserve(self, stage: int) -> int:
         if stage == 0 or self.reserve_later is None:
@@ -315,7 +370,7 @@ class _Pricer:
             [
                 [0],
                 np.cumsum(
-                    [g.kv_bytes(i, budget.context) * budget.sequences for i in range(n)], dtype=np.int64
+                    [g.kv_bytes(i, budget.kv_positions) * budget.sequences for i in range(n)], dtype=np.int64
                 ),
             ]
         )
@@ -413,7 +468,7 @@ def _shortfall_error(stages: Sequence[StageFit], context: int, what: str) -> Pla
 def _kv_way_out(fit: StageFit, context: int) -> str:
     """Where the KV is what does not fit: the context that fits with this KV type, and that a smaller type gives.
     (Experts give way to KV first: the cache holds whatever room is left, since every position's KV is read at
-    every step and an expert only when a token chooses it; KV is never moved to host RAM.)"""
+    every step and an expert only when a token chooses it; KV moves to host RAM only with --kv-resident.)"""
     if not fit.kv_bytes or fit.kv_bytes < fit.shortfall:
         return ""
     per = fit.kv_bytes / max(context, 1)
@@ -421,7 +476,8 @@ def _kv_way_out(fit: StageFit, context: int) -> str:
     where = f" (the KV of {context} tokens is {fit.kv_bytes / GIB:.1f} GiB of it"
     where += f"; --max-context {fits} fits)" if fits >= CONTEXT_STEP else ")"
     return (
-        f"{where}; a smaller KV type holds more: --kv int8 half of bf16's bytes, --kv q4_0 about 0.28 of them"
+        f"{where}; a smaller KV type holds more: --kv int8 half of bf16's bytes, --kv q4_0 about 0.28 of them; or "
+        f"keep part of the KV in host RAM (slower decode): --kv-resident {max(fits, 0)}"
     )
 
 

@@ -15,6 +15,7 @@ import torch
 
 from engine import kernels
 from engine.layers.moe import ExpertWeights
+from engine.layers.pinned import plan_slabs
 from engine.layers.qtensor import QTensor
 
 if TYPE_CHECKING:
@@ -108,51 +109,6 @@ class CacheStats:
     cpu_computed: int = 0  # missed (token, expert) pairs the CPU computed (--cpu-experts)
     # the CPU's share of a decode step's misses now (tuned or --cpu-ratio); None: the CPU takes none
     cpu_share: float | None = None
-
-
-# Pinned host memory is taken in slabs of a power of two that hold several projections each: torch's pinned-memory
-# allocator rounds every allocation up to a power of two (Qwen3-30B-A3B's 113 MB projections took 128 MB each: 18.0 GiB
-# of page-locked RAM for 15.2 GiB of blocks, 16.0 GiB in slabs; other sizes lose up to half).
-SLAB_BYTES = 1 << 30
-PAGE = 4096  # each projection starts on a page of its own
-
-
-def _up(n: int, to: int = PAGE) -> int:
-    return -(-n // to) * to
-
-
-def plan_slabs(sizes: Sequence[int], slab: int = SLAB_BYTES) -> list[tuple[int, list[int]]]:
-    """Slabs for tensors of `sizes` bytes, placed in order: [(slab bytes, a power of two; the byte offset of each
-    tensor it holds)], the fewest bytes in all. A slab is at most `slab` bytes, or one tensor's power of two where a
-    tensor is larger. A pure function (dynamic programming over where each slab starts)."""
-    need = [_up(n) for n in sizes]
-    n = len(need)
-    # from tensor i on, the best plan: (bytes, slabs, this slab's size, the first tensor of the next slab)
-    best: list[tuple[int, int, int, int]] = [(0, 0, 0, n)] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        size = 1 << (need[i] - 1).bit_length()
-        top = max(slab, size)
-        choice = None
-        while size <= top:
-            j, used = i, 0
-            while j < n and used + need[j] <= size:
-                used += need[j]
-                j += 1
-            cand = (size + best[j][0], 1 + best[j][1], size, j)
-            choice = cand if choice is None or cand[:2] < choice[:2] else choice
-            if j == n:
-                break  # a larger slab would only hold the same tensors
-            size *= 2
-        assert choice is not None
-        best[i] = choice
-    out: list[tuple[int, list[int]]] = []
-    i = 0
-    while i < n:
-        _, _, size, j = best[i]
-        offsets = [sum(need[i:m]) for m in range(i, j)]
-        out.append((size, offsets))
-        i = j
-    return out
 
 
 def _pin_one(raw: torch.Tensor) -> torch.Tensor:

@@ -188,7 +188,7 @@ def cached_attention(
     compute dtype through torch, with `masks` (FamilyLM.step_masks) or a mask made here. `sinks` [H] (gpt-oss):
     a logit per head that joins each row's softmax with no value (sink_attention on the torch path)."""
     if takes_flash(kernel, q.shape[0], span):
-        lk = cache.write(layer, pos, k, v, span)
+        lk = cache.write(layer, pos, k, v, span).in_vram(span)
         return kernel.prefill_attention(
             q, lk.k, lk.v, pos, span, window, scale, softcap, lk.k_scale, lk.v_scale, sinks
         )

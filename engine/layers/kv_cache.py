@@ -7,11 +7,13 @@ D/32]). A value is scale * (code - 8), the scale being the block's value of larg
 
 import math
 import mmap
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
 from engine.gguf.model_config import ModelConfig
+from engine.layers.pinned import host_tensors
 
 KV_TYPES = ("auto", "f32", "f16", "bf16", "int8", "q4_0")
 _QUANT = ("int8", "q4_0")
@@ -29,6 +31,16 @@ class _LayerKV:
     v: torch.Tensor  # [ctx, Hkv, Dv]
     k_scale: torch.Tensor | None = None  # [ctx, Hkv, 1] for int8, [ctx, Hkv, D/32] for q4_0
     v_scale: torch.Tensor | None = None
+    host: bool = False  # the tensors live in page-locked host RAM, read across PCIe (--kv-resident)
+
+    def in_vram(self, span: int) -> "_LayerKV":
+        """Positions below `span` copied into VRAM: a prompt chunk's attention reads each key block once for every
+        block of query rows, so a layer whose KV lives in host RAM crosses PCIe once here rather than that often."""
+        if not self.host:
+            return self
+        return _LayerKV(
+            *(None if t is None else t[:span].clone() for t in (self.k, self.v, self.k_scale, self.v_scale))
+        )
 
 
 def resolve_kv_type(kv: str, compute_dtype: torch.dtype) -> str:
@@ -90,17 +102,20 @@ def q4_head_dims_ok(*dims: int) -> bool:
 
 
 class KVCache:
-    """KV for the layers `layers` of one sequence, up to `max_ctx` positions."""
+    """KV for the layers `layers` of one sequence, up to `max_ctx` positions. The layers in `host_layers` keep
+    theirs in page-locked host RAM (engine/layers/pinned.py host_tensors; on a CUDA device only): every kernel reads
+    and writes them in place across PCIe, as the KV of the layers that do not fit the card (--kv-resident)."""
 
     def __init__(
         self,
-        layers: range,
+        layers: range | Collection[int],
         max_ctx: int,
         n_head_kv: int,
         head_dim_k: int,
         head_dim_v: int,
         kv_type: str,
         device: torch.device,
+        host_layers: Collection[int] = (),
     ) -> None:
         if kv_type not in _FLOAT and kv_type not in _QUANT:
             raise KVCacheError(f"KV type {kv_type!r} must be resolved first (f32, f16, bf16, int8 or q4_0)")
@@ -114,31 +129,39 @@ class KVCache:
         self.length = 0  # positions filled
         self.layers: dict[int, _LayerKV] = {}
         device = torch.device(device)
-
-        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return _zeros(shape, dtype, device)
-
+        h = n_head_kv
+        if kv_type == "int8":
+            specs = [((max_ctx, h, head_dim_k), torch.int8), ((max_ctx, h, head_dim_v), torch.int8),
+                     ((max_ctx, h, 1), torch.float16), ((max_ctx, h, 1), torch.float16)]  # fmt: skip
+        elif kv_type == "q4_0":
+            specs = [((max_ctx, h, head_dim_k // 2), torch.uint8), ((max_ctx, h, head_dim_v // 2), torch.uint8),
+                     ((max_ctx, h, head_dim_k // Q4_BLOCK), torch.float16),
+                     ((max_ctx, h, head_dim_v // Q4_BLOCK), torch.float16)]  # fmt: skip
+        else:
+            dt = _FLOAT[kv_type]
+            specs = [((max_ctx, h, head_dim_k), dt), ((max_ctx, h, head_dim_v), dt)]
+        on_host = [i for i in layers if i in host_layers] if device.type == "cuda" else []
+        if on_host:
+            try:
+                tensors = host_tensors(specs * len(on_host), device)
+            except RuntimeError as e:
+                need = sum(math.prod(sh) * torch.empty((), dtype=dt).element_size() for sh, dt in specs)
+                raise KVCacheError(
+                    f"could not pin {need * len(on_host) / 2**30:.1f} GiB of host RAM for the KV of {len(on_host)} "
+                    f"layer(s) (--kv-resident) ({e}): raise --kv-resident, lower --max-context or --parallel, or "
+                    "use a smaller --kv type"
+                ) from e
+            for j, i in enumerate(on_host):
+                self.layers[i] = _LayerKV(*tensors[j * len(specs) : (j + 1) * len(specs)], host=True)
         for i in layers:
-            if kv_type == "int8":
-                self.layers[i] = _LayerKV(
-                    zeros(max_ctx, n_head_kv, head_dim_k, dtype=torch.int8),
-                    zeros(max_ctx, n_head_kv, head_dim_v, dtype=torch.int8),
-                    zeros(max_ctx, n_head_kv, 1, dtype=torch.float16),
-                    zeros(max_ctx, n_head_kv, 1, dtype=torch.float16),
-                )
-            elif kv_type == "q4_0":
-                self.layers[i] = _LayerKV(
-                    zeros(max_ctx, n_head_kv, head_dim_k // 2, dtype=torch.uint8),
-                    zeros(max_ctx, n_head_kv, head_dim_v // 2, dtype=torch.uint8),
-                    zeros(max_ctx, n_head_kv, head_dim_k // Q4_BLOCK, dtype=torch.float16),
-                    zeros(max_ctx, n_head_kv, head_dim_v // Q4_BLOCK, dtype=torch.float16),
-                )
-            else:
-                dt = _FLOAT[kv_type]
-                self.layers[i] = _LayerKV(
-                    zeros(max_ctx, n_head_kv, head_dim_k, dtype=dt),
-                    zeros(max_ctx, n_head_kv, head_dim_v, dtype=dt),
-                )
+            if i not in self.layers:
+                self.layers[i] = _LayerKV(*(_zeros(sh, dt, device) for sh, dt in specs))
+        self.layers = {i: self.layers[i] for i in layers}  # in layer order
+
+    @property
+    def host_layers(self) -> list[int]:
+        """The layers whose KV lives in host RAM."""
+        return [i for i, lk in self.layers.items() if lk.host]
 
     @property
     def nbytes(self) -> int:
@@ -211,7 +234,8 @@ class KVCache:
             c = object.__new__(KVCache)
             c.kv_type, c.max_ctx, c.length = self.kv_type, m, 0
             c.layers = {
-                i: _LayerKV(*(None if t is None else t[s * m : (s + 1) * m] for t in (lk.k, lk.v, lk.k_scale, lk.v_scale)))
+                i: _LayerKV(*(None if t is None else t[s * m : (s + 1) * m] for t in (lk.k, lk.v, lk.k_scale, lk.v_scale)),
+                            host=lk.host)
                 for i, lk in self.layers.items()
             }  # fmt: skip
             c.shared, c.base = self, s * m

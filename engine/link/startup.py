@@ -37,7 +37,15 @@ from engine.pipeline.stages import LocalStage, SplitModel
 from engine.tokenizer import Tokenizer
 from installer.engine_options import AUTO_CONTEXT
 from installer.engine_options import D as OPTION_DEFAULTS
-from installer.placement import Card, Geometry, PlacementError, auto_context, auto_parallel, context_floor
+from installer.placement import (
+    Card,
+    Geometry,
+    PlacementError,
+    auto_context,
+    auto_kv_resident,
+    auto_parallel,
+    context_floor,
+)
 
 log = logging.getLogger("strata.engine")
 
@@ -85,6 +93,15 @@ def load_split_model(
     sp = plan_stages(plan_opts, cfg.n_layer, cards, geometry, max_context, profile, sequences)
     for line in sp.lines:
         log.info("%s", line)
+    if opts.kv_resident is None and not opts.remote and len(sp.devices) == 1 and sp.devices[0] is not None:
+        free = _free(replace(opts, gpu=sp.devices[0]), cards)
+        if free is not None:
+            resident, why = auto_kv_resident(
+                kv_geometry, max_context, sequences, free, opts.reserve_mib << 20
+            )
+            if resident is not None:
+                log.info("--kv-resident %d (auto: %s)", resident, why)
+                opts = replace(opts, kv_resident=resident)
     if all(d is None for d in sp.devices):
         dt = resolve_dtype(dtype, torch.device("cpu"))
         kv_type = resolve_kv_type(kv, dt)

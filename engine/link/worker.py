@@ -35,6 +35,8 @@ from engine.pipeline.split import (
     StagePlan,
     _policies,
     geometry_from_gguf,
+    host_kv_line,
+    kv_host,
     plan_stages,
     visible_cards,
 )
@@ -117,9 +119,16 @@ def _build(args: EngineOptions) -> object:
     kv = resolve_kv_type(args.kv, dtype)
     geometry = geometry_from_gguf(gf, cfg, kv)
     slots = _slots(args.parallel, geometry, range(begin, end), args.max_context, cards, d)
-    policy = _policies(StagePlan((range(begin, end),), (d,)), geometry, args.max_context, SplitOptions(), None,
-                       slots)[0]  # fmt: skip
-    model = build(gf, cfg, dev, dtype, layers=range(begin, end), embed=False, head=False, experts=policy)
+    here = StagePlan((range(begin, end),), (d,))
+    opts = SplitOptions(kv_resident=getattr(args, "kv_resident", None))
+    policy = _policies(here, geometry, args.max_context, opts, None, slots)[0]
+    host = kv_host(geometry, here, 0, args.max_context, opts)
+    if host:
+        log.info(
+            "%s", host_kv_line(geometry, here.ranges[0], host, args.max_context, slots, sp.labels[0], opts)
+        )
+    model = build(gf, cfg, dev, dtype, layers=range(begin, end), embed=False, head=False, experts=policy,
+                  kv_host_layers=host)  # fmt: skip
     cpu_weights.attach(model, getattr(args, "cpu_weights_mib", None))
     info = stage_info(gf, cfg, begin, end, args.max_context, max_tokens, kv, slots=slots)
     timing = (lambda line: log.info("%s", line)) if args.remote_timing else None

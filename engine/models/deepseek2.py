@@ -295,7 +295,9 @@ class DeepseekLM(FamilyLM):
     def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
         """Per position: the RoPE key as K [1, rope] and the latent as V [1, kv_lora]."""
         c = self.cfg
-        return KVCache(self.layer_range, max_ctx, 1, c.qk_rope, c.kv_lora_rank, kv_type, self.device)
+        return KVCache(
+            self.layer_range, max_ctx, 1, c.qk_rope, c.kv_lora_rank, kv_type, self.device, self.kv_host_layers
+        )
 
 
 MODEL_CLASS = DeepseekLM

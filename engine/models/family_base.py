@@ -210,6 +210,8 @@ class FamilyLM:
     # Prompt chunks attend through engine/kernels/prefill_attention.py on CUDA (layers.attention.cached_attention)
     # where the family's attention is plain or has sinks; set at load: `prefill_kernel`.
     supports_flash_prefill = True
+    # The layers whose KV its caches keep in page-locked host RAM (--kv-resident; set at load, engine/pipeline/split.py)
+    kv_host_layers: frozenset[int] = frozenset()
 
     def __init__(
         self,
@@ -416,8 +418,9 @@ class FamilyLM:
     def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
         c = self.cfg
         return KVCache(
-            self.layer_range, max_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, kv_type, self.device
-        )
+            self.layer_range, max_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, kv_type, self.device,
+            self.kv_host_layers,
+        )  # fmt: skip
 
     def new_caches(self, n: int, max_ctx: int, kv_type: str) -> list[KVCache]:
         """The caches of n sequences that steps of several sequences (forward_batch) run together."""

@@ -8,7 +8,7 @@ Per value head, with a state S [Dk, Dv], a decay g_t <= 0 (log space), a write s
 unit-lower-triangular system, so the work is a few matrix products per block instead of one rank-1 update per token.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -138,9 +138,12 @@ class RecurrentCache(KVCache):
         kv_type: str,
         device: torch.device,
         max_checkpoints: int = 4,
+        host_layers: Collection[int] = (),
     ) -> None:
         self._length = self.state_pos = 0
-        super().__init__(attn_layers, max_ctx, n_head_kv, head_dim_k, head_dim_v, kv_type, device)  # type: ignore[arg-type]
+        super().__init__(
+            attn_layers, max_ctx, n_head_kv, head_dim_k, head_dim_v, kv_type, device, host_layers
+        )
         self.states = {
             i: RecurrentState(
                 torch.zeros(conv, dtype=torch.float32, device=device),

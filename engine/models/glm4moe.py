@@ -270,7 +270,8 @@ class Glm4MoeLM(FamilyLM):
     def new_cache(self, max_ctx: int, kv_type: str) -> KVCache:
         c = self.cfg
         layers = [*self.layer_range, *self.nextn]
-        return KVCache(layers, max_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, kv_type, self.device)  # type: ignore[arg-type]
+        host = self.kv_host_layers
+        return KVCache(layers, max_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, kv_type, self.device, host)
 
 
 MODEL_CLASS = Glm4MoeLM

@@ -323,8 +323,9 @@ class Qwen3NextLM(FamilyLM):
         state = (c.ssm_v_heads, c.ssm_k_dim, c.ssm_v_dim)
         states = {i: ((c.conv_kernel - 1, c.conv_dim), state) for i in self.layer_range if c.is_recurrent(i)}
         return RecurrentCache(
-            attn, states, max_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, kv_type, self.device
-        )
+            attn, states, max_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, kv_type, self.device,
+            host_layers=self.kv_host_layers,
+        )  # fmt: skip
 
 
 MODEL_CLASS = Qwen3NextLM

@@ -66,6 +66,7 @@ FLAG_WHITELIST: dict[str, Callable[[str], str]] = {
     "--kv": _enum("auto", "bf16", "f16", "f32", "int8", "q4_0"),
     "--dtype": _enum("auto", "f32", "bf16", "f16"),
     "--max-context": _int_range(16, 1 << 22),
+    "--kv-resident": _int_range(0, 1 << 22, ("auto",)),
     "--prefill": _int_range(1, 1 << 20, ("auto",)),
     "--device": _enum("auto", "cpu", "cuda", *(f"cuda:{i}" for i in range(64))),
     "--activations": _enum("int8", "float"),

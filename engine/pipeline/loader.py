@@ -85,10 +85,13 @@ def build(
     head: bool = True,
     experts: ExpertPolicy | None = None,
     cuda_graphs: bool = True,
+    kv_host_layers: frozenset[int] = frozenset(),
 ) -> DecoderLM:
-    """The family's model of `layers` on `device` (engine.models.registry; the shared decoder otherwise), prepared."""
+    """The family's model of `layers` on `device` (engine.models.registry; the shared decoder otherwise), prepared;
+    its caches keep the KV of `kv_host_layers` in host RAM (--kv-resident)."""
     cls = model_class(gf.architecture) or DecoderLM
     model = cls(cfg, gf, device=device, dtype=dtype, layers=layers, embed=embed, head=head)
+    model.kv_host_layers = frozenset(kv_host_layers)
     return prepare(model, experts, cuda_graphs)
 
 

@@ -97,6 +97,7 @@ def _device_room(model: object, max_ctx: int, kv_type: str, budget_mib: int | No
     ec = getattr(model, "expert_cache", None)
     free -= getattr(ec, "pending_bytes", 0)  # the experts' staging area, allocated at the first prompt
     layers = len(getattr(model, "layer_range", range(cfg.n_layer)))
+    layers -= len(getattr(model, "kv_host_layers", ()))  # their KV lives in host RAM (--kv-resident)
     return free, layers * max_ctx * kv_bytes_per_token(cfg, kv_type)
 
 

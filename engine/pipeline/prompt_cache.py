@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.experts.cache import plan_slabs
 from engine.layers.kv_cache import KVCache
+from engine.layers.pinned import plan_slabs
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -50,7 +50,7 @@ class PromptCacheStats:
 def _copy_out(parts: list[torch.Tensor], pin: bool) -> tuple[list[torch.Tensor], int]:
     """Host copies of `parts`, and the bytes of host memory they take. For a card they are page-locked, so that the
     copies are queued behind the device's work instead of waiting for it (a server saving a slot's KV while a step
-    runs does not stall), in slabs of a power of two (experts.cache.plan_slabs): torch's pinned allocator rounds
+    runs does not stall), in slabs of a power of two (layers.pinned.plan_slabs): torch's pinned allocator rounds
     each block up to one, which one buffer an entry left up to half unused, beyond what the cache counted."""
     sizes = [t.numel() * t.element_size() for t in parts]
     if pin:

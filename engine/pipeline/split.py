@@ -39,6 +39,7 @@ from installer.placement import (
     PlacementError,
     check_cards,
     check_manual_split,
+    host_kv_layers,
     plan,
 )
 
@@ -82,6 +83,7 @@ class SplitOptions:
     cpu_weights_mib: int | None = None  # --cpu-weights-mib: float copies of CPU layers' weights (None: auto)
     profile: str | None = None  # --profile PATH: the usage profile to read (default: the data dir's)
     use_profile: bool = True  # --no-profile: fill the caches and place the layers without one
+    kv_resident: int | None = None  # --kv-resident N: positions of KV in VRAM (None: all)
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,7 @@ def plan_stages(
         opts.reserve_mib * MIB,
         None if opts.reserve_later_mib is None else opts.reserve_later_mib * MIB,
         sequences=sequences,
+        kv_resident=opts.kv_resident,
     )
 
     # --gpus: every stage's card.
@@ -408,7 +411,11 @@ def _policies(
     KV still to come, and - for stages sharing a card - room kept for the later stages' weights, KV and work."""
     n = len(sp.ranges)
     prof = torch.as_tensor(profile) if profile is not None else None
-    kv = [sum(geometry.kv_bytes(i, context) for i in r) * sequences for r in sp.ranges]
+    host = [kv_host(geometry, sp, j, context, opts) for j in range(n)]
+    kv = [
+        sum(geometry.kv_bytes(i, context) for i in r if i not in host[j]) * sequences
+        for j, r in enumerate(sp.ranges)
+    ]
     fixed = [sum(geometry.dense_bytes[i] for i in r) + kv[j] for j, r in enumerate(sp.ranges)]
     later = opts.reserve_mib if opts.reserve_later_mib is None else opts.reserve_later_mib
     out = []
@@ -433,6 +440,13 @@ def _policies(
     return out
 
 
+def kv_host(geometry: Geometry, sp: StagePlan, j: int, context: int, opts: SplitOptions) -> frozenset[int]:
+    """The layers of stage j whose KV lives in host RAM (--kv-resident; a card's stage only)."""
+    if sp.devices[j] is None:
+        return frozenset()
+    return host_kv_layers(geometry, sp.ranges[j], context, opts.kv_resident)
+
+
 def build_model(
     gf: GGUFFile,
     cfg: ModelConfig,
@@ -453,19 +467,56 @@ def build_model(
     def torch_device(d: int | None) -> torch.device:
         return torch.device("cpu") if d is None else torch.device("cuda", ordinals.get(d, d))
 
-    policies = _policies(sp, geometry_from_gguf(gf, cfg, kv_type), context, opts, profile, sequences)
+    geometry = geometry_from_gguf(gf, cfg, kv_type)
+    policies = _policies(sp, geometry, context, opts, profile, sequences)
+    host = [kv_host(geometry, sp, j, context, opts) for j in range(len(sp.ranges))]
+    for j, h in enumerate(host):
+        if h:
+            log.info("%s", host_kv_line(geometry, sp.ranges[j], h, context, sequences, sp.labels[j], opts))
     if not sp.split:
-        return build(gf, cfg, torch_device(sp.devices[0]), dtype, experts=policies[0])
+        return build(gf, cfg, torch_device(sp.devices[0]), dtype, experts=policies[0], kv_host_layers=host[0])
     n = len(sp.ranges)
     stages = []
     for j, (r, d, label) in enumerate(zip(sp.ranges, sp.devices, sp.labels, strict=True)):
         dev = torch_device(d)
-        m = build(gf, cfg, dev, dtype, layers=r, embed=j == 0, head=j == n - 1, experts=policies[j])
+        m = build(gf, cfg, dev, dtype, layers=r, embed=j == 0, head=j == n - 1, experts=policies[j],
+                  kv_host_layers=host[j])  # fmt: skip
         stages.append(LocalStage(m, label))
     model = SplitModel(cfg, stages, handoff=opts.handoff, pipeline=opts.pipeline, pipe_chunk=opts.pipe_chunk)
     for line in model.describe():
         log.info("%s", line)
     return model
+
+
+def host_kv_line(
+    g: Geometry,
+    layers: range,
+    host: frozenset[int],
+    context: int,
+    sequences: int,
+    label: str,
+    opts: SplitOptions,
+) -> str:
+    """The log's line for the KV a stage keeps in host RAM."""
+    gib = sum(g.kv_bytes(i, context) for i in host) * sequences / 2**30
+    vram = sum(g.kv_bytes(i, context) for i in layers if i not in host) * sequences / 2**30
+    names = _ranges(sorted(host))
+    return (
+        f"--kv-resident {opts.kv_resident}: the KV of layer(s) {names} ({gib:.2f} GiB for {context} positions x "
+        f"{sequences} slot(s)) lives in page-locked host RAM and is read across PCIe at every step, {vram:.2f} GiB "
+        f"of KV stays in VRAM on {label}; decode slows as the context used grows (docs/performance.md)"
+    )
+
+
+def _ranges(nums: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out: list[str] = []
+    for n in nums:
+        if out and n == int(out[-1].split("-")[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{n}"
+        else:
+            out.append(str(n))
+    return ", ".join(out)
 
 
 def prefill_chunk(

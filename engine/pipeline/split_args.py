@@ -53,4 +53,5 @@ def options_from_args(args: EngineOptions) -> SplitOptions:
         remote_timing=args.remote_timing,
         profile=args.profile,
         use_profile=not args.no_profile,
+        kv_resident=args.kv_resident,
     )

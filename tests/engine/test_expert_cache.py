@@ -7,6 +7,7 @@ from gguf import GGMLQuantizationType as QT
 
 from engine.experts.cache import ExpertCache, plan_capacity
 from engine.layers.moe import ExpertWeights
+from engine.layers.pinned import PAGE
 from engine.layers.qtensor import QTensor
 
 
@@ -85,7 +86,7 @@ def test_pinned_slabs_hold_several_projections_and_waste_little() -> None:
     """The host store is pinned in slabs of a power of two (torch rounds every pinned allocation up to one): every
     projection placed once, page-aligned, inside its slab; Qwen3-30B-A3B's 144 projections of 113 MB take about 5%
     more than their bytes, where one allocation each took 18.5% more (144 x 128 MiB)."""
-    from engine.experts.cache import PAGE, plan_slabs
+    from engine.layers.pinned import plan_slabs
 
     for sizes in ([113_246_208] * 144, [5_000, 70_000, 3, 1 << 20, 123_457] * 7, [3 << 30, 1 << 20]):
         plan = plan_slabs(sizes)
@@ -113,7 +114,7 @@ def test_pin_all_copies_into_slab_views(monkeypatch) -> None:  # type: ignore[no
     monkeypatch.setattr(cache_mod.torch, "empty", lambda *a, pin_memory=False, **k: plain(*a, **k))
     got = cache_mod.pin_all(raws)
     assert all(torch.equal(g, r) and g.data_ptr() != r.data_ptr() for g, r in zip(got, raws, strict=True))
-    assert got[1].data_ptr() - got[0].data_ptr() == cache_mod.PAGE  # one slab, a page each
+    assert got[1].data_ptr() - got[0].data_ptr() == PAGE  # one slab, a page each
 
     def refuse(*a, **k):  # type: ignore[no-untyped-def]
         raise RuntimeError("no pinned memory here")

@@ -311,12 +311,13 @@ def test_every_whitelisted_flag_is_a_worker_option() -> None:
     from installer.engine_options import resolve
 
     sample = {"--kv": "int8", "--dtype": "f32", "--max-context": "64", "--prefill": "128", "--device": "cpu",
-              "--activations": "float"}  # fmt: skip
+              "--activations": "float", "--kv-resident": "2048"}  # fmt: skip
     assert set(sample) == set(FLAG_WHITELIST)
     argv = ["worker", "--stage-worker", "1", "--stage-begin", "1"]
     for flag, value in sample.items():
         argv += [flag, FLAG_WHITELIST[flag](value)]
     args = resolve(argv, env={})
+    assert args.kv_resident == 2048
     assert (args.kv, args.dtype, args.max_context, args.prefill, args.device, args.activations) == (
         "int8",
         "f32",
