@@ -4,8 +4,8 @@ server's memory after the run.
 64 clients each send 4 requests one after another: prompts of 1 to ~200 tokens, 1 to 64 tokens to generate, half
 streamed; every fifth streamed request is dropped by its client after its first tokens. Counted: answers, cancels,
 errors by status, answers that did not arrive (lost), and the server's resident memory before, after a first
-round and after a second (a leak grows between the two; the prompt cache's own growth, up to --prompt-cache-mib, is
-given beside it).
+round and after each later one (--rounds; a leak grows between them; the prompt cache's own growth, up to
+--prompt-cache-mib, is given beside it).
 
     python bench/serve_stress.py [--model F] [--clients 64] [--requests 4] [--serve-args "..."] [--out F]
 Without --model a tiny qwen3moe is written to a temporary folder (the server's speed is not what is measured).
@@ -91,6 +91,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--serve-args", default="--device cpu --threads 1 --max-queue 256")
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="rounds of every client's requests (memory after each)"
+    )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,7 +103,7 @@ def main() -> None:
             httpx.post(url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 4}, timeout=60)
             rss = [rss_mib(proc.pid)]
             rounds = []
-            for seed in (1, 2):
+            for seed in range(1, a.rounds + 1):
                 tally, wall = round_of(url, a.clients, a.requests, seed)
                 time.sleep(1.0)  # the cancelled requests' slots are freed at the next step
                 stats = httpx.get(url + "/stats", timeout=30).json()
@@ -126,15 +129,24 @@ def main() -> None:
             r["outcomes"].get("ok", 0) + r["outcomes"].get("cancelled", 0) for r in rounds
         ],
         "of": total,
-        "rss_mib": {
-            "before": round(rss[0], 1),
-            "after_round_1": round(rss[1], 1),
-            "after_round_2": round(rss[2], 1),
-        },
+        "rss_mib": {"before": round(rss[0], 1), "after_rounds": [round(r, 1) for r in rss[1:]]},
+        # what the process grew by over the last half of the rounds, less what the prompt cache counted in that time
+        "rss_growth_late_less_cache_mib": _late_growth(
+            rss[1:], [r["prompt_cache_mib_after"] for r in rounds]
+        ),
     }
     if a.out:
         a.out.write_text(json.dumps(out, indent=1))
     print(json.dumps({k: out[k] for k in ("lost", "http_5xx", "answered_or_cancelled", "of", "rss_mib")}))
+
+
+def _late_growth(rss: list[float], cache: list[float]) -> float | None:
+    """Resident memory's growth from the middle round to the last, less the prompt cache's own (a leak shows here;
+    the first rounds fill caches and pools)."""
+    if len(rss) < 2:
+        return None
+    mid = len(rss) // 2
+    return round((rss[-1] - rss[mid - 1]) - (cache[-1] - cache[mid - 1]), 1)
 
 
 if __name__ == "__main__":
