@@ -791,6 +791,7 @@ class Stats(_Status):
     dtype: str | None = None
     kv_type: str | None = None
     max_context: int | None = None
+    kv_host_layers: list[int] | None = None  # the layers whose KV lives in host RAM (--kv-resident)
     n_layer: int | None = None
     prompt_cache: PromptCacheStats | None = None
     experts: ExpertsStats | None = None

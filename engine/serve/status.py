@@ -170,6 +170,7 @@ class Status:
             dtype=str(lm.model.dtype).removeprefix("torch."),
             kv_type=self.kv_type,
             max_context=self.opts.max_context,
+            kv_host_layers=_host_kv_layers(lm.model),
             n_layer=c.n_layer,
         )
         links = dict(self.links())
@@ -220,3 +221,10 @@ class Status:
         else:
             out["experts"] = None
         return Stats.model_validate(out)
+
+
+def _host_kv_layers(model: object) -> list[int]:
+    """The layers whose KV lives in page-locked host RAM (--kv-resident), over a split's local stages too."""
+    stages = getattr(model, "stages", None)
+    models = [getattr(st, "model", None) for st in stages] if stages else [model]
+    return sorted({i for m in models for i in getattr(m, "kv_host_layers", ())})

@@ -83,6 +83,7 @@ def test_stats(server: ServerProc) -> None:
         and s["device"] == "cpu"
     )
     assert s["queue"] == {"waiting": 0, "active": 0, "max": 256, "active_request": None}
+    assert s["kv_host_layers"] == []  # all of the KV where the model runs (--kv-resident moves layers' KV)
     st = s["stages"][0]
     assert st["stage"] == 0 and st["layers"] == [0, N_LAYER] and st["device"] == "cpu"
     assert st["step_ms"]["count"] >= 1 and st["step_ms"]["mean"] > 0
