@@ -144,7 +144,7 @@ class KVCache:
         if on_host:
             try:
                 tensors = host_tensors(specs * len(on_host), device)
-            except RuntimeError as e:
+            except (RuntimeError, TypeError, ValueError) as e:  # RAM short, or no mapping for the card
                 need = sum(math.prod(sh) * torch.empty((), dtype=dt).element_size() for sh, dt in specs)
                 raise KVCacheError(
                     f"could not pin {need * len(on_host) / 2**30:.1f} GiB of host RAM for the KV of {len(on_host)} "
