@@ -3,9 +3,7 @@ auto moves KV there on one card (auto_kv_resident), the flag, and the memory pla
 experts. The KV itself in host RAM runs on a card: tests/engine/test_kv_resident_gpu.py."""
 
 import pytest
-import torch
 
-from engine.layers.kv_cache import KVCache
 from engine.pipeline.split import SplitOptions, StagePlan, _policies, kv_host
 from installer.engine_options import resolve
 from installer.placement import (
@@ -103,8 +101,3 @@ def test_the_flag_takes_a_count_or_auto() -> None:
     for bad in ("lots", "-5"):
         with pytest.raises(SystemExit):
             resolve([*gen, "--kv-resident", bad])
-
-
-def test_on_the_cpu_every_layer_is_plain_host_memory() -> None:
-    cache = KVCache(range(2), 64, 2, 64, 64, "int8", torch.device("cpu"), host_layers={1})
-    assert cache.host_layers == [] and cache.layers[1].in_vram(8) is cache.layers[1]
