@@ -106,6 +106,11 @@ def runs_on(stats: dict[str, Any]) -> str:
         parts.append(f"KV {stats['kv_type']}")
     if stats.get("max_context"):
         parts.append(f"context {stats['max_context']}")
+    host = stats.get("kv_host_layers")
+    if isinstance(host, list) and host:
+        parts.append(
+            f"KV of {len(host)} layer(s) in host RAM"
+        )  # --kv-resident: decode slows as the context fills
     if stats.get("n_layer"):
         parts.append(f"{stats['n_layer']} layers")
     return ", ".join(parts) or "–"

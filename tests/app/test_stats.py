@@ -40,6 +40,12 @@ def test_engine_shape() -> None:
     assert experts_held(ENGINE_STATS) == (0, 16)
     assert last_timings(ENGINE_STATS)["predicted_per_second"] == 5.95
     assert runs_on(ENGINE_STATS) == "cpu, qwen3moe, float32, KV f32, context 4096, 2 layers"
+    spilled = {**ENGINE_STATS, "device": "cuda:0", "kv_host_layers": [36, 37, 38]}
+    assert (
+        runs_on(spilled)
+        == "cuda:0, qwen3moe, float32, KV f32, context 4096, KV of 3 layer(s) in host RAM, 2 layers"
+    )
+    assert runs_on({**ENGINE_STATS, "kv_host_layers": []}) == runs_on(ENGINE_STATS)
     assert queue_text(ENGINE_STATS) == "waiting 0, active 1"
 
 
