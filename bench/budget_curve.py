@@ -61,13 +61,17 @@ def best_ncmoe(binary: str, model: str, layers: int, budget_mib: int, n: int, th
     return {"fits": False, "tried": tried}
 
 
-def ours(model: str, budget_mib: int, trace: Path, decode: int, threads: int) -> dict:
-    """engine_bench within `budget_mib` (the whole process) replaying `trace`, in a process of its own."""
+def ours(model: str, budget_mib: int, trace: Path, decode: int, threads: int, fill: str = "profile") -> dict:
+    """engine_bench within `budget_mib` (the whole process) replaying `trace`, in a process of its own. `fill`:
+    "profile" fills the cache from the trace's second half (the hottest (layer, expert) pairs, spread over the
+    layers), "layers" without a profile (whole layers in order: the misses gather in the other layers)."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "eb.json"
         cmd = [sys.executable, str(HERE / "engine_bench.py"), "--model", model, "--prompts", "512", "--decode",
-               str(decode), "--reps", "2", "--expert-policy", "profile", "--profile-from-trace", "--vram-process-mib",
+               str(decode), "--reps", "2", "--expert-policy", "profile", "--vram-process-mib",
                str(budget_mib), "--vram-reserve-mib", "0", "--threads", str(threads), "--out", str(out)]  # fmt: skip
+        if fill == "profile":
+            cmd.append("--profile-from-trace")
         p = subprocess.run(
             cmd, env={**os.environ, "STRATA_ROUTE_TRACE": str(trace)}, capture_output=True, text=True
         )
@@ -84,6 +88,9 @@ def main() -> None:
     ap.add_argument("--llama-bench", help="llama-bench built for this card (without it: ours only)")
     ap.add_argument("--budgets-gib", default="6,10,16,24")
     ap.add_argument("--traces", default="realistic,uniform")
+    ap.add_argument(
+        "--fills", default="profile", help="cache fills to run ours with: profile, layers (see ours())"
+    )
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "strata-traces")
@@ -103,7 +110,14 @@ def main() -> None:
             row["llamacpp"] = best_ncmoe(
                 a.llama_bench, a.model, layers, budget, a.decode, a.threads, least, per_layer
             )
-        row["ours"] = {name: ours(a.model, budget, t, a.decode, a.threads) for name, t in traces.items() if t}
+        row["ours"] = {
+            name if fill == "profile" else f"{name}_{fill}": ours(
+                a.model, budget, t, a.decode, a.threads, fill
+            )
+            for fill in a.fills.split(",")
+            for name, t in traces.items()
+            if t
+        }
         best = (row.get("llamacpp") or {}).get("decode_tok_s")
         if best:
             row["over_llamacpp"] = {
