@@ -81,8 +81,11 @@ def host_tensors(
     out: list[torch.Tensor] = []
     i = 0
     for size, offsets in plan_slabs(sizes):
-        raw = torch.zeros(size, dtype=torch.uint8, pin_memory=True)
-        whole = torch.as_tensor(_CudaView(raw), device=device)
+        with torch.cuda.device(device):  # pinned under the card's context: torch places the view on that card
+            raw = torch.zeros(size, dtype=torch.uint8, pin_memory=True)
+            whole = torch.as_tensor(_CudaView(raw), device=device)
+        if whole.data_ptr() != raw.data_ptr():  # torch copied it to the card instead of mapping it
+            raise RuntimeError(f"page-locked host memory could not be mapped for {device}")
         for o in offsets:
             shape, dt = specs[i]
             out.append(whole[o : o + sizes[i]].view(dt).view(shape))
