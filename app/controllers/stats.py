@@ -106,11 +106,9 @@ def runs_on(stats: dict[str, Any]) -> str:
         parts.append(f"KV {stats['kv_type']}")
     if stats.get("max_context"):
         parts.append(f"context {stats['max_context']}")
-    host = stats.get("kv_host_layers")
+    host = stats.get("kv_host_layers")  # --kv-resident: their decode slows as the context fills
     if isinstance(host, list) and host:
-        parts.append(
-            f"KV of {len(host)} layer(s) in host RAM"
-        )  # --kv-resident: decode slows as the context fills
+        parts.append(f"KV of {len(host)} layer(s) in host RAM")
     if stats.get("n_layer"):
         parts.append(f"{stats['n_layer']} layers")
     return ", ".join(parts) or "–"

@@ -73,10 +73,7 @@ def host_tensors(
     specs: Sequence[tuple[tuple[int, ...], torch.dtype]], device: torch.device
 ) -> list[torch.Tensor]:
     """Zeroed tensors of the given (shape, dtype)s in page-locked host RAM (slabs, plan_slabs), as tensors of the
-    CUDA `device` whose kernels reach them across PCIe; on the CPU plain zeroed tensors. RuntimeError where the RAM
-    cannot be pinned."""
-    if device.type != "cuda":
-        return [torch.zeros(shape, dtype=dt) for shape, dt in specs]
+    CUDA `device` whose kernels reach them across PCIe. RuntimeError where the RAM cannot be pinned or mapped."""
     sizes = [_nbytes(shape, dt) for shape, dt in specs]
     out: list[torch.Tensor] = []
     i = 0
