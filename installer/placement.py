@@ -134,12 +134,14 @@ def auto_kv_resident(
     overhead: int = DEFAULT_OVERHEAD_BYTES,
 ) -> tuple[int | None, str]:  # fmt: skip
     """--kv-resident auto on one card: every position's KV in VRAM where the dense weights, the KV of `sequences`
-    slots of `context` positions, the working buffers and the reserve fit the card's `free_bytes` (the experts then
-    take what is left, or none); else the positions whose KV fits beside the rest (the other layers' KV in host RAM),
+    slots of `context` positions, the working buffers, the experts' staging area (a prompt chunk stages one
+    layer's experts at a time) and the reserve fit the card's `free_bytes` (the experts then take what is left, or
+    none); else the positions whose KV fits beside the rest (the other layers' KV in host RAM),
     so that the context runs rather than failing at start. None where everything fits, or where even with all of
     the KV in host RAM the dense weights do not. -> (positions, the reason, for the log)."""
     dense = sum(g.dense_bytes) + g.embed_bytes + g.head_bytes + g.draft_bytes
     dense += sum(g.state_bytes) * max(1, sequences) if g.state_bytes else 0
+    dense += max(g.expert_bytes) * g.n_expert  # the prompt chunks' staging area: one layer's experts
     per = sum(g.kv_bytes_per_token) * max(1, sequences)  # a position of every layer and slot
     kv = sum(g.kv_bytes(i, context) for i in range(g.n_layer)) * max(1, sequences)
     kv -= sum(g.state_bytes) * max(1, sequences) if g.state_bytes else 0
@@ -151,9 +153,10 @@ def auto_kv_resident(
     fits = int(room // per) // CONTEXT_STEP * CONTEXT_STEP
     return fits, (
         f"the KV of {context} positions x {max(1, sequences)} slot(s) ({kv / GIB:.1f} GiB) does not fit beside the "
-        f"dense weights on the card ({room / GIB:.1f} GiB left after them, the reserve and working buffers): the KV "
-        f"of {fits} positions stays in VRAM and the other layers' KV lives in host RAM, read across PCIe at every "
-        "step (a shorter --max-context, fewer --parallel slots or a smaller --kv type keep it all in VRAM)"
+        f"dense weights on the card ({room / GIB:.1f} GiB left after them, the experts' staging area, the reserve "
+        f"and working buffers): the KV of {fits} positions stays in VRAM and the other layers' KV lives in host RAM, "
+        "read across PCIe at every step (a shorter --max-context, fewer --parallel slots or a smaller --kv type keep "
+        "it all in VRAM)"
     )
 
 
