@@ -63,15 +63,19 @@ def best_ncmoe(binary: str, model: str, layers: int, budget_mib: int, n: int, th
 
 def ours(model: str, budget_mib: int, trace: Path, decode: int, threads: int, fill: str = "profile") -> dict:
     """engine_bench within `budget_mib` (the whole process) replaying `trace`, in a process of its own. `fill`:
-    "profile" fills the cache from the trace's second half (the hottest (layer, expert) pairs, spread over the
-    layers), "layers" without a profile (whole layers in order: the misses gather in the other layers)."""
+    "profile" fills the cache from the usage counts of the trace's second half by the engine's plan (the slots per
+    layer whose misses cost least, engine/experts/capacity.py), "hottest" from the same counts by the hottest
+    (layer, expert) pairs whatever the layer, "layers" without a profile (whole layers in order: the misses gather
+    in the other layers)."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "eb.json"
         cmd = [sys.executable, str(HERE / "engine_bench.py"), "--model", model, "--prompts", "512", "--decode",
                str(decode), "--reps", "2", "--expert-policy", "profile", "--vram-process-mib",
                str(budget_mib), "--vram-reserve-mib", "0", "--threads", str(threads), "--out", str(out)]  # fmt: skip
-        if fill == "profile":
+        if fill in ("profile", "hottest"):
             cmd.append("--profile-from-trace")
+        if fill == "hottest":
+            cmd += ["--layer-miss-cost", "hottest"]
         p = subprocess.run(
             cmd, env={**os.environ, "STRATA_ROUTE_TRACE": str(trace)}, capture_output=True, text=True
         )
@@ -89,7 +93,9 @@ def main() -> None:
     ap.add_argument("--budgets-gib", default="6,10,16,24")
     ap.add_argument("--traces", default="realistic,uniform")
     ap.add_argument(
-        "--fills", default="profile", help="cache fills to run ours with: profile, layers (see ours())"
+        "--fills",
+        default="profile",
+        help="cache fills to run ours with: profile, hottest, layers (see ours())",
     )
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)

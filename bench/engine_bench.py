@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import emit
+from engine.experts.capacity import LAYER_MISS_COST
 from engine.experts.policy import ExpertPolicy
 from engine.pipeline.loader import load_model
 
@@ -277,6 +278,12 @@ def main() -> None:
         "recorded earlier on like text; the run replays from its start)",
     )
     ap.add_argument(
+        "--layer-miss-cost",
+        default=str(LAYER_MISS_COST),
+        help="the cache's plan per layer (engine/experts/capacity.py): a layer that misses costs this many missed "
+        "experts beyond its misses; 'hottest': the profile's hottest (layer, expert) pairs, whatever the layer",
+    )
+    ap.add_argument(
         "--cpu-experts", type=float, default=None, help="the engine's --cpu-experts F (default: auto)"
     )
     ap.add_argument(
@@ -334,6 +341,7 @@ def main() -> None:
             miss_path=a.expert_misses,
             eviction=a.expert_policy,
             profile=profile,
+            layer_miss_cost=None if a.layer_miss_cost == "hottest" else float(a.layer_miss_cost),
             cpu_share=a.cpu_experts,
             vram_budget_mib=a.vram_budget_mib,
             reserve_mib=a.vram_reserve_mib,

@@ -143,38 +143,6 @@ def pin_all(raws: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def plan_capacity(
-    expert_bytes: Mapping[int, int],
-    n_expert: int,
-    budget_bytes: int,
-    profile: torch.Tensor | None,
-    max_pairs: int | None = None,
-) -> dict[int, int]:
-    """Slots per layer for `budget_bytes` (and at most `max_pairs` experts): the hottest (layer, expert) pairs of
-    the profile first, all equal without one. A pure function of its inputs."""
-    layers = sorted(expert_bytes)
-    if budget_bytes <= 0 or max_pairs == 0:
-        return dict.fromkeys(layers, 0)
-    pairs = []
-    for li in layers:
-        for e in range(n_expert):
-            heat = float(profile[li, e]) if profile is not None else 0.0
-            pairs.append((-heat, li, e))
-    pairs.sort()
-    cap = dict.fromkeys(layers, 0)
-    used = 0
-    taken = 0
-    for _, li, _ in pairs:
-        if used + expert_bytes[li] > budget_bytes:
-            continue
-        if max_pairs is not None and taken >= max_pairs:
-            break
-        cap[li] += 1
-        used += expert_bytes[li]
-        taken += 1
-    return cap
-
-
 class ExpertCache:
     """The experts of one stage's MoE layers on one CUDA device."""
 

@@ -7,7 +7,8 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.experts.cache import MAX_STEP_ROWS, ExpertCache, plan_capacity
+from engine.experts.cache import MAX_STEP_ROWS, ExpertCache
+from engine.experts.capacity import LAYER_MISS_COST, plan_capacity
 from engine.kernels import int8_activations
 from installer.engine_options import D as OPTION_DEFAULTS
 
@@ -50,6 +51,9 @@ class ExpertPolicy:
     eviction: str = "profile"
     lfu_decay: float = 0.9
     rows: int = 1  # decode rows a step at most (--parallel): the staging area holds their misses
+    # what a layer that misses costs beyond its missed experts, in missed experts' worth (capacity.py); None: fill
+    # the profile's hottest (layer, expert) pairs whatever the layer
+    layer_miss_cost: float | None = LAYER_MISS_COST
 
 
 def expert_budget(device: torch.device, policy: ExpertPolicy) -> int:
@@ -94,7 +98,11 @@ def build_expert_cache(model: PlacedModel, policy: ExpertPolicy) -> ExpertCache:
             slot_bytes = 3 * -(-stride // 8) * 8  # a slot of kernels.stage_copy.Stager's area
             stage_slots = decode_stage_slots(model.cfg.n_expert_used, policy.rows, slot_bytes, budget)
             budget -= stage_slots * slot_bytes
-    capacity = plan_capacity(per_expert, n_expert, budget, policy.profile, max_pairs=policy.slots)
+    # a recency cache (lru, lfu) fills by heat alone: its hits come from reuse the profile's counts do not show
+    capacity = plan_capacity(
+        per_expert, n_expert, budget, policy.profile, max_pairs=policy.slots, top_k=model.cfg.n_expert_used,
+        layer_cost=policy.layer_miss_cost if policy.eviction == "profile" else None,
+    )  # fmt: skip
     if policy.kv_bytes > 0 and not all_in and per_expert:
         # KV and experts share the card: say what the context costs in experts, and how to get them back
         each = sum(per_expert.values()) / len(per_expert)

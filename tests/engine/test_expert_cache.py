@@ -5,7 +5,8 @@ from itertools import pairwise
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from engine.experts.cache import ExpertCache, plan_capacity
+from engine.experts.cache import ExpertCache
+from engine.experts.capacity import plan_capacity
 from engine.layers.moe import ExpertWeights
 from engine.layers.pinned import PAGE
 from engine.layers.qtensor import QTensor
