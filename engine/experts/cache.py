@@ -364,6 +364,22 @@ class ExpertCache:
         hits = int((delta * le.resident).sum().item())
         return le.hits_before + hits, le.misses_before + int(delta.sum().item()) - hits
 
+    def _splits(self, lis: list[int]) -> dict[int, tuple[int, int]]:
+        """`_split` of several layers, read back in one copy (a server reads these while steps are queued)."""
+        live = [li for li in lis if self.counts is not None and self.layers[li].counts_base is not None]
+        out = {
+            li: (self.layers[li].hits_before, self.layers[li].misses_before) for li in lis if li not in live
+        }
+        if live:
+            assert self.counts is not None
+            delta = self.counts[live] - torch.stack([self.layers[li].counts_base for li in live])  # type: ignore[misc]
+            resident = torch.stack([self.layers[li].resident for li in live])
+            both = torch.stack([(delta * resident).sum(1), delta.sum(1)], 1).tolist()
+            for li, (hits, total) in zip(live, both, strict=True):
+                le = self.layers[li]
+                out[li] = (le.hits_before + int(hits), le.misses_before + int(total) - int(hits))
+        return out
+
     def _lru_stats(self) -> dict[int, list[int]]:
         """(hits, misses, admissions) of each layer whose decode steps admit on the card (counted by the admitting
         launch), read in one copy."""
@@ -385,7 +401,8 @@ class ExpertCache:
         total = sum(le.n_expert for le in self.layers.values())
         vram = sum(le.capacity * sum(p.expert_bytes for p in le.projections) for le in self.layers.values())
         lru = self._lru_stats()
-        split = [(lru[li][0], lru[li][1]) if li in lru else self._split(li) for li in self.layers]
+        counted = self._splits([li for li in self.layers if li not in lru])
+        split = [(lru[li][0], lru[li][1]) if li in lru else counted[li] for li in self.layers]
         hits = sum(h for h, _ in split)
         misses = sum(m for _, m in split)
         admitted = {li: s[2] for li, s in lru.items()}

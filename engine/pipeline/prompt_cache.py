@@ -66,13 +66,43 @@ def _copy_out(parts: list[torch.Tensor], pin: bool) -> tuple[list[torch.Tensor],
     for size, offsets in plan:
         buf = torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=pin)
         held += size
+        mine = parts[i : i + len(offsets)]
+        gathered = pin and _gather(mine, offsets, sizes[i : i + len(offsets)], buf)
         for o in offsets:
             t = parts[i]
             dst = buf[o : o + sizes[i]].view(t.dtype).view(t.shape)
-            dst.copy_(t, non_blocking=pin)
+            if not gathered:
+                dst.copy_(t, non_blocking=pin)
             out.append(dst)
             i += 1
     return out, held
+
+
+# A slab's parts (a snapshot's K and V of every layer) are gathered on the card into one buffer of at most this
+# many bytes and cross in one copy: a copy per part (two a layer) took the server's thread ~7 ms a new request.
+GATHER_MAX = 64 << 20
+
+
+def _gather(parts: list[torch.Tensor], offsets: list[int], sizes: list[int], buf: torch.Tensor) -> bool:
+    """Copy `parts` (contiguous, on one card) to `buf` at `offsets` through one device buffer -> whether it did."""
+    end = offsets[-1] + sizes[-1] if offsets else 0
+    dev = parts[0].device if parts else None
+    if (
+        not parts
+        or end > GATHER_MAX
+        or dev is None
+        or dev.type != "cuda"
+        or any(t.device != dev or not t.is_contiguous() for t in parts)
+    ):
+        return False
+    pieces, at = [], 0
+    for t, o, n in zip(parts, offsets, sizes, strict=True):
+        if o > at:
+            pieces.append(torch.empty(o - at, dtype=torch.uint8, device=dev))  # alignment padding
+        pieces.append(t.reshape(-1).view(torch.uint8))
+        at = o + n
+    buf[:end].copy_(torch.cat(pieces), non_blocking=True)
+    return True
 
 
 class PromptCache:

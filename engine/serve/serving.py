@@ -533,7 +533,7 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                         "prompt_chunk", st.ms, st.index, {"rows": st.rows, "slots": st.busy}, st.rows
                     )
             if ended:
-                self._snapshot_experts()
+                self._snapshot_experts(force=not self.running)
                 if self.profile is not None:
                     self.profile.tick()
             for job in ended:

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from engine.serve.stages import StageSlot, StageTimes
 
 
+# While requests run, /stats' expert figures are this fresh at most: each read waits for the card (a sync per
+# request that ended took the server's thread ~3 ms and the overlap of host and card with it).
+EXPERTS_EVERY_S = 0.5
+
+
 class Status:
     """Part of EngineService: reads its state (`status`, `error`), model, runner, queue, telemetry and stages."""
 
@@ -53,7 +58,13 @@ class Status:
     def generating(self) -> int:
         raise NotImplementedError
 
-    def _snapshot_experts(self) -> None:
+    def _snapshot_experts(self, force: bool = True) -> None:
+        """The expert counts and caches' figures into the telemetry. Reading them waits for the steps queued, so
+        while slots are decoding (`force` False) it happens at most every EXPERTS_EVERY_S."""
+        now = time.monotonic()
+        if not force and now - getattr(self, "_experts_at", 0.0) < EXPERTS_EVERY_S:
+            return
+        self._experts_at = now
         counts = self.lm.model.expert_counts if self.lm is not None else None
         if counts is not None:
             self.telemetry.set_expert_counts(counts.tolist())
