@@ -15,7 +15,7 @@ import torch
 
 from engine import kernels
 from engine.layers.moe import ExpertWeights
-from engine.layers.pinned import plan_slabs
+from engine.layers.pinned import plan_slabs, views
 from engine.layers.qtensor import QTensor
 
 if TYPE_CHECKING:
@@ -134,12 +134,11 @@ def pin_all(raws: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         except RuntimeError:
             return out + [_pin_one(r) for r in raws[i:]]
-        for o in offsets:
-            r = raws[i]
-            view = buf[o : o + r.numel() * r.element_size()].view(r.dtype).view(r.shape)
+        mine = raws[i : i + len(offsets)]
+        for view, r in zip(views(buf, offsets, [(tuple(r.shape), r.dtype) for r in mine]), mine, strict=True):
             view.copy_(r)
             out.append(view)
-            i += 1
+        i += len(offsets)
     return out
 
 

@@ -83,15 +83,23 @@ def host_tensors(
             whole = torch.as_tensor(_CudaView(raw), device=device)
         if whole.data_ptr() != raw.data_ptr():  # torch copied it to the card instead of mapping it
             raise RuntimeError(f"page-locked host memory could not be mapped for {device}")
-        for o in offsets:
-            shape, dt = specs[i]
-            out.append(whole[o : o + sizes[i]].view(dt).view(shape))
-            i += 1
+        out += views(whole, offsets, specs[i : i + len(offsets)])
+        i += len(offsets)
     return out
 
 
+def views(
+    buf: torch.Tensor, offsets: Sequence[int], specs: Sequence[tuple[tuple[int, ...], torch.dtype]]
+) -> list[torch.Tensor]:
+    """Tensors of the (shape, dtype)s `specs` that are views of the bytes of `buf` (uint8, 1-D) at `offsets`."""
+    return [
+        buf[o : o + _nbytes(shape, dt)].view(dt).view(shape)
+        for o, (shape, dt) in zip(offsets, specs, strict=True)
+    ]
+
+
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = torch.empty((), dtype=dtype).element_size()
+    n = dtype.itemsize
     for d in shape:
         n *= d
     return n

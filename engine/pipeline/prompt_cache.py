@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.layers.kv_cache import KVCache
-from engine.layers.pinned import plan_slabs
+from engine.layers.pinned import plan_slabs, views
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -68,13 +68,11 @@ def _copy_out(parts: list[torch.Tensor], pin: bool) -> tuple[list[torch.Tensor],
         held += size
         mine = parts[i : i + len(offsets)]
         gathered = pin and _gather(mine, offsets, sizes[i : i + len(offsets)], buf)
-        for o in offsets:
-            t = parts[i]
-            dst = buf[o : o + sizes[i]].view(t.dtype).view(t.shape)
+        for dst, t in zip(views(buf, offsets, [(tuple(t.shape), t.dtype) for t in mine]), mine, strict=True):
             if not gathered:
                 dst.copy_(t, non_blocking=pin)
             out.append(dst)
-            i += 1
+        i += len(offsets)
     return out, held
 
 

@@ -406,12 +406,15 @@ def _policies(
     opts: SplitOptions,
     profile: np.ndarray | None,
     sequences: int = 1,
+    host: Sequence[frozenset[int]] | None = None,
 ) -> list[ExpertPolicy]:
     """Each stage's expert-cache policy: its card's reserve (the first card's or the later cards' setting), its own
-    KV still to come, and - for stages sharing a card - room kept for the later stages' weights, KV and work."""
+    KV still to come (less the layers in `host`, each stage's KV in host RAM: kv_host), and - for stages sharing a
+    card - room kept for the later stages' weights, KV and work."""
     n = len(sp.ranges)
     prof = torch.as_tensor(profile) if profile is not None else None
-    host = [kv_host(geometry, sp, j, context, opts) for j in range(n)]
+    if host is None:
+        host = [kv_host(geometry, sp, j, context, opts) for j in range(n)]
     kv = [
         sum(geometry.kv_bytes(i, context) for i in r if i not in host[j]) * sequences
         for j, r in enumerate(sp.ranges)
@@ -468,8 +471,8 @@ def build_model(
         return torch.device("cpu") if d is None else torch.device("cuda", ordinals.get(d, d))
 
     geometry = geometry_from_gguf(gf, cfg, kv_type)
-    policies = _policies(sp, geometry, context, opts, profile, sequences)
     host = [kv_host(geometry, sp, j, context, opts) for j in range(len(sp.ranges))]
+    policies = _policies(sp, geometry, context, opts, profile, sequences, host)
     for j, h in enumerate(host):
         if h:
             log.info("%s", host_kv_line(geometry, sp.ranges[j], h, context, sequences, sp.labels[j], opts))
