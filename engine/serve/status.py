@@ -46,6 +46,7 @@ class Status:
     stage_slots: "list[StageSlot]"
     stage_times: "StageTimes | None"
     active: "Job | None"
+    _experts_at: float = 0.0  # when _snapshot_experts last read the card
 
     @property
     def waiting(self) -> int:
@@ -62,7 +63,7 @@ class Status:
         """The expert counts and caches' figures into the telemetry. Reading them waits for the steps queued, so
         while slots are decoding (`force` False) it happens at most every EXPERTS_EVERY_S."""
         now = time.monotonic()
-        if not force and now - getattr(self, "_experts_at", 0.0) < EXPERTS_EVERY_S:
+        if not force and now - self._experts_at < EXPERTS_EVERY_S:
             return
         self._experts_at = now
         counts = self.lm.model.expert_counts if self.lm is not None else None

@@ -194,7 +194,11 @@ def test_a_save_on_a_card_is_queued_and_restores_what_it_saw(kv: str) -> None:
     want = {i: [t[:40].clone() if t is not None else None for t in (lk.k, lk.v, lk.k_scale, lk.v_scale)]
             for i, lk in src.layers.items()}  # fmt: skip
     pc = PromptCache(1 << 30)
-    pc.save(list(range(40)), src)
+    torch.cuda.set_sync_debug_mode("error")  # the save gathers on the card and copies out without a wait
+    try:
+        pc.save(list(range(40)), src)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     for lk in src.layers.values():  # queued after the save's copies
         lk.k.zero_()
     (entry,) = pc.entries

@@ -208,3 +208,29 @@ def test_a_stages_cpu_share_is_reported_as_it_is_now() -> None:
         stages[0]["expert_cache"]["cpu_share"] == 0.6 and stages[0]["expert_cache"]["computed_on_cpu"] == 25
     )
     assert stages[1]["expert_cache"]["cpu_share"] is None
+
+
+def test_expert_figures_are_read_at_most_every_half_second_while_slots_decode() -> None:
+    """Reading the expert counts waits for the card's queued steps: while requests run, a request's end reads them
+    only when the last read is EXPERTS_EVERY_S old; the end of the last request always reads them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.serve.status import EXPERTS_EVERY_S, Status
+
+    counts = torch.zeros(2, 4, dtype=torch.int64)
+    st = Status()
+    st.lm = SimpleNamespace(model=SimpleNamespace(expert_counts=counts))  # type: ignore[assignment]
+    st.telemetry = Telemetry()
+    st._snapshot_experts(force=False)
+    assert st.telemetry.expert_counts == [[0] * 4] * 2
+    counts[0, 1] = 5
+    st._snapshot_experts(force=False)  # within the interval: not read
+    assert st.telemetry.expert_counts[0][1] == 0
+    st._experts_at -= EXPERTS_EVERY_S
+    st._snapshot_experts(force=False)
+    assert st.telemetry.expert_counts[0][1] == 5
+    counts[0, 1] = 7
+    st._snapshot_experts()  # forced: the last request ended
+    assert st.telemetry.expert_counts[0][1] == 7
