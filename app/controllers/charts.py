@@ -1,7 +1,8 @@
 """`ChartsController`: the time series behind the live charts, fed by the engine's /events and the GPU samplers.
 
 Per stage: the time of each decode step and of each prompt chunk, split into compute, waiting and transfer where
-the engine reports them (every stage of a split; a single stage is all compute). Speed: tokens/s of each finished
+the engine reports them (every stage of a split; a single stage is all compute). With slots (--parallel): each
+shared step's rows and busy slots, the requests waiting for a slot, and each decoding slot's tokens/s. Speed: tokens/s of each finished
 request and live decode and prompt rates. Per GPU, this PC's and the worker PCs': SM and memory clock, P-state,
 clock-event reasons, utilisation, VRAM.
 
@@ -49,6 +50,15 @@ class StagePoint:
     @property
     def ms(self) -> float:
         return self.compute + self.wait + self.transfer
+
+
+@dataclass(frozen=True)
+class BatchPoint:
+    """One shared step of the server's slots (--parallel): its token rows and the slots holding a request."""
+
+    t: float
+    rows: int
+    slots: int
 
 
 def _num(v: object) -> float | None:
@@ -163,6 +173,12 @@ class ChartsController(QObject):
         self._clock_log: dict[str, deque[tuple[GpuSample, bool, bool]]] = {}
         self._last_step = float("-inf")
         self.events_seen = 0
+        self.batch: deque[BatchPoint] = deque(maxlen=MAX_POINTS)
+        """The first stage's shared steps (--parallel): rows and busy slots."""
+        self.waiting: deque[tuple[float, int]] = deque(maxlen=MAX_POINTS)
+        """(t, requests waiting for a slot) from each /stats poll."""
+        self.slot_rates: list[tuple[int, float]] = []
+        """(slot, tokens/s of the request it decodes) from the last /stats."""
 
     # -- inputs ------------------------------------------------------------------------------------------------
 
@@ -178,6 +194,9 @@ class ChartsController(QObject):
             if p is not None:
                 self.steps.setdefault(stage, deque(maxlen=MAX_POINTS)).append(p)
                 self._last_step = now
+            rows, slots = _num(ev.get("rows")), _num(ev.get("slots"))
+            if rows is not None and slots is not None and stage == 0:
+                self.batch.append(BatchPoint(now, int(rows), int(slots)))
         elif kind == "prompt_chunk":
             p = stage_point(ev, now, int(_num(ev.get("tokens")) or 0))
             if p is not None:
@@ -190,6 +209,17 @@ class ChartsController(QObject):
     def on_stats(self, stats: dict) -> None:
         found = {_cuda_index(v.device) for v in stage_views(stats)}
         self.stage_gpus = {i for i in found if i is not None}
+        q = stats.get("queue")
+        waiting = _num(q.get("waiting")) if isinstance(q, dict) else None
+        if waiting is not None:
+            self.waiting.append((self.clock(), int(waiting)))
+        sl = stats.get("slots")
+        each = sl.get("slots") if isinstance(sl, dict) else None
+        self.slot_rates = [
+            (int(x["index"]), float(x.get("tokens_per_second") or 0.0))
+            for x in each or ()
+            if isinstance(x, dict) and x.get("state") == "decode" and _num(x.get("index")) is not None
+        ]
 
     def on_gpu_samples(self, samples: list[GpuSample]) -> None:
         changed = False
@@ -208,6 +238,9 @@ class ChartsController(QObject):
         self.chunks.clear()
         self.stage_labels.clear()
         self.requests.clear()
+        self.batch.clear()
+        self.waiting.clear()
+        self.slot_rates = []
         self._clock_log.clear()
         self._last_step = float("-inf")
         if self.flags:
@@ -235,6 +268,12 @@ class ChartsController(QObject):
         first = self.chunks[min(self.chunks)]
         cut = self.clock() - window_s
         return sum(p.tokens for p in first if p.t > cut) / window_s
+
+    def rows_per_step(self, window_s: float = 2.0) -> float:
+        """The mean token rows of the shared steps over the last `window_s` (0: none)."""
+        cut = self.clock() - window_s
+        rows = [b.rows for b in self.batch if b.t > cut]
+        return sum(rows) / len(rows) if rows else 0.0
 
     def recent_split(self, stage: int, seconds: float = 5.0) -> StagePoint | None:
         """The median compute, waiting and transfer of a stage's steps over the last `seconds` (None: no steps)."""

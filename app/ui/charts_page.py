@@ -4,7 +4,7 @@ compute, waiting and transfer; tokens/s; per GPU (this PC's and the worker PCs')
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QTimer, Signal
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (
     QGridLayout,
     QGroupBox,
@@ -215,6 +215,15 @@ class ChartsPage(QWidget):
             pen=None, symbol="t", symbolSize=8, symbolBrush="#0d3c73", name="per answer"
         )
         self._live: list[tuple[float, float, float]] = []
+        # --parallel: the shared steps' rows, the slots holding a request and the requests waiting for one
+        self.slots_plot = _plot("Slots (several requests at once)", "count")
+        self.rows_live = self.slots_plot.plot(pen=pg.mkPen("#2ca02c", width=1.5), name="rows a step")
+        self.busy_live = self.slots_plot.plot(
+            pen=pg.mkPen("#ff7f0e", width=2, style=Qt.PenStyle.DashLine), name="busy slots"
+        )
+        self.waiting_live = self.slots_plot.plot(pen=pg.mkPen("#d62728", width=1.5), name="waiting")
+        self.slots_plot.hide()  # until the server reports slots
+        self._slots: list[tuple[float, float, float, float]] = []
         self.stage_rows: dict[int, StageRow] = {}
         self.gpu_note = QLabel("Sampling the GPUs…")
         self.gpu_note.setWordWrap(True)
@@ -231,8 +240,9 @@ class ChartsPage(QWidget):
         eg.addWidget(self.summary, 0, 0, 1, 2)
         eg.addWidget(self.speed_plot, 1, 0)
         eg.addWidget(self.prompt_plot, 1, 1)
+        eg.addWidget(self.slots_plot, 2, 0, 1, 2)
         self.stages_layout = QVBoxLayout()
-        eg.addLayout(self.stages_layout, 2, 0, 1, 2)
+        eg.addLayout(self.stages_layout, 3, 0, 1, 2)
         self.body_layout.addWidget(engine_box)
         self.gpu_box = QGroupBox("GPUs of this PC and the worker PCs (sampled every 100 ms)")
         self.gpu_layout = QVBoxLayout(self.gpu_box)
@@ -274,6 +284,7 @@ class ChartsPage(QWidget):
         self._live = [x for x in self._live if x[0] >= cut]
         self.decode_live.setData([x[0] - now for x in self._live], [x[1] for x in self._live])
         self.prompt_live.setData([x[0] - now for x in self._live], [x[2] for x in self._live])
+        self._redraw_slots(now, cut)
         req = [(t - now, p, d) for t, p, d in c.requests if t >= cut]
         self.decode_curve.setData([r[0] for r in req], [r[2] for r in req])
         self.prompt_curve.setData([r[0] for r in req], [r[1] for r in req])
@@ -282,6 +293,10 @@ class ChartsPage(QWidget):
             if c.requests:
                 _, p, d = c.requests[-1]
                 parts.append(f"last answer: prompt {p:.0f} tok/s, decode {d:.1f} tok/s")
+            if c.batch:
+                parts.append(f"{c.rows_per_step():.1f} rows a step")
+            if c.slot_rates:
+                parts.append("decoding: " + ", ".join(f"slot {i} {r:.1f} tok/s" for i, r in c.slot_rates))
             for stage in sorted(c.steps):
                 split = c.recent_split(stage)
                 if split is not None:
@@ -297,6 +312,23 @@ class ChartsPage(QWidget):
                 row.set_flag(c.flags.get(key))
                 self.gpu_note.hide()
             row.update_from([s for s in samples if s.t >= cut], now)
+
+    def _redraw_slots(self, now: float, cut: float) -> None:
+        """The slots chart: every refresh, the mean rows of the last second's steps, the busy slots of the last one
+        and the requests waiting at the last /stats poll."""
+        c = self.charts
+        if not c.batch and not c.slot_rates:
+            return
+        self.slots_plot.show()
+        recent = [b for b in c.batch if b.t > now - 1.0]
+        busy = recent[-1].slots if recent else 0
+        waiting = c.waiting[-1][1] if c.waiting and c.waiting[-1][0] > now - 2.0 else 0
+        self._slots.append((now, c.rows_per_step(1.0), float(busy), float(waiting)))
+        self._slots = [x for x in self._slots if x[0] >= cut]
+        xs = [x[0] - now for x in self._slots]
+        for curve, j in ((self.rows_live, 1), (self.busy_live, 2), (self.waiting_live, 3)):
+            curve.setData(xs, [x[j] for x in self._slots])
+        _headroom(self.slots_plot, max((max(x[1:]) for x in self._slots), default=0.0))
 
     def _lock(self, key: str) -> None:
         samples = self.charts.gpus.get(key)

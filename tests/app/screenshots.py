@@ -160,9 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         # three answers: a prompt read in chunks, then decoding; a pause between them
         phase = "idle"
-        for begin, end in ((0.0, 6.0), (8.0, 15.0), (17.0, 24.0)):
+        busy = 0  # slots holding a request (--parallel): three, four, then two clients at once
+        for (begin, end), clients in zip(((0.0, 6.0), (8.0, 15.0), (17.0, 24.0)), (3, 4, 2), strict=True):
             if begin <= at < end:
                 phase = "prompt" if at < begin + 0.6 else "decode"
+                busy = clients
         if phase == "idle":
             return
         upstream = 0.0
@@ -180,9 +182,11 @@ def main(argv: list[str] | None = None) -> int:
                 "wait_ms": wait,
                 "transfer_ms": hop,
                 "layers": layers,
-                "tokens": 512 if prompt else 1,
+                "tokens": 512 if prompt else busy,  # a shared step decides a token for each busy slot
                 **where,
             }
+            if not prompt:  # now and then a new request's prompt tokens ride along with the decode rows
+                ev.update(rows=busy + (rng.choice((8, 16)) if rng.random() < 0.08 else 0), slots=busy)
             strata.charts.on_event(ev)
             upstream += compute + hop
         if rng.random() < 0.03:

@@ -210,3 +210,65 @@ def test_sampler_survives_a_card_that_stops_answering(qtbot: QtBot) -> None:
     assert "GPU is lost" in reason.args[0] and "check nvidia-smi" in reason.args[0]
     sampler.stop()
     assert steady(1, 2, 3)(0) == (1, 2, 0, 0, 95, 3)
+
+
+def test_slots_steps_waiting_and_rates_come_from_events_and_stats() -> None:
+    """--parallel: each shared step's rows and busy slots (the first stage's), the requests waiting for a slot and
+    each decoding slot's tokens/s (from /stats)."""
+    clock = Clock()
+    c = ChartsController(clock=clock)
+    for i in range(10):  # 10 steps in 1 s: 4 slots busy, a prompt chunk of 12 rows in the fifth
+        clock.t = 1000.0 + i * 0.1
+        rows = 16 if i == 4 else 4
+        c.on_event({"type": "step", "stage": 0, "ms": 8.0, "rows": rows, "slots": 4})
+        c.on_event({"type": "step", "stage": 1, "ms": 8.0, "rows": rows, "slots": 4})  # the same step
+    c.on_event({"type": "step", "stage": 0, "ms": 8.0})  # a request served alone: no slots
+    assert [(b.rows, b.slots) for b in c.batch][:5] == [(4, 4)] * 4 + [(16, 4)]
+    assert len(c.batch) == 10
+    assert c.rows_per_step(window_s=2.0) == 5.2
+    c.on_stats(
+        {
+            "queue": {"waiting": 3, "active": 4, "max": 64},
+            "slots": {
+                "total": 4,
+                "busy": 4,
+                "slots": [
+                    {"index": 0, "state": "decode", "tokens": 40, "tokens_per_second": 41.5},
+                    {"index": 1, "state": "prompt", "tokens": 12, "tokens_per_second": 0.0},
+                    {"index": 2, "state": "idle", "tokens": 0, "tokens_per_second": 0.0},
+                    {"index": 3, "state": "decode", "tokens": 90, "tokens_per_second": 39.0},
+                ],
+            },
+        }
+    )
+    assert list(c.waiting) == [(clock.t, 3)]
+    assert c.slot_rates == [(0, 41.5), (3, 39.0)]
+    c.clear()
+    assert not c.batch and not c.waiting and not c.slot_rates and c.rows_per_step() == 0.0
+
+
+def test_the_slots_chart_shows_once_the_server_reports_slots(qtbot: QtBot) -> None:
+    from app.ui.charts_page import ChartsPage
+
+    clock = Clock()
+    c = ChartsController(clock=clock)
+    page = ChartsPage(c)
+    qtbot.addWidget(page)
+    page.show()
+    c.on_event({"type": "step", "stage": 0, "ms": 8.0})
+    page.redraw()
+    assert page.slots_plot.isHidden()  # one request at a time: nothing to chart
+    for _ in range(5):
+        clock.t += 0.1
+        c.on_event({"type": "step", "stage": 0, "ms": 8.0, "rows": 8, "slots": 8})
+    c.on_stats(
+        {
+            "queue": {"waiting": 2},
+            "slots": {"slots": [{"index": 5, "state": "decode", "tokens_per_second": 30.0}]},
+        }
+    )
+    page.redraw()
+    assert not page.slots_plot.isHidden()
+    assert list(page.rows_live.getData()[1]) == [8.0]
+    assert list(page.waiting_live.getData()[1]) == [2.0]
+    assert "8.0 rows a step" in page.summary.text() and "slot 5 30.0 tok/s" in page.summary.text()
