@@ -62,7 +62,7 @@ def test_budget_widths_and_slot_limits_hold() -> None:
     profile = torch.ones(3, 8)
     widths = {0: 100, 1: 250, 2: 100}  # a layer of a wider type
     cap = plan_capacity(widths, 8, 1500, profile, top_k=2)
-    assert sum(c * widths[li] for li, c in cap.items()) <= 1500
+    assert 1500 - 100 < sum(c * widths[li] for li, c in cap.items()) <= 1500  # the wider layer's units filled
     cap = plan_capacity(widths, 8, 10_000, profile, max_pairs=5, top_k=2)
     assert sum(cap.values()) <= 5
     assert plan_capacity(widths, 8, 10**6, profile) == dict.fromkeys(range(3), 8)
