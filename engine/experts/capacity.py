@@ -64,22 +64,20 @@ def plan_capacity(
         max_pairs is None or max_pairs >= n_expert * len(layers)
     ):
         return dict.fromkeys(layers, n_expert)
-    if (
-        layer_cost is None or profile is None
-    ):  # equal chances: whole layers in order cost least (concave costs)
+    # equal chances: whole layers in order cost least (the costs are concave in the slots)
+    if layer_cost is None or profile is None:
         return _hottest(expert_bytes, n_expert, budget_bytes, profile, max_pairs)
     unit = min(expert_bytes.values())
-    weight = {
-        li: -(-expert_bytes[li] // unit) for li in layers
-    }  # rounded up: the plan never exceeds the budget
+    # each layer's expert in whole units of the smallest, rounded up: the plan never exceeds the budget
+    weight = {li: -(-expert_bytes[li] // unit) for li in layers}
     room = min(budget_bytes // unit, n_expert * sum(weight.values()))
     if max_pairs is not None and all(w == 1 for w in weight.values()):
         room = min(room, max_pairs)
+    costs = {li: layer_costs(_probs(profile, li, n_expert, top_k), layer_cost) for li in layers}
     best = np.zeros(room + 1)  # least cost of the layers so far within b units
     picks = []
     for li in layers:
-        cost = layer_costs(_probs(profile, li, n_expert, top_k), layer_cost)
-        w = weight[li]
+        cost, w = costs[li], weight[li]
         nxt = best + cost[0]
         pick = np.zeros(room + 1, dtype=np.int32)
         for c in range(1, min(n_expert, room // w) + 1):
@@ -94,7 +92,6 @@ def plan_capacity(
         cap[li] = int(pick[b])
         b -= cap[li] * weight[li]
     cap = {li: cap[li] for li in layers}
-    costs = {li: layer_costs(_probs(profile, li, n_expert, top_k), layer_cost) for li in layers}
     if max_pairs is not None:
         _trim(cap, max_pairs, costs)
     if any(w > 1 for w in weight.values()):  # wider layers were counted in whole units: fill what that left
