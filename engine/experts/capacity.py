@@ -20,6 +20,9 @@ import torch
 
 # What one layer's hand-off to the miss path costs, in missed experts' worth (see the module's note).
 LAYER_MISS_COST = 1.5
+# A profile's counts are taken as if this many tokens more had routed evenly: an expert a short profile never saw
+# stays possible (a chat's first profile can name 8 experts a layer; text to come uses others).
+PRIOR_TOKENS = 64
 
 
 def layer_costs(probs: np.ndarray, layer_cost: float = LAYER_MISS_COST) -> np.ndarray:
@@ -33,14 +36,11 @@ def layer_costs(probs: np.ndarray, layer_cost: float = LAYER_MISS_COST) -> np.nd
 
 
 def _probs(profile: torch.Tensor | None, li: int, n_expert: int, top_k: int) -> np.ndarray:
-    """A layer's per-token pick probabilities from its usage counts (uniform where it has none)."""
+    """A layer's per-token pick probabilities from its usage counts and PRIOR_TOKENS of even routing."""
     if profile is None or li >= profile.shape[0]:
         return np.full(n_expert, top_k / n_expert)
-    counts = profile[li, :n_expert].detach().double().cpu().numpy()
-    total = counts.sum()
-    if total <= 0:
-        return np.full(n_expert, top_k / n_expert)
-    return counts * (top_k / total)
+    counts = profile[li, :n_expert].detach().double().cpu().numpy() + PRIOR_TOKENS * top_k / n_expert
+    return counts * (top_k / counts.sum())
 
 
 def plan_capacity(
@@ -94,8 +94,8 @@ def plan_capacity(
     cap = {li: cap[li] for li in layers}
     if max_pairs is not None:
         _trim(cap, max_pairs, costs)
-    if any(w > 1 for w in weight.values()):  # wider layers were counted in whole units: fill what that left
-        _top_up(cap, expert_bytes, budget_bytes, n_expert, costs, max_pairs)
+    # what whole units of wider layers left, or slots that save nothing by the profile: filled all the same
+    _top_up(cap, expert_bytes, budget_bytes, n_expert, costs, max_pairs)
     return cap
 
 

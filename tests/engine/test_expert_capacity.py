@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.experts.capacity import layer_costs, plan_capacity
+from engine.experts.capacity import PRIOR_TOKENS, layer_costs, plan_capacity
 
 
 def _total(cap: dict[int, int], profile: torch.Tensor, top_k: int) -> float:
     out = 0.0
     for li, c in cap.items():
-        counts = profile[li].double().numpy()
+        counts = profile[li].double().numpy() + PRIOR_TOKENS * top_k / profile.shape[1]
         out += layer_costs(counts * top_k / counts.sum())[c]
     return out
 
@@ -68,3 +68,12 @@ def test_budget_widths_and_slot_limits_hold() -> None:
     assert plan_capacity(widths, 8, 10**6, profile) == dict.fromkeys(range(3), 8)
     assert plan_capacity(widths, 8, 0, profile) == dict.fromkeys(range(3), 0)
     assert plan_capacity({0: 100, 1: 100}, 4, 500, None, top_k=2) == {0: 4, 1: 1}  # no profile: in order
+
+
+def test_a_short_profile_still_fills_the_budget() -> None:
+    """A chat's first profile names few experts a layer; the slots beyond them still fill the budget (the prior
+    keeps every expert possible), as many as the budget holds."""
+    profile = torch.zeros(4, 64)
+    profile[:, :8] = 500  # the same 8 experts a layer, nothing else seen
+    cap = plan_capacity(dict.fromkeys(range(4), 100), 64, 100 * 100, profile, top_k=8)
+    assert sum(cap.values()) == 100 and min(cap.values()) >= 8
