@@ -2,12 +2,13 @@
 # On the GPU machine: the CPU's share of a card's missed experts for expert files of other block types than Q4_K,
 # against llama.cpp on the same file at the VRAM its `-ncmoe 36` takes (decode, one call):
 #   KIT=path/to/shared/bench OUT=results-dir bash bench/cpu_share_types.sh
-# The kit's Qwen3-30B-A3B-geometry file is written as Q4_K (device_llamacpp.sh) and as Q8_0 (make_bench_moe.py
-# --type q8_0, ~32 GB), and requantized to IQ4_XS by llama.cpp's own llama-quantize (built here beside llama-bench).
+# The kit's Qwen3-30B-A3B-geometry file is written as Q4_K (device_llamacpp.sh); the other types are that file
+# with its routed experts rewritten as random blocks of the type (bench/retype_experts.py, at disk speed: no
+# llama-quantize), one at a time and deleted after their runs (the disk holds two 17-32 GB files, not three).
 # For each file: llama-bench -ncmoe 36 decode with nvidia-smi sampling its VRAM, then ours within that VRAM
 # (engine_bench --vram-process-mib) with the CPU's share on its default (every layer whose blocks the CPU reads in
-# place: Q4_K/Q6_K by cpu_q4k, Q8_0 and IQ4_XS by cpu_blocks) and off (--cpu-experts 0), into cpu-share-types.json.
-# TYPES (default "q4k q8_0 iq4_xs") chooses the files.
+# place: Q4_K/Q6_K by cpu_q4k, the other types by cpu_blocks) and off (--cpu-experts 0), into cpu-share-types.json.
+# TYPES (default "q4k q8_0 iq4_xs") chooses the files; KEEP=1 keeps the rewritten files.
 set -u
 KIT=${KIT:?set KIT to the benchmark kit folder}
 OUT=${OUT:-bench/results}
@@ -16,15 +17,9 @@ mkdir -p "$OUT"
 [ "${KIT_STARTED:-0}" = 1 ] || SERVER=0 bash "$KIT/device_llamacpp.sh" start
 bash "$KIT/device_llamacpp.sh" wait
 B=$W/llama.cpp/build/bin/llama-bench
-cmake --build $W/llama.cpp/build -j 15 --target llama-quantize > $W/quantize-build.log 2>&1 || { echo "llama-quantize did not build"; tail -5 $W/quantize-build.log; }
 for t in ${TYPES:-q4k q8_0 iq4_xs}; do
     M=$W/a3b-$t.gguf
-    case $t in
-    q4k) ;;
-    q8_0) [ -f "$M" ] || python3 "$KIT/make_bench_moe.py" "$M" --vocab "$KIT/ggml-vocab-qwen2.gguf" --type q8_0 > $W/gen-q8.log 2>&1 ;;
-    iq4_xs) [ -f "$M" ] || timeout 900 $W/llama.cpp/build/bin/llama-quantize --allow-requantize $W/a3b-q4k.gguf "$M" IQ4_XS > $W/quantize.log 2>&1 ;;
-    *) echo "unknown type $t"; continue ;;
-    esac
+    [ $t = q4k ] || [ -f "$M" ] || python3 bench/retype_experts.py $W/a3b-q4k.gguf "$M" --type "$t" || continue
     [ -f "$M" ] || { echo "no $t file"; continue; }
     (nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/smi-$t.txt") & SMI=$!
     timeout 200 $B -m "$M" -ngl 99 -fa 1 -ncmoe 36 -t 16 -p 0 -n 128 -r 2 -o json > "$OUT/llamacpp-ncmoe36-$t.json"
@@ -37,6 +32,7 @@ for t in ${TYPES:-q4k q8_0 iq4_xs}; do
             --vram-process-mib "$USED" "${extra[@]}" --out "$OUT/ours-ncmoe36-vram-$t-cpu-$cpu.json" \
             | grep -E "decode_tok_s|experts_in" | head -3
     done
+    [ $t = q4k ] || [ "${KEEP:-0}" = 1 ] || rm -f "$M"
 done
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
