@@ -2,8 +2,8 @@
 
 Per stage: the time of each decode step and of each prompt chunk, split into compute, waiting and transfer where
 the engine reports them (every stage of a split; a single stage is all compute). With slots (--parallel): each
-shared step's rows and busy slots, the requests waiting for a slot, and each decoding slot's tokens/s. Speed: tokens/s of each finished
-request and live decode and prompt rates. Per GPU, this PC's and the worker PCs': SM and memory clock, P-state,
+shared step's rows and busy slots, the requests waiting for a slot, and each decoding slot's tokens/s. Speed:
+tokens/s of each finished request and live decode and prompt rates. Per GPU, this PC's and the worker PCs': SM and memory clock, P-state,
 clock-event reasons, utilisation, VRAM.
 
 It also flags a card that drops its clocks between steps (seed 000: Windows put an idle worker card into P5 between

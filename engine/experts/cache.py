@@ -356,15 +356,11 @@ class ExpertCache:
 
     def _split(self, li: int) -> tuple[int, int]:
         """(hits, misses) of layer li since the start."""
-        le = self.layers[li]
-        if self.counts is None or le.counts_base is None:
-            return le.hits_before, le.misses_before
-        delta = self.counts[li] - le.counts_base
-        hits = int((delta * le.resident).sum().item())
-        return le.hits_before + hits, le.misses_before + int(delta.sum().item()) - hits
+        return self._splits([li])[li]
 
     def _splits(self, lis: list[int]) -> dict[int, tuple[int, int]]:
-        """`_split` of several layers, read back in one copy (a server reads these while steps are queued)."""
+        """(hits, misses) since the start of each of `lis`, read back in one copy (a server reads these while steps
+        are queued)."""
         live = [li for li in lis if self.counts is not None and self.layers[li].counts_base is not None]
         out = {
             li: (self.layers[li].hits_before, self.layers[li].misses_before) for li in lis if li not in live
