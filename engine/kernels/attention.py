@@ -11,6 +11,7 @@ Caches are float, int8 (a scale per position and head, which multiplies the scor
 which: 0, 1 or 2 (`quant_kind`, `cache_layout`)."""
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -374,12 +375,13 @@ def _merge_kernel(
     H,
     Dv,
     SPLITS: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,  # the values of a head one program merges (a head's slice: program_id(1))
     Q8: tl.constexpr = False,
 ):
     r = tl.program_id(0)
+    d0 = tl.program_id(1) * BLOCK_DV
     s = tl.arange(0, SPLITS)
-    dv = tl.arange(0, BLOCK_DV)
+    dv = d0 + tl.arange(0, BLOCK_DV)
     m = tl.load(ml_ptr + (r * SPLITS + s) * 2)
     lsum = tl.load(ml_ptr + (r * SPLITS + s) * 2 + 1)
     mx = tl.max(m, axis=0)
@@ -389,7 +391,8 @@ def _merge_kernel(
     tl.store(o_ptr + r * Dv + dv, out.to(o_ptr.dtype.element_ty), mask=dv < Dv)
     if Q8:
         codes, scales = _q8_slices(q8_ptr, r // H, r % H, H, Dv)
-        store_q8_rows(out[None, :], codes[None], scales[None], tl.full([1], 1, tl.int1), Dv, 1, BLOCK_DV)
+        ones = tl.full([1], 1, tl.int1)
+        store_q8_rows(out[None, :], codes[None] + d0, scales[None] + d0 // 16, ones, Dv - d0, 1, BLOCK_DV)
 
 
 # Spans up to this many positions go in one launch; longer ones are split over enough programs to fill the GPU
@@ -399,19 +402,40 @@ SPLIT_FROM = 256
 SPLIT_MIN = 128
 
 
+@dataclass(frozen=True)
+class DecodeTune:
+    """Launch shape of a long span's split decode (bench/decode_attention_micro.py sweeps it): programs per
+    multiprocessor, positions a block, warps, pipeline stages and values of a head a merging program takes (None:
+    the kernels' defaults: 64 positions a block, 128 for int8 codes; Triton's stages; the whole head)."""
+
+    per_sm: int = 2
+    block_s: int | None = None
+    warps: int = 4
+    stages: int | None = None
+    merge_block: int | None = 32
+
+
+# Measured on an H200 at a depth of 32,768 (48 layers' caches, bench/results/decode-attention-32k-h200.json): two
+# programs per multiprocessor with the splits rounded down to a power of two (64 splits of one row's span; rounding
+# up had made 128, whose programs read too little each), 128-position blocks for int8 codes, and the merge spread
+# over 32-value slices of a head: 28.7 -> 24.0 us a layer for bf16, 30.6 -> 25.4 for int8.
+DEFAULT_TUNE = DecodeTune()
+
+
 @functools.cache
-def _programs_wanted(device: torch.device) -> int:
-    """Two programs per multiprocessor."""
+def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
-        return 128
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 64
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _splits(t: int, hkv: int, span: int, device: torch.device) -> int:
+def _splits(t: int, hkv: int, span: int, device: torch.device, per_sm: int = 2) -> int:
+    """Splits of the span: enough programs for `per_sm` a multiprocessor, each at least SPLIT_MIN positions; a
+    power of two (the merge reduces over them), rounded down."""
     if span <= SPLIT_FROM:
         return 1
-    want = max(1, _programs_wanted(device) // (t * hkv))
-    return triton.next_power_of_2(max(1, min(want, span // SPLIT_MIN)))
+    want = max(1, min(per_sm * _multiprocessors(device) // (t * hkv), span // SPLIT_MIN))
+    return 1 << (want.bit_length() - 1)
 
 
 def decode_attention(
@@ -428,6 +452,7 @@ def decode_attention(
     base: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tune: DecodeTune = DEFAULT_TUNE,
 ) -> torch.Tensor:
     """q [T, H, Dk] at positions `pos` [T] over the cache positions below `span` (each row sees positions <= its
     own, and within `window` of it when window > 0) -> [T, H*Dv] in q's dtype. `chunk`: positions a program
@@ -435,13 +460,13 @@ def decode_attention(
     of 32): also filled with the output rounded to 8 bits in engine.kernels.gemv.quantize_q8's layout. `base` [T]
     (int64): where each row's sequence starts in caches several sequences share (rows of different slots). int8
     caches take `k_scale`/`v_scale` [ctx, Hkv, 1], their scale per position and head; q4_0 caches [ctx, Hkv, D/2]
-    (uint8) theirs [ctx, Hkv, D/32]."""
+    (uint8) theirs [ctx, Hkv, D/32]. `tune`: the split launch's shape."""
     t, h, dk = q.shape
     hkv = k_cache.shape[1]
     quant, _, dvv = cache_layout(k_cache, k_scale, v_cache)
     g = h // hkv
     if chunk is None:
-        splits = _splits(t, hkv, span, q.device)
+        splits = _splits(t, hkv, span, q.device, tune.per_sm)
     else:
         splits = triton.next_power_of_2(triton.cdiv(span, chunk))
     chunk = triton.cdiv(span, splits)
@@ -471,9 +496,20 @@ def decode_attention(
         return out.view(t, h * dvv)
     part = torch.empty(t * h, splits, dvv, dtype=torch.float32, device=q.device)
     ml = torch.empty(t * h, splits, 2, dtype=torch.float32, device=q.device)
+    launch = dict(num_warps=tune.warps)
+    if tune.block_s is not None:
+        common["BLOCK_S"] = tune.block_s
+    elif (
+        quant == INT8 and max(dk, dvv) <= 128
+    ):  # a byte a value: twice the positions in the same tile's bytes
+        common["BLOCK_S"] = 128
+    if tune.stages is not None:
+        launch["num_stages"] = tune.stages
     _decode_attn_kernel[(t * hkv, splits)](
         q, k_cache, v_cache, ks, vs, pos, bp, part, ml, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
-        SPLITS=splits, **common,
+        SPLITS=splits, **common, **launch,
     )  # fmt: skip
-    _merge_kernel[(t * h,)](part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=common["BLOCK_DV"], Q8=q8)
+    mb = common["BLOCK_DV"] if tune.merge_block is None else min(tune.merge_block, common["BLOCK_DV"])
+    mb = max(mb, 32) if q8 else mb  # the 8-bit form's scale covers 32 values
+    _merge_kernel[(t * h, triton.cdiv(dvv, mb))](part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=mb, Q8=q8)
     return out.view(t, h * dvv)

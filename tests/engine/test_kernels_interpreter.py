@@ -417,6 +417,7 @@ def test_decode_attention_default_split() -> None:
 
     assert _splits(1, 4, 256, torch.device("cpu")) == 1  # short spans: one launch
     assert _splits(1, 4, 4096, torch.device("cpu")) == 32  # 32 programs a key head, 128 positions each
+    assert _splits(3, 4, 8192, torch.device("cpu")) == 8  # 10 wanted: rounded down to a power of two
     t, h, hkv, d, span = 1, 8, 2, 64, 700
     kc, vc = torch.randn(span, hkv, d), torch.randn(span, hkv, d)
     pos = torch.tensor([span - 1])
