@@ -73,20 +73,21 @@ LINK_CHECK_S = 1.0  # idle: how often the links to remote stages are checked for
 METRICS_CONTENT_TYPE = CONTENT_TYPE
 
 
+def _runs_alone(model: object, spec: SpecConfig) -> str | None:
+    """Why requests run one at a time outside the slots' scheduler (the single-sequence Runner), or None: a model
+    without batched steps, or verify windows drafted by the model's draft layer (--mtp) or guessed
+    (--pipeline-windows), which draft for one request."""
+    if not hasattr(model, "forward_batch"):
+        return "this model runs one request at a time"
+    if spec.n > 0 and (spec.need_draft_layer or spec.pipeline_windows):
+        return ("--mtp 1" if spec.need_draft_layer else "--pipeline-windows") + " runs one request at a time"
+    if spec.n > 0 and not spec.suffix:
+        return "with --suffix-draft 0 only the model's draft layer drafts, for one request at a time"
+    return None
+
+
 def _slots_with_windows(model: object, spec: SpecConfig, slots: int) -> int:
-    """How many slots serve with verify windows (--spec): each slot drafts from its request's earlier context;
-    the model's draft layer (--mtp) and guessed windows (--pipeline-windows) draft for one request at a time."""
-    if spec.need_draft_layer or spec.pipeline_windows:
-        flag = "--mtp 1" if spec.need_draft_layer else "--pipeline-windows"
-        log.info("--parallel %d: %s runs one request at a time: 1 slot", slots, flag)
-        return 1
-    if not spec.suffix:
-        log.info(
-            "--parallel %d: with --suffix-draft 0 only the model's draft layer drafts, for one request at a "
-            "time: 1 slot",
-            slots,
-        )
-        return 1
+    """How many slots serve with verify windows (--spec): each slot drafts from its request's earlier context."""
     if spec.draft_layer and draft_layer_of(model) is not None:
         log.info("--parallel %d: each slot's windows draft from earlier context (the model's draft layer drafts "
                  "with --parallel 1)", slots)  # fmt: skip
@@ -123,7 +124,7 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
         self.error: str | None = None
         self.lm: LoadedModel | None = None
         self.runner: Runner | None = None
-        self.batch: BatchRunner | None = None  # --parallel N > 1: the slots
+        self.batch: BatchRunner | None = None  # the slots (None: one request at a time, on `runner`)
         self.running: list[Job] = []  # the requests in the slots, oldest first
         self._outputs: dict[str, _JobOutput] = {}  # by job id: what the slots' requests produced so far
         self.rows = RunningStat()  # token rows per shared step
@@ -208,16 +209,19 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
             spec = SpecConfig.from_flags(o.spec, o.suffix_draft, o.mtp, o.pipeline_windows)
             span = prefill_span(lm.model, chunk, o.max_context, kv, split.vram_budget_mib, split.reserve_mib)
             slots = lm.sequences
-            if slots > 1 and spec.n > 0:
+            alone = _runs_alone(lm.model, spec)
+            if alone is not None and slots > 1:
+                log.info("--parallel %d: %s: 1 slot", slots, alone)
+            elif slots > 1 and spec.n > 0:
                 slots = _slots_with_windows(lm.model, spec, slots)
-            if slots > 1 and not hasattr(lm.model, "forward_batch"):
-                log.info("--parallel %d: this model runs one request at a time: 1 slot", slots)
-                slots = 1
             groups = (
                 o.batch_groups if o.batch_groups is not None else auto_groups(lm.model, bool(split.remote))
             )
             batch = None
-            if slots > 1:
+            # One slot runs through the scheduler too, wherever it can: its steps overlap the host's work on each
+            # token (the single-sequence Runner reads each token before it queues the next step: 0.86x the decode
+            # of a slot on an H200, bench/results/serve-one-request-parallel1-h200.json)
+            if alone is None:
                 batch = BatchRunner(
                     lm.model,
                     lm.tokenizer,
@@ -291,7 +295,7 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
             self.model_name,
             time.perf_counter() - t0,
             1 if batch is None else len(batch.slots),
-            "" if batch is None else "s: requests are decoded together",
+            "s: requests are decoded together" if batch is not None and len(batch.slots) > 1 else "",
         )
 
     def stop(self) -> None:

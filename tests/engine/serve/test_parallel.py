@@ -5,7 +5,10 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import httpx
 
 from tests.engine.serve.harness import start_server
 
@@ -58,12 +61,24 @@ def test_requests_share_steps_and_each_gets_its_answer_alone(tiny_model: Path) -
 
 
 def test_one_slot_serves_one_request_at_a_time(tiny_model: Path) -> None:
+    """--parallel 1 is one slot of the scheduler (its steps overlap the host's work on a card): requests sent
+    together are answered one after the other, each as it is alone."""
     srv = start_server(tiny_model, "--device", "cpu", "--threads", "1", "--parallel", "1")
     try:
         with srv.client() as c:
-            r = c.post("/v1/completions", json={"prompt": "jade", "max_tokens": 3, "temperature": 0})
-            assert r.status_code == 200
-            assert c.get("/stats").json()["slots"] is None
+            body = {"prompt": "jade", "max_tokens": 6, "temperature": 0}
+            alone = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+            def ask(_: int) -> httpx.Response:
+                with srv.client() as own:
+                    return own.post("/v1/completions", json=body)
+
+            with ThreadPoolExecutor(3) as pool:
+                answers = list(pool.map(ask, range(3)))
+            assert [r.status_code for r in answers] == [200] * 3
+            assert [r.json()["choices"][0]["text"] for r in answers] == [alone] * 3
+            slots = c.get("/stats").json()["slots"]
+            assert slots["total"] == 1 and slots["busy"] == 0
     finally:
         srv.stop()
 
