@@ -73,16 +73,20 @@ LINK_CHECK_S = 1.0  # idle: how often the links to remote stages are checked for
 METRICS_CONTENT_TYPE = CONTENT_TYPE
 
 
-def _runs_alone(model: object, spec: SpecConfig) -> str | None:
+def _runs_alone(model: object, spec: SpecConfig, slots: int) -> str | None:
     """Why requests run one at a time outside the slots' scheduler (the single-sequence Runner), or None: a model
-    without batched steps, or verify windows drafted by the model's draft layer (--mtp) or guessed
-    (--pipeline-windows), which draft for one request."""
+    without batched steps, or verify windows drafted by the model's draft layer (--mtp, and its default with one
+    slot where the model has one) or guessed (--pipeline-windows), which draft for one request."""
     if not hasattr(model, "forward_batch"):
         return "this model runs one request at a time"
-    if spec.n > 0 and (spec.need_draft_layer or spec.pipeline_windows):
+    if spec.n == 0:
+        return None
+    if spec.need_draft_layer or spec.pipeline_windows:
         return ("--mtp 1" if spec.need_draft_layer else "--pipeline-windows") + " runs one request at a time"
-    if spec.n > 0 and not spec.suffix:
+    if not spec.suffix:
         return "with --suffix-draft 0 only the model's draft layer drafts, for one request at a time"
+    if slots == 1 and spec.draft_layer and draft_layer_of(model) is not None:
+        return "the model's draft layer drafts the windows"
     return None
 
 
@@ -209,7 +213,7 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
             spec = SpecConfig.from_flags(o.spec, o.suffix_draft, o.mtp, o.pipeline_windows)
             span = prefill_span(lm.model, chunk, o.max_context, kv, split.vram_budget_mib, split.reserve_mib)
             slots = lm.sequences
-            alone = _runs_alone(lm.model, spec)
+            alone = _runs_alone(lm.model, spec, slots)
             if alone is not None and slots > 1:
                 log.info("--parallel %d: %s: 1 slot", slots, alone)
             elif slots > 1 and spec.n > 0:

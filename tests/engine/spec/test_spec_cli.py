@@ -102,6 +102,31 @@ def test_serve_with_spec(tiny_models: dict[str, Path], arch: str, flags: tuple[s
         assert t["draft_n"] > 0
 
 
+@pytest.mark.parametrize(("arch", "slots"), [("qwen2", {"total": 1}), ("glm4moe", None)])
+def test_serve_with_spec_and_one_slot(tiny_models: dict[str, Path], arch: str, slots: dict | None) -> None:
+    """`--spec 4 --parallel 1`: one slot of the scheduler with windows drafted from earlier context, except for a
+    model with a draft layer, whose layer drafts for the one request (the single-sequence runner: no slots)."""
+    srv = start_server(
+        tiny_models[arch], "--device", "cpu", "--threads", "1", "--spec", "4", "--parallel", "1"
+    )
+    try:
+        body = {
+            "model": arch,
+            "prompt": "one two three",
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        r = srv.post("/v1/completions", body)
+        assert r.status_code == 200, r.text
+        got = srv.get("/stats").json()["slots"]
+    finally:
+        srv.stop()
+    assert (got if got is None else {"total": got["total"]}) == slots
+    if arch == "glm4moe":  # the draft layer proposes at every window
+        assert r.json()["timings"]["draft_n"] > 0
+
+
 def test_serve_with_spec_and_slots(tiny_models: dict[str, Path]) -> None:
     """`serve --spec 4 --parallel 2`: two clients at once each get the tokens of decoding without drafts, both
     served in slots at once (verify windows per slot), with their drafts kept in their timings."""
