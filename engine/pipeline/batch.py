@@ -218,13 +218,14 @@ class BatchRunner:
         # the model streams its experts for prompt chunks (each layer's experts cross PCIe once a span), and as one
         # pipeline on a split whose stages read pieces at once (it empties once a span). A request that comes in
         # meanwhile waits for the span, so on a split a span is taken only where it reads within `SPAN_WAIT_S` at
-        # the rate the request's last chunk read (a card's stages, not a CPU's).
+        # the rate the request's last chunk read (a card's stages, not a CPU's); with one slot a request that comes
+        # in waits for the slot anyway, and spans start at once, as the Runner's do.
         self.span = (
             prefill_span
             if prefill_span is not None and prefill_span > self.step_tokens and reads_spans(model)
             else None
         )
-        self._span_by_rate = bool(getattr(model, "pipelines_prompts", False))
+        self._span_by_rate = bool(getattr(model, "pipelines_prompts", False)) and slots > 1
         many = getattr(
             model, "new_caches", None
         )  # a model's slots may share one cache (DecoderLM.new_caches)

@@ -187,23 +187,27 @@ def test_a_pipelined_split_reads_a_long_prompt_in_spans_that_empty_the_pipeline_
     assert got == _greedy(base.model, base.tokenizer, "f32", PIECE)
 
 
-@pytest.mark.parametrize("wait_s", [0.0, 1e9], ids=["slow-stages", "fast-stages"])
+@pytest.mark.parametrize(
+    ("slots", "wait_s", "chunks"),
+    [(2, 0.0, [4] * 5 + [2]), (2, 1e9, [4, 16, 2]), (1, 0.0, [16, 6])],
+    ids=["slow-stages", "fast-stages", "one-slot"],
+)
 def test_slots_read_a_lone_prompt_in_spans_where_the_stages_read_one_quickly(
-    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, wait_s: float
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, slots: int, wait_s: float, chunks: list[int]
 ) -> None:
     """With slots, a prompt read alone on a pipelined split takes spans of several chunks only where a span reads
     within batch.SPAN_WAIT_S at the rate of its last chunk (a request that comes in meanwhile waits for it); the
-    first chunk, with no rate yet, is a chunk. Either way the tokens are the unsplit model's."""
+    first chunk, with no rate yet, is a chunk. With one slot no request can come in meanwhile: spans from the first
+    chunk, as the single-sequence Runner's. Either way the tokens are the unsplit model's."""
     monkeypatch.setattr(batch, "SPAN_WAIT_S", wait_s)
     base = load_model(models["qwen3moe"], "cpu", "f32")
     opts = SplitOptions(device="cpu", layer_split=(3,), pipeline=True, pipe_chunk=PIECE)
     sm = load_split_model(models["qwen3moe"], opts, 64, "f32", "f32").model
-    br = BatchRunner(sm, base.tokenizer, 64, "f32", slots=2, step_tokens=4, prefill_span=16)  # type: ignore[arg-type]
+    br = BatchRunner(sm, base.tokenizer, 64, "f32", slots=slots, step_tokens=4, prefill_span=16)  # type: ignore[arg-type]
     events: list = []
     br.admit(GenerationRequest(PROMPT, max_tokens=10, sampling=GREEDY, ignore_eos=True), events.append)
     while br.busy:
         br.step()
-    chunks = [e.tokens for e in events if isinstance(e, PromptChunkEvent)]
-    assert chunks == ([4, 16, 2] if wait_s else [4] * 5 + [2])
+    assert [e.tokens for e in events if isinstance(e, PromptChunkEvent)] == chunks
     got = next(e for e in events if isinstance(e, DoneEvent)).tokens
     assert got == _greedy(base.model, base.tokenizer, "f32", PIECE)
