@@ -90,13 +90,12 @@ def _runs_alone(model: object, spec: SpecConfig, slots: int) -> str | None:
     return None
 
 
-def _slots_with_windows(model: object, spec: SpecConfig, slots: int) -> int:
-    """How many slots serve with verify windows (--spec): each slot drafts from its request's earlier context."""
+def _log_slot_windows(model: object, spec: SpecConfig, slots: int) -> None:
+    """Say how slots serve verify windows (--spec): each slot drafts from its request's earlier context."""
     if spec.draft_layer and draft_layer_of(model) is not None:
         log.info("--parallel %d: each slot's windows draft from earlier context (the model's draft layer drafts "
                  "with --parallel 1)", slots)  # fmt: skip
     log.info("--parallel %d: verify windows of up to %d drafts in every slot", slots, spec.n)
-    return slots
 
 
 def _profile_recorder(lm: "LoadedModel", split: "SplitOptions", every_s: float) -> "ProfileRecorder | None":
@@ -217,7 +216,7 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
             if alone is not None and slots > 1:
                 log.info("--parallel %d: %s: 1 slot", slots, alone)
             elif slots > 1 and spec.n > 0:
-                slots = _slots_with_windows(lm.model, spec, slots)
+                _log_slot_windows(lm.model, spec, slots)
             groups = (
                 o.batch_groups if o.batch_groups is not None else auto_groups(lm.model, bool(split.remote))
             )
