@@ -7,10 +7,11 @@
 Each layer has a cache of its own (Qwen3-30B-A3B's heads by default: 32 query heads, 4 key heads of 128), filled
 with random values, so the step reads `--layers` caches from memory as a decode step does, not one from L2. For each
 KV type and each launch shape (engine.kernels.attention.DecodeTune) the layers' calls are captured in one CUDA graph
-and replayed: the time is the device's, launches included, the merge of the splits included. Every shape's output is
-checked against the default shape's. `--slots`: the rows are as many slots, each its own sequence at that depth in
-one shared cache (the server's steps), instead of one sequence's rows. `--profile`: each kernel's own time (torch's profiler over eager calls) for the
-default shape and each type's best, to tell the split kernel from the merge and the gaps between them."""
+and replayed: the time is the device's, launches included, the merge of the splits included. Each shape's output
+is compared with the default shape's (`max_err`). `--slots`: the rows are as many slots, each its own sequence at
+that depth in one shared cache (the server's steps), instead of one sequence's rows. `--profile`: each kernel's own
+time (torch's profiler over eager calls) for the default shape and each type's best, to tell the split kernel from
+the merge and the gaps between them."""
 
 import argparse
 import itertools
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import emit
 from engine.kernels.attention import DEFAULT_TUNE, DecodeTune, decode_attention
-from engine.layers.kv_cache import _quant8, quant4
+from engine.layers.kv_cache import quant4, quant8
 
 
 def caches(kind: str, layers: int, ctx: int, hkv: int, d: int, dev: str) -> list[tuple]:
@@ -33,7 +34,7 @@ def caches(kind: str, layers: int, ctx: int, hkv: int, d: int, dev: str) -> list
         k = torch.randn(ctx, hkv, d, device=dev, dtype=torch.bfloat16)
         v = torch.randn(ctx, hkv, d, device=dev, dtype=torch.bfloat16)
         if kind == "int8":
-            (kq, ks), (vq, vs) = _quant8(k), _quant8(v)
+            (kq, ks), (vq, vs) = quant8(k), quant8(v)
             out.append((kq, vq, ks, vs))
         elif kind == "q4_0":
             (kq, ks), (vq, vs) = quant4(k), quant4(v)
@@ -148,7 +149,7 @@ def main() -> None:
             try:
                 us, out = time_shape(q, pos, base, layers, span, scale, tune, a.reps)
             except Exception as e:  # a shape the compiler or shared memory refuses
-                results.append({"kv": kind, "tune": vars(tune) | {}, "error": str(e)[:200]})
+                results.append({"kv": kind, "tune": tune.__dict__, "error": str(e)[:200]})
                 continue
             err = (out.float() - ref.float()).abs().max().item()
             row = {"kv": kind, "tune": tune.__dict__, "us_layer": round(us, 2), "GBps": round(nbytes / us / 1e3, 1),

@@ -166,7 +166,7 @@ def _rope_store_kernel(
 
 @triton.jit
 def _store_q8(code_ptr, scale_ptr, x, m):
-    """x (float32, masked lanes 0) as int8 codes of one scale: amax / 127 (engine/layers/kv_cache.py _quant8)."""
+    """x (float32, masked lanes 0) as int8 codes of one scale: amax / 127 (engine/layers/kv_cache.py quant8)."""
     sc = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8) / 127.0
     q = x / sc
     r = tl.floor(q + 0.5)

@@ -68,7 +68,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 _MAPPED_BYTES = 1 << 20  # smaller buffers come from the heap: a map per buffer is not worth it
 
 
-def _quant8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quant8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-8) / 127.0  # [T, H, 1]
     q = torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8)
     return q, scale.to(torch.float16)
@@ -196,8 +196,8 @@ class KVCache:
             )
         lk = self.layers[layer]
         if self.kv_type == "int8":
-            qk, sk = _quant8(k)
-            qv, sv = _quant8(v)
+            qk, sk = quant8(k)
+            qv, sv = quant8(v)
             lk.k.index_copy_(0, pos, qk)
             lk.k_scale.index_copy_(0, pos, sk)  # type: ignore[union-attr]
             lk.v.index_copy_(0, pos, qv)
