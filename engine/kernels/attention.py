@@ -45,18 +45,26 @@ def cache_layout(
 
 
 @triton.jit
-def q4_tile(c_ptr, s_ptr, s, sm, row_codes, row_scales, S: tl.constexpr, D: tl.constexpr):
+def q4_tile(
+    c_ptr, s_ptr, s, sm, row_codes, row_scales, S: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr = False
+):
     """The values [S, D] of positions s [S] (loaded where sm) of a q4_0 cache whose position rows lie row_codes
     bytes (codes) and row_scales scales apart. The bytes and the scales load as plain rows (D/2 and D/32 a
     position); the nibbles and the scales are spread over the D lanes in registers (loading them lane by lane,
-    scale and byte again for each, read a 32K-deep cache at a quarter of bf16's pace)."""
+    scale and byte again for each, read a 32K-deep cache at a quarter of bf16's pace). BITS: a code becomes a float
+    as the bit pattern of 2^23 + code less 2^23 + 8 (an OR and an add, where an integer conversion runs at a quarter
+    of the arithmetic's rate), the same value."""
     HALF: tl.constexpr = D // 2
     NB: tl.constexpr = D // 32
     byte = tl.load(c_ptr + s[:, None] * row_codes + tl.arange(0, HALF)[None, :], mask=sm[:, None], other=0)
     byte = byte.to(tl.int32)
     codes = tl.reshape(tl.permute(tl.join(byte & 15, byte >> 4), (0, 2, 1)), (S, D))  # halves side by side
     sc = tl.load(s_ptr + s[:, None] * row_scales + tl.arange(0, NB)[None, :], mask=sm[:, None], other=0.0)
-    vals = tl.reshape((codes - 8).to(tl.float32), (S, NB, 32)) * sc.to(tl.float32)[:, :, None]
+    if BITS:
+        f = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    else:
+        f = (codes - 8).to(tl.float32)
+    vals = tl.reshape(f, (S, NB, 32)) * sc.to(tl.float32)[:, :, None]
     return tl.reshape(vals, (S, D))
 
 
@@ -241,6 +249,72 @@ def rope_store(
 
 
 @triton.jit
+def _cache_tile(c_ptr, s_ptr, s, sm, HKV, D, d, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
+                MASKED: tl.constexpr, LEAN: tl.constexpr):  # fmt: skip
+    """The keys or values [BLOCK_S, BLOCK_D] of positions s of one key head (q4_0's as floats; float and int8
+    codes as stored), masked to positions where sm when MASKED."""
+    if QUANT == 2:
+        return q4_tile(
+            c_ptr, s_ptr, s, sm, HKV * (BLOCK_D // 2), HKV * (BLOCK_D // 32), BLOCK_S, BLOCK_D, LEAN
+        )
+    elif MASKED:
+        return tl.load(
+            c_ptr + s[:, None] * (HKV * D) + d[None, :], mask=sm[:, None] & (d[None, :] < D), other=0.0
+        )
+    else:
+        return tl.load(c_ptr + s[:, None] * (HKV * D) + d[None, :], mask=d[None, :] < D, other=0.0)
+
+
+@triton.jit
+def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV, Dk, Dv, qk_scale, softcap, dk, dv,
+                  BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr,
+                  QUANT: tl.constexpr, MASKED: tl.constexpr, LEAN: tl.constexpr):  # fmt: skip
+    """One block of positions s0.. into the running max m_i, sum l_i and output acc of a program's query heads.
+    MASKED: positions from `hi` on are left out (the last block of a split; LEAN runs the others without masks).
+    LEAN: scores in base-2 units (qk_scale carries log2(e), exp2 throughout; the merge then takes base-2 maxima),
+    an int8 key's scale folded into the score scale, q4_0 codes made floats by their bit patterns."""
+    s = s0 + tl.arange(0, BLOCK_S)
+    sm = s < hi
+    kb = _cache_tile(kc_ptr, ks_ptr, s, sm, HKV, Dk, dk, BLOCK_S, BLOCK_DK, QUANT, MASKED, LEAN)  # [BS, DK]
+    if IEEE:  # float32 compute stays float32 (no TF32 rounding)
+        sc = tl.dot(q, tl.trans(kb.to(q.dtype)), input_precision="ieee")  # [GP, BS]
+    else:
+        sc = tl.dot(q, tl.trans(kb.to(q.dtype))).to(tl.float32)
+    if QUANT == 1:  # int8 codes are exact in the compute dtype; their scales multiply the scores
+        ks = tl.load(ks_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32)
+        if LEAN:
+            sc = sc * (ks * qk_scale)[None, :]
+        else:
+            sc = sc * qk_scale * ks[None, :]
+    else:
+        sc = sc * qk_scale
+    if softcap > 0:
+        if LEAN:
+            sc = sc * 0.6931471805599453  # back to natural units for the cap
+        sc = softcap * (2.0 / (1.0 + tl.exp(-2.0 * sc / softcap)) - 1.0)
+        if LEAN:
+            sc = sc * 1.4426950408889634
+    if MASKED:
+        sc = tl.where(sm[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    if LEAN:
+        alpha = tl.exp2(m_i - m_new)
+        pr = tl.exp2(sc - m_new[:, None])
+    else:
+        alpha = tl.exp(m_i - m_new)
+        pr = tl.exp(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    vb = _cache_tile(vc_ptr, vs_ptr, s, sm, HKV, Dv, dv, BLOCK_S, BLOCK_DV, QUANT, MASKED, LEAN)  # [BS, DV]
+    if QUANT == 1:
+        pr = pr * tl.load(vs_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32)[None, :]
+    if IEEE:
+        pv = tl.dot(pr, vb.to(tl.float32), input_precision="ieee")  # [GP, DV]
+    else:
+        pv = tl.dot(pr.to(q.dtype), vb.to(q.dtype)).to(tl.float32)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_attn_kernel(
     q_ptr,  # [T, H, Dk]
     kc_ptr,  # [ctx, HKV, Dk] (float, int8 codes, or q4_0 bytes [ctx, HKV, Dk/2]: QUANT)
@@ -271,6 +345,7 @@ def _decode_attn_kernel(
     Q8: tl.constexpr = False,
     BASE: tl.constexpr = False,
     QUANT: tl.constexpr = 0,
+    LEAN: tl.constexpr = False,  # _attend_block's; the merge must take the same
 ):
     pid = tl.program_id(0)  # t * HKV + hk
     sp = tl.program_id(1)
@@ -294,55 +369,30 @@ def _decode_attn_kernel(
     m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, BLOCK_DV], dtype=tl.float32)
+    if LEAN:
+        qk_scale = scale * 1.4426950408889634
+    else:
+        qk_scale = scale
     lo = sp * chunk
     hi = tl.minimum(lo + chunk, span)
     hi = tl.minimum(hi, p + 1)  # causal: nothing beyond this row's own position
     if window > 0:
         lo = tl.maximum(lo, p - window + 1)
-    for s0 in range(lo, hi, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        sm = s < hi
-        if QUANT == 2:
-            kb = q4_tile(
-                kc_ptr, ks_ptr, s, sm, HKV * (BLOCK_DK // 2), HKV * (BLOCK_DK // 32), BLOCK_S, BLOCK_DK
-            )
-        else:
-            kb = tl.load(
-                kc_ptr + s[:, None] * (HKV * Dk) + dk[None, :],
-                mask=sm[:, None] & (dk[None, :] < Dk),
-                other=0.0,
-            )  # [BS, DK]
-        if IEEE:  # float32 compute stays float32 (no TF32 rounding)
-            sc = tl.dot(q, tl.trans(kb.to(q.dtype)), input_precision="ieee") * scale  # [GP, BS]
-        else:
-            sc = tl.dot(q, tl.trans(kb.to(q.dtype))).to(tl.float32) * scale
-        if QUANT == 1:  # int8 codes are exact in the compute dtype; their scales multiply the scores
-            sc = sc * tl.load(ks_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32)[None, :]
-        if softcap > 0:
-            sc = softcap * (2.0 / (1.0 + tl.exp(-2.0 * sc / softcap)) - 1.0)
-        sc = tl.where(sm[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        pr = tl.exp(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, axis=1)
-        if QUANT == 2:
-            vb = q4_tile(
-                vc_ptr, vs_ptr, s, sm, HKV * (BLOCK_DV // 2), HKV * (BLOCK_DV // 32), BLOCK_S, BLOCK_DV
-            )
-        else:
-            vb = tl.load(
-                vc_ptr + s[:, None] * (HKV * Dv) + dv[None, :],
-                mask=sm[:, None] & (dv[None, :] < Dv),
-                other=0.0,
-            )  # [BS, DV]
-        if QUANT == 1:
-            pr = pr * tl.load(vs_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32)[None, :]
-        if IEEE:
-            pv = tl.dot(pr, vb.to(tl.float32), input_precision="ieee")  # [GP, DV]
-        else:
-            pv = tl.dot(pr.to(q.dtype), vb.to(q.dtype)).to(tl.float32)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    if LEAN:  # whole blocks without masks, then the partial last one
+        full = lo + (tl.maximum(hi - lo, 0) // BLOCK_S) * BLOCK_S
+        for s0 in range(lo, full, BLOCK_S):
+            m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV, Dk, Dv,
+                                          qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
+                                          False, True)  # fmt: skip
+        for s0 in range(full, hi, BLOCK_S):
+            m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV, Dk, Dv,
+                                          qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
+                                          True, True)  # fmt: skip
+    else:
+        for s0 in range(lo, hi, BLOCK_S):
+            m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV, Dk, Dv,
+                                          qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
+                                          True, False)  # fmt: skip
     om = gm[:, None] & (dv[None, :] < Dv)
     if SPLITS == 1:
         out = acc / l_i[:, None]
@@ -377,6 +427,7 @@ def _merge_kernel(
     SPLITS: tl.constexpr,
     BLOCK_DV: tl.constexpr,  # the values of a head one program merges (a head's slice: program_id(1))
     Q8: tl.constexpr = False,
+    LEAN: tl.constexpr = False,  # the maxima are in base-2 units
 ):
     r = tl.program_id(0)
     d0 = tl.program_id(1) * BLOCK_DV
@@ -385,7 +436,11 @@ def _merge_kernel(
     m = tl.load(ml_ptr + (r * SPLITS + s) * 2)
     lsum = tl.load(ml_ptr + (r * SPLITS + s) * 2 + 1)
     mx = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - mx))  # splits wholly past the position weigh nothing
+    if LEAN:
+        e = tl.exp2(m - mx)
+    else:
+        e = tl.exp(m - mx)
+    w = tl.where(m == float("-inf"), 0.0, e)  # splits wholly past the position weigh nothing
     part = tl.load(part_ptr + (r * SPLITS + s)[:, None] * Dv + dv[None, :], mask=dv[None, :] < Dv, other=0.0)
     out = tl.sum(part * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
     tl.store(o_ptr + r * Dv + dv, out.to(o_ptr.dtype.element_ty), mask=dv < Dv)
@@ -406,13 +461,15 @@ SPLIT_MIN = 128
 class DecodeTune:
     """Launch shape of a long span's split decode (bench/decode_attention_micro.py sweeps it): programs per
     multiprocessor, positions a block, warps, pipeline stages and values of a head a merging program takes (None:
-    the kernels' defaults: 64 positions a block, 128 for int8 codes; Triton's stages; the whole head)."""
+    the kernels' defaults: 64 positions a block, 128 for int8 codes; Triton's stages; the whole head), and whether
+    its blocks take the lean body (_attend_block)."""
 
     per_sm: int = 2
     block_s: int | None = None
     warps: int = 4
     stages: int | None = None
     merge_block: int | None = 32
+    lean: bool = False  # _attend_block's LEAN: unmasked whole blocks, exp2, folded scales
 
 
 # Measured on an H200 at a depth of 32,768 (48 layers' caches, bench/results/decode-attention-32k-h200.json): two
@@ -505,9 +562,11 @@ def decode_attention(
         launch["num_stages"] = tune.stages
     _decode_attn_kernel[(t * hkv, splits)](
         q, k_cache, v_cache, ks, vs, pos, bp, part, ml, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
-        SPLITS=splits, **common, **launch,
+        SPLITS=splits, LEAN=tune.lean, **common, **launch,
     )  # fmt: skip
     mb = common["BLOCK_DV"] if tune.merge_block is None else min(tune.merge_block, common["BLOCK_DV"])
     mb = max(mb, 32) if q8 else mb  # the 8-bit form's scale covers 32 values
-    _merge_kernel[(t * h, triton.cdiv(dvv, mb))](part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=mb, Q8=q8)
+    _merge_kernel[(t * h, triton.cdiv(dvv, mb))](
+        part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=mb, Q8=q8, LEAN=tune.lean
+    )
     return out.view(t, h * dvv)

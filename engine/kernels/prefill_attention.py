@@ -46,8 +46,8 @@ def _block(
 ):
     s = s0 + tl.arange(0, BLOCK_N)
     sm = s < span
-    if QUANT == 2:  # heads of DK = DV values, dk and dv their lanes
-        kt = tl.trans(q4_tile(kc_ptr, ks_ptr, s, sm, HKV * (DK // 2), HKV * (DK // 32), BLOCK_N, DK))
+    if QUANT == 2:  # heads of DK = DV values, dk and dv their lanes; codes to floats by their bit patterns
+        kt = tl.trans(q4_tile(kc_ptr, ks_ptr, s, sm, HKV * (DK // 2), HKV * (DK // 32), BLOCK_N, DK, True))
     else:
         kt = tl.load(
             kc_ptr + s[None, :] * (HKV * Dk) + dk[:, None], mask=sm[None, :] & (dk[:, None] < Dk), other=0.0
@@ -75,7 +75,7 @@ def _block(
     pr = tl.math.exp2(sc - m_use[:, None])
     l_i = l_i * alpha + tl.sum(pr, axis=1)
     if QUANT == 2:
-        vb = q4_tile(vc_ptr, vs_ptr, s, sm, HKV * (DV // 2), HKV * (DV // 32), BLOCK_N, DV)
+        vb = q4_tile(vc_ptr, vs_ptr, s, sm, HKV * (DV // 2), HKV * (DV // 32), BLOCK_N, DV, True)
     else:
         vb = tl.load(
             vc_ptr + s[:, None] * (HKV * Dv) + dv[None, :], mask=sm[:, None] & (dv[None, :] < Dv), other=0.0

@@ -78,6 +78,37 @@ def test_decode_attention_matches_sdpa(t, h, hkv, d, span, window, dtype, chunk)
             assert _cos((codes * scales).view(t, -1), out.float()) >= 0.999
 
 
+@pytest.mark.parametrize("kv", ["bf16", "int8", "q4_0"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_lean_split_decode_matches_the_plain_one(kv: str, t: int) -> None:
+    """DecodeTune(lean=True) against the plain body on the card, Qwen3-30B-A3B's heads over 4,100 positions (splits
+    that end mid-block), every KV type, one row and a verify window of three; and against SDPA's attention over the
+    dequantized cache."""
+    from engine.kernels.attention import DecodeTune, decode_attention
+    from engine.layers.kv_cache import dequant4, quant4, quant8
+
+    h, hkv, d, span = 32, 4, 128, 4100
+    k = torch.randn(span, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(span, hkv, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(span - t, span, device="cuda")
+    scales: dict = {}
+    kc, vc = k, v
+    if kv == "int8":
+        (kc, ks), (vc, vs) = quant8(k), quant8(v)
+        k, v = kc.float() * ks.float(), vc.float() * vs.float()
+        scales = dict(k_scale=ks, v_scale=vs)
+    elif kv == "q4_0":
+        (kc, ks), (vc, vs) = quant4(k), quant4(v)
+        k, v = dequant4(kc, ks, torch.float32), dequant4(vc, vs, torch.float32)
+        scales = dict(k_scale=ks, v_scale=vs)
+    plain = decode_attention(q, kc, vc, pos, span, 0, d**-0.5, **scales).float()
+    lean = decode_attention(q, kc, vc, pos, span, 0, d**-0.5, tune=DecodeTune(lean=True), **scales).float()
+    assert _cos(lean, plain) >= 0.99999
+    ref = attention(q.float(), k.float(), v.float(), causal_mask(pos, span, 0), d**-0.5).reshape(t, -1)
+    assert _cos(lean, ref) >= 0.999
+
+
 @pytest.mark.parametrize("neox", [True, False])
 def test_rope_store_matches_rope_and_writes_the_cache(neox: bool) -> None:
     from engine.gguf.model_config import RopeConfig

@@ -427,6 +427,45 @@ def test_decode_attention_default_split() -> None:
     assert (got - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize(
+    "kv,t,window,softcap",
+    [("f32", 1, 0, 0.0), ("f32", 2, 100, 30.0), ("int8", 1, 0, 0.0), ("int8", 2, 150, 0.0), ("q4_0", 1, 0, 0.0),
+     ("q4_0", 1, 37, 0.0)],
+)  # fmt: skip
+def test_lean_blocks_match_the_plain_ones(kv: str, t: int, window: int, softcap: float) -> None:
+    """The split decode's lean body (DecodeTune(lean=True): whole blocks without masks, exp2 with the scale folded
+    in, an int8 key's scale folded into it, q4_0 codes made floats by their bit patterns, the merge in base 2) gives
+    the plain body's output and torch's attention over the dequantized cache, where splits end mid-block, with a
+    window and with a soft cap."""
+    from engine.kernels.attention import DecodeTune, decode_attention
+    from engine.layers.attention import attention, causal_mask
+    from engine.layers.kv_cache import dequant4, quant4, quant8
+
+    h, hkv, d, span = 8, 2, 64, 700
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(span, hkv, d, generator=g), torch.randn(span, hkv, d, generator=g)
+    q = torch.randn(t, h, d, generator=g)
+    pos = torch.arange(span - t, span)
+    scales: dict = {}
+    if kv == "int8":
+        (kc, ks), (vc, vs) = quant8(k), quant8(v)
+        k, v = kc.float() * ks.float(), vc.float() * vs.float()
+        scales = dict(k_scale=ks, v_scale=vs)
+    elif kv == "q4_0":
+        (kc, ks), (vc, vs) = quant4(k), quant4(v)
+        k, v = dequant4(kc, ks, torch.float32), dequant4(vc, vs, torch.float32)
+        scales = dict(k_scale=ks, v_scale=vs)
+    else:
+        kc, vc = k, v
+    # 8 splits of 88 positions: a whole block of 64 and a partial one each
+    args = (q, kc, vc, pos, span, window, d**-0.5, softcap)
+    plain = decode_attention(*args, chunk=88, **scales)
+    lean = decode_attention(*args, chunk=88, tune=DecodeTune(lean=True), **scales)
+    assert (lean - plain).abs().max().item() < 1e-5
+    want = attention(q, k, v, causal_mask(pos, span, window), d**-0.5, softcap).reshape(t, -1)
+    assert (lean - want).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("t,topk,e", [(9, 2, 4), (300, 8, 128), (64, 10, 512), (1, 8, 128), (700, 8, 128)])
 def test_block_table_matches_the_torch_schedule(t: int, topk: int, e: int) -> None:
     """The block table and the expert order (a stable sort by expert, as torch.argsort) from their launches
