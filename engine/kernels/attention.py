@@ -315,6 +315,51 @@ def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV,
 
 
 @triton.jit
+def _attend_apart(q3, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m3, l3, acc3, HKV, Dk, Dv, qk_scale, softcap, dk, dv,
+                  NW: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  IEEE: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """_attend_block's lean body with the block cut into NW runs of positions, each with its own running max, sum
+    and output ([NW, GP] and [NW, GP, DV]; a batched product): the row maxima and sums then stay within a warp's
+    run instead of crossing warps through shared memory at every block. The caller combines the runs at the end."""
+    BSW: tl.constexpr = BLOCK_S // NW
+    s = s0 + tl.arange(0, BLOCK_S)
+    sm = s < hi
+    kb = _cache_tile(kc_ptr, ks_ptr, s, sm, HKV, Dk, dk, BLOCK_S, BLOCK_DK, QUANT, MASKED, True)
+    kb = tl.reshape(kb.to(q3.dtype), (NW, BSW, BLOCK_DK))
+    if IEEE:
+        sc = tl.dot(q3, tl.permute(kb, (0, 2, 1)), input_precision="ieee")  # [NW, GP, BSW]
+    else:
+        sc = tl.dot(q3, tl.permute(kb, (0, 2, 1))).to(tl.float32)
+    if QUANT == 1:
+        ks = tl.load(ks_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32)
+        sc = sc * tl.reshape(ks * qk_scale, (NW, BSW))[:, None, :]
+    else:
+        sc = sc * qk_scale
+    if softcap > 0:
+        sc = sc * 0.6931471805599453
+        sc = softcap * (2.0 / (1.0 + tl.exp(-2.0 * sc / softcap)) - 1.0) * 1.4426950408889634
+    if MASKED:
+        sc = tl.where(tl.reshape(sm, (NW, BSW))[:, None, :], sc, float("-inf"))
+    m_new = tl.maximum(m3, tl.max(sc, axis=2))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a run with nothing seen yet: no NaN
+    alpha = tl.exp2(m3 - m_use)
+    pr = tl.exp2(sc - m_use[:, :, None])
+    l3 = l3 * alpha + tl.sum(pr, axis=2)
+    vb = _cache_tile(vc_ptr, vs_ptr, s, sm, HKV, Dv, dv, BLOCK_S, BLOCK_DV, QUANT, MASKED, True)
+    vb = tl.reshape(vb.to(q3.dtype), (NW, BSW, BLOCK_DV))
+    if QUANT == 1:
+        pr = (
+            pr
+            * tl.reshape(tl.load(vs_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32), (NW, BSW))[:, None, :]
+        )
+    if IEEE:
+        pv = tl.dot(pr, vb, input_precision="ieee")  # [NW, GP, DV]
+    else:
+        pv = tl.dot(pr.to(q3.dtype), vb).to(tl.float32)
+    return m_new, l3, acc3 * alpha[:, :, None] + pv
+
+
+@triton.jit
 def _decode_attn_kernel(
     q_ptr,  # [T, H, Dk]
     kc_ptr,  # [ctx, HKV, Dk] (float, int8 codes, or q4_0 bytes [ctx, HKV, Dk/2]: QUANT)
@@ -346,6 +391,7 @@ def _decode_attn_kernel(
     BASE: tl.constexpr = False,
     QUANT: tl.constexpr = 0,
     LEAN: tl.constexpr = False,  # _attend_block's; the merge must take the same
+    APART: tl.constexpr = 0,  # runs a block is cut into (_attend_apart, lean); 0: none
 ):
     pid = tl.program_id(0)  # t * HKV + hk
     sp = tl.program_id(1)
@@ -378,7 +424,27 @@ def _decode_attn_kernel(
     hi = tl.minimum(hi, p + 1)  # causal: nothing beyond this row's own position
     if window > 0:
         lo = tl.maximum(lo, p - window + 1)
-    if LEAN:  # whole blocks without masks, then the partial last one
+    if APART > 0:
+        q3 = tl.broadcast_to(q[None, :, :], (APART, GP, BLOCK_DK))
+        m3 = tl.full([APART, GP], float("-inf"), dtype=tl.float32)
+        l3 = tl.zeros([APART, GP], dtype=tl.float32)
+        acc3 = tl.zeros([APART, GP, BLOCK_DV], dtype=tl.float32)
+        full = lo + (tl.maximum(hi - lo, 0) // BLOCK_S) * BLOCK_S
+        for s0 in range(lo, full, BLOCK_S):
+            m3, l3, acc3 = _attend_apart(q3, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m3, l3, acc3, HKV, Dk, Dv,
+                                         qk_scale, softcap, dk, dv, APART, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
+                                         False)  # fmt: skip
+        for s0 in range(full, hi, BLOCK_S):
+            m3, l3, acc3 = _attend_apart(q3, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m3, l3, acc3, HKV, Dk, Dv,
+                                         qk_scale, softcap, dk, dv, APART, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
+                                         True)  # fmt: skip
+        m_i = tl.max(m3, axis=0)  # the runs combined, as the merge combines splits
+        w3 = tl.where(
+            m3 == float("-inf"), 0.0, tl.exp2(m3 - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
+        )
+        l_i = tl.sum(l3 * w3, axis=0)
+        acc = tl.sum(acc3 * w3[:, :, None], axis=0)
+    elif LEAN:  # whole blocks without masks, then the partial last one
         full = lo + (tl.maximum(hi - lo, 0) // BLOCK_S) * BLOCK_S
         for s0 in range(lo, full, BLOCK_S):
             m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV, Dk, Dv,
@@ -470,6 +536,9 @@ class DecodeTune:
     stages: int | None = None
     merge_block: int | None = 32
     lean: bool = False  # _attend_block's LEAN: unmasked whole blocks, exp2, folded scales
+    apart: int = (
+        0  # runs of positions a block is cut into, each its own softmax (_attend_apart; implies lean)
+    )
 
 
 # Measured on an H200 at a depth of 32,768 (48 layers' caches, bench/results/decode-attention-32k-h200.json): two
@@ -560,13 +629,15 @@ def decode_attention(
         common["BLOCK_S"] = 128
     if tune.stages is not None:
         launch["num_stages"] = tune.stages
+    apart = tune.apart
+    lean = tune.lean or apart > 0
     _decode_attn_kernel[(t * hkv, splits)](
         q, k_cache, v_cache, ks, vs, pos, bp, part, ml, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
-        SPLITS=splits, LEAN=tune.lean, **common, **launch,
+        SPLITS=splits, LEAN=lean, APART=apart, **common, **launch,
     )  # fmt: skip
     mb = common["BLOCK_DV"] if tune.merge_block is None else min(tune.merge_block, common["BLOCK_DV"])
     mb = max(mb, 32) if q8 else mb  # the 8-bit form's scale covers 32 values
     _merge_kernel[(t * h, triton.cdiv(dvv, mb))](
-        part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=mb, Q8=q8, LEAN=tune.lean
+        part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=mb, Q8=q8, LEAN=lean
     )
     return out.view(t, h * dvv)

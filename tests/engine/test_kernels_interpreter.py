@@ -434,9 +434,10 @@ def test_decode_attention_default_split() -> None:
 )  # fmt: skip
 def test_lean_blocks_match_the_plain_ones(kv: str, t: int, window: int, softcap: float) -> None:
     """The split decode's lean body (DecodeTune(lean=True): whole blocks without masks, exp2 with the scale folded
-    in, an int8 key's scale folded into it, q4_0 codes made floats by their bit patterns, the merge in base 2) gives
-    the plain body's output and torch's attention over the dequantized cache, where splits end mid-block, with a
-    window and with a soft cap."""
+    in, an int8 key's scale folded into it, q4_0 codes made floats by their bit patterns, the merge in base 2), and
+    its blocks cut into runs of their own (apart=4), give the plain body's output and torch's attention over the
+    dequantized cache, where splits end mid-block (and runs lie wholly past a split's end), with a window and with a
+    soft cap."""
     from engine.kernels.attention import DecodeTune, decode_attention
     from engine.layers.attention import attention, causal_mask
     from engine.layers.kv_cache import dequant4, quant4, quant8
@@ -460,10 +461,11 @@ def test_lean_blocks_match_the_plain_ones(kv: str, t: int, window: int, softcap:
     # 8 splits of 88 positions: a whole block of 64 and a partial one each
     args = (q, kc, vc, pos, span, window, d**-0.5, softcap)
     plain = decode_attention(*args, chunk=88, **scales)
-    lean = decode_attention(*args, chunk=88, tune=DecodeTune(lean=True), **scales)
-    assert (lean - plain).abs().max().item() < 1e-5
     want = attention(q, k, v, causal_mask(pos, span, window), d**-0.5, softcap).reshape(t, -1)
-    assert (lean - want).abs().max().item() < 1e-4
+    for tune in (DecodeTune(lean=True), DecodeTune(apart=4)):  # apart: a block in 4 runs of 16 positions
+        lean = decode_attention(*args, chunk=88, tune=tune, **scales)
+        assert (lean - plain).abs().max().item() < 1e-5
+        assert (lean - want).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("t,topk,e", [(9, 2, 4), (300, 8, 128), (64, 10, 512), (1, 8, 128), (700, 8, 128)])
