@@ -527,18 +527,17 @@ SPLIT_MIN = 128
 class DecodeTune:
     """Launch shape of a long span's split decode (bench/decode_attention_micro.py sweeps it): programs per
     multiprocessor, positions a block, warps, pipeline stages and values of a head a merging program takes (None:
-    the kernels' defaults: 64 positions a block, 128 for int8 codes; Triton's stages; the whole head), and whether
-    its blocks take the lean body (_attend_block)."""
+    the kernels' defaults: 64 positions a block, 128 for int8 codes; Triton's stages; the whole head), whether its
+    blocks take the lean body (_attend_block's LEAN: unmasked whole blocks, exp2, folded scales), and the runs of
+    positions a block is cut into, each with its own softmax (_attend_apart; 0: none; implies lean)."""
 
     per_sm: int = 2
     block_s: int | None = None
     warps: int = 4
     stages: int | None = None
     merge_block: int | None = 32
-    lean: bool = False  # _attend_block's LEAN: unmasked whole blocks, exp2, folded scales
-    apart: int = (
-        0  # runs of positions a block is cut into, each its own softmax (_attend_apart; implies lean)
-    )
+    lean: bool = False
+    apart: int = 0
 
 
 # Measured on an H200 at a depth of 32,768 (48 layers' caches, bench/results/decode-attention-32k-h200.json): two
