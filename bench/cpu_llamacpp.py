@@ -10,8 +10,9 @@ are measured (Gemma 3 270M and Qwen2.5-Coder-0.5B-Instruct, both Q4_K_M). Both e
 (default: every core) and measure as llama-bench does: a prompt of N fixed token ids into an empty cache, and
 decode from a one-token prompt, greedy; ours runs `strata-engine`'s model code in a child process (--child) with
 the thread count in its environment and its default 8-bit activations. --schedules adds, on the busy machine, our
-engine on every core under other thread schedules: OpenMP's passive wait (OMP_WAIT_POLICY=PASSIVE) and Numba's
-dynamic chunks (numba.set_parallel_chunksize), each also unloaded.
+engine on every core under other thread schedules: OpenMP's passive wait (OMP_WAIT_POLICY=PASSIVE), Numba's
+dynamic chunks (numba.set_parallel_chunksize) and shorter spins before a waiting thread sleeps (GOMP_SPINCOUNT), each
+also unloaded.
 """
 
 import argparse
@@ -85,6 +86,10 @@ SCHEDULES = {
     "passive_wait": {"OMP_WAIT_POLICY": "PASSIVE"},
     "passive_wait_chunks_4": {"OMP_WAIT_POLICY": "PASSIVE", "BENCH_NUMBA_CHUNK": "4"},
     "chunks_4": {"BENCH_NUMBA_CHUNK": "4"},
+    # GNU OpenMP spins this many times before it sleeps (its default: 300,000, or 1,000 past the cores)
+    "spin_0": {"GOMP_SPINCOUNT": "0"},
+    "spin_1000": {"GOMP_SPINCOUNT": "1000"},
+    "spin_10000": {"GOMP_SPINCOUNT": "10000"},
 }
 
 
