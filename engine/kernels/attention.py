@@ -629,6 +629,11 @@ def decode_attention(
     if tune.stages is not None:
         launch["num_stages"] = tune.stages
     apart = tune.apart
+    if apart and (common["BLOCK_S"] % apart or common["BLOCK_S"] // apart < 16):
+        raise ValueError(
+            f"DecodeTune.apart={apart} cuts a block of {common['BLOCK_S']} positions into runs the products cannot "
+            "take: each run needs 16 positions or more, whole (a power of two that divides the block)"
+        )
     lean = tune.lean or apart > 0
     _decode_attn_kernel[(t * hkv, splits)](
         q, k_cache, v_cache, ks, vs, pos, bp, part, ml, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,

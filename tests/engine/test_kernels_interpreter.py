@@ -466,6 +466,8 @@ def test_lean_blocks_match_the_plain_ones(kv: str, t: int, window: int, softcap:
         lean = decode_attention(*args, chunk=88, tune=tune, **scales)
         assert (lean - plain).abs().max().item() < 1e-5
         assert (lean - want).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="16 positions or more"):  # runs of 8: too short for the products
+        decode_attention(*args, chunk=88, tune=DecodeTune(apart=8, block_s=64), **scales)
 
 
 @pytest.mark.parametrize("t,topk,e", [(9, 2, 4), (300, 8, 128), (64, 10, 512), (1, 8, 128), (700, 8, 128)])
