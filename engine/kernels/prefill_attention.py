@@ -8,11 +8,17 @@ the key blocks the causal mask (and a sliding window) rule out: the torch path i
 a 32,768-token prompt at 0.29x llama.cpp.
 Key blocks that every row of the program sees in full run without the mask's arithmetic."""
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels.attention import Q4_0, cache_layout, head_rows, q4_tile
+
+# q4_0 tiles made floats by their codes' bit patterns (the same values, no integer conversion): switched off until
+# its GPU test and a measurement on a card (STRATA_PROMPT_Q4_BITS=1 turns it on, read once here)
+PROMPT_Q4_BITS = os.environ.get("STRATA_PROMPT_Q4_BITS") == "1"
 
 
 @triton.jit
@@ -43,11 +49,12 @@ def _block(
     IEEE: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
+    Q4_BITS: tl.constexpr,
 ):
     s = s0 + tl.arange(0, BLOCK_N)
     sm = s < span
-    if QUANT == 2:  # heads of DK = DV values, dk and dv their lanes; codes to floats by their bit patterns
-        kt = tl.trans(q4_tile(kc_ptr, ks_ptr, s, sm, HKV * (DK // 2), HKV * (DK // 32), BLOCK_N, DK, True))
+    if QUANT == 2:  # heads of DK = DV values, dk and dv their lanes
+        kt = tl.trans(q4_tile(kc_ptr, ks_ptr, s, sm, HKV * (DK // 2), HKV * (DK // 32), BLOCK_N, DK, Q4_BITS))
     else:
         kt = tl.load(
             kc_ptr + s[None, :] * (HKV * Dk) + dk[:, None], mask=sm[None, :] & (dk[:, None] < Dk), other=0.0
@@ -75,7 +82,7 @@ def _block(
     pr = tl.math.exp2(sc - m_use[:, None])
     l_i = l_i * alpha + tl.sum(pr, axis=1)
     if QUANT == 2:
-        vb = q4_tile(vc_ptr, vs_ptr, s, sm, HKV * (DV // 2), HKV * (DV // 32), BLOCK_N, DV, True)
+        vb = q4_tile(vc_ptr, vs_ptr, s, sm, HKV * (DV // 2), HKV * (DV // 32), BLOCK_N, DV, Q4_BITS)
     else:
         vb = tl.load(
             vc_ptr + s[:, None] * (HKV * Dv) + dv[None, :], mask=sm[:, None] & (dv[None, :] < Dv), other=0.0
@@ -118,6 +125,7 @@ def _prefill_attn_kernel(
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
     IEEE: tl.constexpr,
+    Q4_BITS: tl.constexpr = False,  # q4_0 codes to floats by their bit patterns (q4_tile's BITS)
 ):
     h = tl.program_id(0)  # heads fastest: the G heads that read one key head's blocks run side by side (L2)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)  # the last rows, which see the most keys, first
@@ -157,17 +165,17 @@ def _prefill_attn_kernel(
     for s0 in range(lo, tl.minimum(full_lo, hi), BLOCK_N):
         acc, m_i, l_i = _block(
             q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, p, s0, HKV, Dk, Dv, span, window, qk_scale,
-            softcap, dk, dv, BLOCK_N, True, QUANT, SOFTCAP, IEEE, BLOCK_DK, BLOCK_DV,
+            softcap, dk, dv, BLOCK_N, True, QUANT, SOFTCAP, IEEE, BLOCK_DK, BLOCK_DV, Q4_BITS,
         )  # fmt: skip
     for s0 in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _block(
             q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, p, s0, HKV, Dk, Dv, span, window, qk_scale,
-            softcap, dk, dv, BLOCK_N, False, QUANT, SOFTCAP, IEEE, BLOCK_DK, BLOCK_DV,
+            softcap, dk, dv, BLOCK_N, False, QUANT, SOFTCAP, IEEE, BLOCK_DK, BLOCK_DV, Q4_BITS,
         )  # fmt: skip
     for s0 in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _block(
             q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, p, s0, HKV, Dk, Dv, span, window, qk_scale,
-            softcap, dk, dv, BLOCK_N, True, QUANT, SOFTCAP, IEEE, BLOCK_DK, BLOCK_DV,
+            softcap, dk, dv, BLOCK_N, True, QUANT, SOFTCAP, IEEE, BLOCK_DK, BLOCK_DV, Q4_BITS,
         )  # fmt: skip
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a pad row saw nothing: zeros, not NaN
     out = acc / l_i[:, None]
@@ -244,6 +252,7 @@ def prefill_attention(
         SOFTCAP=softcap > 0,
         SINKS=sinks is not None,
         IEEE=q.dtype == torch.float32,
+        Q4_BITS=PROMPT_Q4_BITS,
         num_warps=warps,
         num_stages=stages,
     )

@@ -63,6 +63,17 @@ def test_against_float64(t: int, start: int, window: int, kv: str, softcap: floa
     ref = _ref(q, keys, values, pos, span, window, d**-0.5, softcap, sk)
     assert _cos(got, ref) >= 0.9999
     assert (got.double() - ref).abs().max().item() < 0.03
+    if kv == "q4_0":  # codes made floats by their bit patterns (STRATA_PROMPT_Q4_BITS)
+        import engine.kernels.prefill_attention as pa
+
+        saved, pa.PROMPT_Q4_BITS = pa.PROMPT_Q4_BITS, True
+        try:
+            bits = prefill_attention(
+                q, lk.k, lk.v, pos, span, window, d**-0.5, softcap, lk.k_scale, lk.v_scale, sk
+            )
+        finally:
+            pa.PROMPT_Q4_BITS = saved
+        assert _cos(bits, got) >= 0.99999  # the same tiles: equal unless the compiler orders a sum otherwise
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
