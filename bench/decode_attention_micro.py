@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import emit
 from engine.kernels.attention import DEFAULT_TUNE, DecodeTune, decode_attention
-from engine.layers.kv_cache import quant4, quant8
+from engine.layers.kv_cache import quantize_kv
 
 
 def caches(kind: str, layers: int, ctx: int, hkv: int, d: int, dev: str) -> list[tuple]:
@@ -33,14 +33,8 @@ def caches(kind: str, layers: int, ctx: int, hkv: int, d: int, dev: str) -> list
     for _ in range(layers):
         k = torch.randn(ctx, hkv, d, device=dev, dtype=torch.bfloat16)
         v = torch.randn(ctx, hkv, d, device=dev, dtype=torch.bfloat16)
-        if kind == "int8":
-            (kq, ks), (vq, vs) = quant8(k), quant8(v)
-            out.append((kq, vq, ks, vs))
-        elif kind == "q4_0":
-            (kq, ks), (vq, vs) = quant4(k), quant4(v)
-            out.append((kq, vq, ks, vs))
-        else:
-            out.append((k, v, None, None))
+        (kq, ks), (vq, vs) = quantize_kv(kind, k), quantize_kv(kind, v)
+        out.append((kq, vq, ks, vs))
         del k, v
     return out
 

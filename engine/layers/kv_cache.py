@@ -96,6 +96,27 @@ def dequant4(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> t
     return blocks.reshape(q.shape).to(dtype)
 
 
+def quantize_kv(kv_type: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Keys or values [..., D] as a cache of `kv_type` holds them: (int8 codes, their scale per row), (q4_0 codes,
+    their scales per 32), or (x, None) for a float cache."""
+    if kv_type == "int8":
+        return quant8(x)
+    if kv_type == "q4_0":
+        return quant4(x)
+    return x, None
+
+
+def dequantize_kv(
+    kv_type: str, codes: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """A cache's keys or values of `kv_type` as values in `dtype` (int8's product taken in `dtype`)."""
+    if kv_type == "int8":
+        return codes.to(dtype) * scales.to(dtype)  # type: ignore[union-attr]
+    if kv_type == "q4_0":
+        return dequant4(codes, scales, dtype)  # type: ignore[arg-type]
+    return codes.to(dtype)
+
+
 def q4_head_dims_ok(*dims: int) -> bool:
     """q4_0 halves a head into two runs of whole 32-value blocks, and the kernels read it as power-of-two tiles."""
     return all(d in (64, 128, 256) for d in dims)
@@ -178,14 +199,9 @@ class KVCache:
         """Write k, v [T, Hkv, D] at the positions `pos` [T] (a device tensor) and return the keys and values of
         positions 0..span-1, in the dtype of k. No host synchronisation: the step can be captured in a CUDA graph."""
         lk = self.write(layer, pos, k, v, span)
-        if self.kv_type == "int8":
-            keys = lk.k[:span].to(k.dtype) * lk.k_scale[:span].to(k.dtype)  # type: ignore[index]
-            values = lk.v[:span].to(v.dtype) * lk.v_scale[:span].to(v.dtype)  # type: ignore[index]
-            return keys, values
-        if self.kv_type == "q4_0":
-            keys = dequant4(lk.k[:span], lk.k_scale[:span], k.dtype)  # type: ignore[index]
-            return keys, dequant4(lk.v[:span], lk.v_scale[:span], v.dtype)  # type: ignore[index]
-        return lk.k[:span].to(k.dtype), lk.v[:span].to(v.dtype)
+        ks, vs = (None, None) if lk.k_scale is None else (lk.k_scale[:span], lk.v_scale[:span])  # type: ignore[index]
+        return (dequantize_kv(self.kv_type, lk.k[:span], ks, k.dtype),
+                dequantize_kv(self.kv_type, lk.v[:span], vs, v.dtype))  # fmt: skip
 
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int) -> _LayerKV:
         """Write k, v [T, Hkv, D] at the positions `pos` [T] and return the layer's own tensors (for a kernel that

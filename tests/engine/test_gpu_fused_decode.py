@@ -85,23 +85,16 @@ def test_lean_split_decode_matches_the_plain_one(kv: str, t: int) -> None:
     that end mid-block), every KV type, one row and a verify window of three; and against SDPA's attention over the
     dequantized cache."""
     from engine.kernels.attention import DecodeTune, decode_attention
-    from engine.layers.kv_cache import dequant4, quant4, quant8
+    from engine.layers.kv_cache import dequantize_kv, quantize_kv
 
     h, hkv, d, span = 32, 4, 128, 4100
     k = torch.randn(span, hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(span, hkv, d, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
     pos = torch.arange(span - t, span, device="cuda")
-    scales: dict = {}
-    kc, vc = k, v
-    if kv == "int8":
-        (kc, ks), (vc, vs) = quant8(k), quant8(v)
-        k, v = kc.float() * ks.float(), vc.float() * vs.float()
-        scales = dict(k_scale=ks, v_scale=vs)
-    elif kv == "q4_0":
-        (kc, ks), (vc, vs) = quant4(k), quant4(v)
-        k, v = dequant4(kc, ks, torch.float32), dequant4(vc, vs, torch.float32)
-        scales = dict(k_scale=ks, v_scale=vs)
+    (kc, ks), (vc, vs) = quantize_kv(kv, k), quantize_kv(kv, v)
+    k, v = dequantize_kv(kv, kc, ks, torch.float32), dequantize_kv(kv, vc, vs, torch.float32)
+    scales = dict(k_scale=ks, v_scale=vs)
     plain = decode_attention(q, kc, vc, pos, span, 0, d**-0.5, **scales).float()
     ref = attention(q.float(), k.float(), v.float(), causal_mask(pos, span, 0), d**-0.5).reshape(t, -1)
     for tune in (DecodeTune(lean=True), DecodeTune(apart=4)):

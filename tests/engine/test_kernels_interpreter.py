@@ -440,24 +440,16 @@ def test_lean_blocks_match_the_plain_ones(kv: str, t: int, window: int, softcap:
     soft cap."""
     from engine.kernels.attention import DecodeTune, decode_attention
     from engine.layers.attention import attention, causal_mask
-    from engine.layers.kv_cache import dequant4, quant4, quant8
+    from engine.layers.kv_cache import dequantize_kv, quantize_kv
 
     h, hkv, d, span = 8, 2, 64, 700
     g = torch.Generator().manual_seed(3)
     k, v = torch.randn(span, hkv, d, generator=g), torch.randn(span, hkv, d, generator=g)
     q = torch.randn(t, h, d, generator=g)
     pos = torch.arange(span - t, span)
-    scales: dict = {}
-    if kv == "int8":
-        (kc, ks), (vc, vs) = quant8(k), quant8(v)
-        k, v = kc.float() * ks.float(), vc.float() * vs.float()
-        scales = dict(k_scale=ks, v_scale=vs)
-    elif kv == "q4_0":
-        (kc, ks), (vc, vs) = quant4(k), quant4(v)
-        k, v = dequant4(kc, ks, torch.float32), dequant4(vc, vs, torch.float32)
-        scales = dict(k_scale=ks, v_scale=vs)
-    else:
-        kc, vc = k, v
+    (kc, ks), (vc, vs) = quantize_kv(kv, k), quantize_kv(kv, v)
+    k, v = dequantize_kv(kv, kc, ks, torch.float32), dequantize_kv(kv, vc, vs, torch.float32)
+    scales = dict(k_scale=ks, v_scale=vs)
     # 8 splits of 88 positions: a whole block of 64 and a partial one each
     args = (q, kc, vc, pos, span, window, d**-0.5, softcap)
     plain = decode_attention(*args, chunk=88, **scales)
