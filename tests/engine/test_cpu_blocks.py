@@ -40,6 +40,11 @@ def test_each_block_type_unpacks_as_gguf_and_multiplies_within_int8_rounding(qty
         for r in range(rows):
             assert _cos(y[r], want[r]) >= 0.999, (qtype.name, rows, r)
         assert np.abs(y - want).max() <= 0.05 * np.abs(want).max()
+        if (
+            rows == 3
+        ):  # one row alone (a decode step: the task's rows in one call for 32-value types) = in a batch
+            one = cpu_blocks.matmul(torch.from_numpy(raw), qtype, n_out, k, torch.from_numpy(x[:1])).numpy()
+            assert np.array_equal(one[0], y[0]), qtype.name
 
 
 def test_a_zero_input_gives_zeros_and_types_outside_the_kernels_are_not_claimed() -> None:
