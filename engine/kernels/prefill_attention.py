@@ -8,17 +8,12 @@ the key blocks the causal mask (and a sliding window) rule out: the torch path i
 a 32,768-token prompt at 0.29x llama.cpp.
 Key blocks that every row of the program sees in full run without the mask's arithmetic."""
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels.attention import Q4_0, cache_layout, head_rows, q4_tile
-
-# q4_0 tiles made floats by their codes' bit patterns (the same values, no integer conversion): switched off until
-# its GPU test and a measurement on a card (STRATA_PROMPT_Q4_BITS=1 turns it on, read once here)
-PROMPT_Q4_BITS = os.environ.get("STRATA_PROMPT_Q4_BITS") == "1"
+from installer.engine_options import runtime_switches
 
 
 @triton.jit
@@ -252,7 +247,8 @@ def prefill_attention(
         SOFTCAP=softcap > 0,
         SINKS=sinks is not None,
         IEEE=q.dtype == torch.float32,
-        Q4_BITS=PROMPT_Q4_BITS,
+        # q4_0 tiles by their codes' bit patterns (the same values): off until measured on a card
+        Q4_BITS=quant == Q4_0 and runtime_switches().prompt_q4_bits,
         num_warps=warps,
         num_stages=stages,
     )

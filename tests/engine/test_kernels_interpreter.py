@@ -857,9 +857,7 @@ def test_q4_cache_write_decode_and_prompt(d: int, monkeypatch: pytest.MonkeyPatc
     want = attention(pq, keys[:140], values[:140], causal_mask(ppos, 140, 0), d**-0.5)
     assert (got - want).abs().max().item() < 1e-5
     # codes made floats by their bit patterns (STRATA_PROMPT_Q4_BITS): the same values, the same output
-    import engine.kernels.prefill_attention as pa
-
-    monkeypatch.setattr(pa, "PROMPT_Q4_BITS", True)
+    monkeypatch.setenv("STRATA_PROMPT_Q4_BITS", "1")
     assert torch.equal(
         prefill_attention(pq, lk.k, lk.v, ppos, 140, 0, d**-0.5, 0.0, lk.k_scale, lk.v_scale), got
     )
