@@ -802,9 +802,8 @@ def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
         sc = np.empty(groups, np.float32)
         mn = np.empty(groups, np.float32)
         first = t * ROWS_PER_TASK
-        if (
-            in_place and t_rows == 1 and _is_row32(kind)
-        ):  # a decode step's product: the task's rows in one call
+        # a decode step's product of a 32-value type: the task's rows in one call
+        if in_place and t_rows == 1 and _is_row32(kind):
             n_rows = min(n_out, first + ROWS_PER_TASK) - first
             rows32(w, np.int64(first) * row_bytes, np.int64(row_bytes), np.int64(n_rows), np.int64(k // 32), xq[0],
                    xd[0], xs[0], np.int64(kind), out, np.int64(first))  # fmt: skip

@@ -211,16 +211,9 @@ class KVCache:
                 f"the sequence needs {span} positions but the KV cache holds {self.max_ctx} (--max-context)"
             )
         lk = self.layers[layer]
-        if self.kv_type == "int8":
-            qk, sk = quant8(k)
-            qv, sv = quant8(v)
-            lk.k.index_copy_(0, pos, qk)
-            lk.k_scale.index_copy_(0, pos, sk)  # type: ignore[union-attr]
-            lk.v.index_copy_(0, pos, qv)
-            lk.v_scale.index_copy_(0, pos, sv)  # type: ignore[union-attr]
-        elif self.kv_type == "q4_0":
+        if self.kv_type in ("int8", "q4_0"):
             for codes, scales, x in ((lk.k, lk.k_scale, k), (lk.v, lk.v_scale, v)):
-                q, d = quant4(x)
+                q, d = quantize_kv(self.kv_type, x)
                 codes.index_copy_(0, pos, q)
                 scales.index_copy_(0, pos, d)  # type: ignore[union-attr]
         else:
