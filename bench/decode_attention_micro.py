@@ -1,8 +1,8 @@
 """Decode attention deep in the cache, the kernel alone: microseconds a layer and the bytes it reads per second.
 
     python bench/decode_attention_micro.py [--depth 32768] [--layers 48] [--kv-types bf16,int8,q4_0]
-        [--per-sm 1,2,4] [--block-s 64,128] [--warps 4,8] [--stages 2,3] [--merge-block 0,32] [--lean 0,1]
-        [--apart 0,2,4] [--rows 1] [--slots] [--profile] [--out F.json]
+        [--per-sm 1,2,4] [--block-s 64,128] [--warps 4,8] [--stages 2,3] [--merge-block 0,32]
+        [--rows 1] [--slots] [--profile] [--out F.json]
 
 Each layer has a cache of its own (Qwen3-30B-A3B's heads by default: 32 query heads, 4 key heads of 128), filled
 with random values, so the step reads `--layers` caches from memory as a decode step does, not one from L2. For each
@@ -108,10 +108,6 @@ def main() -> None:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--merge-block", default="0,32", help="0: a merging program per head")
-    ap.add_argument("--lean", default="0,1", help="the blocks' body: 0 plain, 1 lean (DecodeTune.lean)")
-    ap.add_argument(
-        "--apart", default="0", help="runs a block is cut into, each its own softmax (DecodeTune.apart)"
-    )
     ap.add_argument("--slots", action="store_true", help="each row its own sequence (the server's slots)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--reps", type=int, default=50)
@@ -144,19 +140,15 @@ def main() -> None:
             ints(a.warps),
             ints(a.stages),
             ints(a.merge_block),
-            ints(a.lean),
-            ints(a.apart),
         )
         best_tune, best_us = DEFAULT_TUNE, base_us
-        for per_sm, bs, w, st, mb, lean, apart in shapes:
+        for per_sm, bs, w, st, mb in shapes:
             tune = DecodeTune(
                 per_sm=per_sm,
                 block_s=bs,
                 warps=w,
                 stages=st,
                 merge_block=mb or None,
-                lean=bool(lean),
-                apart=apart,
             )
             try:
                 us, out = time_shape(q, pos, base, layers, span, scale, tune, a.reps)

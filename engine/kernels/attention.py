@@ -250,12 +250,12 @@ def rope_store(
 
 @triton.jit
 def _cache_tile(c_ptr, s_ptr, s, sm, HKV, D, d, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
-                MASKED: tl.constexpr, LEAN: tl.constexpr):  # fmt: skip
-    """The keys or values [BLOCK_S, BLOCK_D] of positions s of one key head (q4_0's as floats; float and int8
-    codes as stored), masked to positions where sm when MASKED."""
+                MASKED: tl.constexpr):  # fmt: skip
+    """The keys or values [BLOCK_S, BLOCK_D] of positions s of one key head (q4_0's as floats, made by their bit
+    patterns; float and int8 codes as stored), masked to positions where sm when MASKED."""
     if QUANT == 2:
         return q4_tile(
-            c_ptr, s_ptr, s, sm, HKV * (BLOCK_D // 2), HKV * (BLOCK_D // 32), BLOCK_S, BLOCK_D, LEAN
+            c_ptr, s_ptr, s, sm, HKV * (BLOCK_D // 2), HKV * (BLOCK_D // 32), BLOCK_S, BLOCK_D, True
         )
     elif MASKED:
         return tl.load(
@@ -268,43 +268,33 @@ def _cache_tile(c_ptr, s_ptr, s, sm, HKV, D, d, BLOCK_S: tl.constexpr, BLOCK_D: 
 @triton.jit
 def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV, Dk, Dv, qk_scale, softcap, dk, dv,
                   BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr,
-                  QUANT: tl.constexpr, MASKED: tl.constexpr, LEAN: tl.constexpr):  # fmt: skip
+                  QUANT: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """One block of positions s0.. into the running max m_i, sum l_i and output acc of a program's query heads.
-    MASKED: positions from `hi` on are left out (the last block of a split; LEAN runs the others without masks).
-    LEAN: scores in base-2 units (qk_scale carries log2(e), exp2 throughout; the merge then takes base-2 maxima),
-    an int8 key's scale folded into the score scale, q4_0 codes made floats by their bit patterns."""
+    MASKED: positions from `hi` on are left out (only the last block of a split: the others run without masks).
+    Scores are in base-2 units (qk_scale carries log2(e); exp2 throughout, and the merge takes base-2 maxima), and
+    an int8 key's scale is folded into the score scale: on an H200 at 32K, 8 rows over int8 caches 126 -> 110 us a
+    layer against the masked, natural-base body (bench/results/decode-attention-32k-lean-h200.json)."""
     s = s0 + tl.arange(0, BLOCK_S)
     sm = s < hi
-    kb = _cache_tile(kc_ptr, ks_ptr, s, sm, HKV, Dk, dk, BLOCK_S, BLOCK_DK, QUANT, MASKED, LEAN)  # [BS, DK]
+    kb = _cache_tile(kc_ptr, ks_ptr, s, sm, HKV, Dk, dk, BLOCK_S, BLOCK_DK, QUANT, MASKED)  # [BS, DK]
     if IEEE:  # float32 compute stays float32 (no TF32 rounding)
         sc = tl.dot(q, tl.trans(kb.to(q.dtype)), input_precision="ieee")  # [GP, BS]
     else:
         sc = tl.dot(q, tl.trans(kb.to(q.dtype))).to(tl.float32)
     if QUANT == 1:  # int8 codes are exact in the compute dtype; their scales multiply the scores
-        ks = tl.load(ks_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32)
-        if LEAN:
-            sc = sc * (ks * qk_scale)[None, :]
-        else:
-            sc = sc * qk_scale * ks[None, :]
+        sc = sc * (tl.load(ks_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32) * qk_scale)[None, :]
     else:
         sc = sc * qk_scale
-    if softcap > 0:
-        if LEAN:
-            sc = sc * 0.6931471805599453  # back to natural units for the cap
-        sc = softcap * (2.0 / (1.0 + tl.exp(-2.0 * sc / softcap)) - 1.0)
-        if LEAN:
-            sc = sc * 1.4426950408889634
+    if softcap > 0:  # the cap in natural units
+        sc = sc * 0.6931471805599453
+        sc = softcap * (2.0 / (1.0 + tl.exp(-2.0 * sc / softcap)) - 1.0) * 1.4426950408889634
     if MASKED:
         sc = tl.where(sm[None, :], sc, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    if LEAN:
-        alpha = tl.exp2(m_i - m_new)
-        pr = tl.exp2(sc - m_new[:, None])
-    else:
-        alpha = tl.exp(m_i - m_new)
-        pr = tl.exp(sc - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    pr = tl.exp2(sc - m_new[:, None])
     l_i = l_i * alpha + tl.sum(pr, axis=1)
-    vb = _cache_tile(vc_ptr, vs_ptr, s, sm, HKV, Dv, dv, BLOCK_S, BLOCK_DV, QUANT, MASKED, LEAN)  # [BS, DV]
+    vb = _cache_tile(vc_ptr, vs_ptr, s, sm, HKV, Dv, dv, BLOCK_S, BLOCK_DV, QUANT, MASKED)  # [BS, DV]
     if QUANT == 1:
         pr = pr * tl.load(vs_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32)[None, :]
     if IEEE:
@@ -312,51 +302,6 @@ def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV,
     else:
         pv = tl.dot(pr.to(q.dtype), vb.to(q.dtype)).to(tl.float32)
     return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
-def _attend_apart(q3, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m3, l3, acc3, HKV, Dk, Dv, qk_scale, softcap, dk, dv,
-                  NW: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  IEEE: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    """_attend_block's lean body with the block cut into NW runs of positions, each with its own running max, sum
-    and output ([NW, GP] and [NW, GP, DV]; a batched product): the row maxima and sums then stay within a warp's
-    run instead of crossing warps through shared memory at every block. The caller combines the runs at the end."""
-    BSW: tl.constexpr = BLOCK_S // NW
-    s = s0 + tl.arange(0, BLOCK_S)
-    sm = s < hi
-    kb = _cache_tile(kc_ptr, ks_ptr, s, sm, HKV, Dk, dk, BLOCK_S, BLOCK_DK, QUANT, MASKED, True)
-    kb = tl.reshape(kb.to(q3.dtype), (NW, BSW, BLOCK_DK))
-    if IEEE:
-        sc = tl.dot(q3, tl.permute(kb, (0, 2, 1)), input_precision="ieee")  # [NW, GP, BSW]
-    else:
-        sc = tl.dot(q3, tl.permute(kb, (0, 2, 1))).to(tl.float32)
-    if QUANT == 1:
-        ks = tl.load(ks_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32)
-        sc = sc * tl.reshape(ks * qk_scale, (NW, BSW))[:, None, :]
-    else:
-        sc = sc * qk_scale
-    if softcap > 0:
-        sc = sc * 0.6931471805599453
-        sc = softcap * (2.0 / (1.0 + tl.exp(-2.0 * sc / softcap)) - 1.0) * 1.4426950408889634
-    if MASKED:
-        sc = tl.where(tl.reshape(sm, (NW, BSW))[:, None, :], sc, float("-inf"))
-    m_new = tl.maximum(m3, tl.max(sc, axis=2))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a run with nothing seen yet: no NaN
-    alpha = tl.exp2(m3 - m_use)
-    pr = tl.exp2(sc - m_use[:, :, None])
-    l3 = l3 * alpha + tl.sum(pr, axis=2)
-    vb = _cache_tile(vc_ptr, vs_ptr, s, sm, HKV, Dv, dv, BLOCK_S, BLOCK_DV, QUANT, MASKED, True)
-    vb = tl.reshape(vb.to(q3.dtype), (NW, BSW, BLOCK_DV))
-    if QUANT == 1:
-        pr = (
-            pr
-            * tl.reshape(tl.load(vs_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32), (NW, BSW))[:, None, :]
-        )
-    if IEEE:
-        pv = tl.dot(pr, vb, input_precision="ieee")  # [NW, GP, DV]
-    else:
-        pv = tl.dot(pr.to(q3.dtype), vb).to(tl.float32)
-    return m_new, l3, acc3 * alpha[:, :, None] + pv
 
 
 @triton.jit
@@ -390,8 +335,6 @@ def _decode_attn_kernel(
     Q8: tl.constexpr = False,
     BASE: tl.constexpr = False,
     QUANT: tl.constexpr = 0,
-    LEAN: tl.constexpr = False,  # _attend_block's; the merge must take the same
-    APART: tl.constexpr = 0,  # runs a block is cut into (_attend_apart, lean); 0: none
 ):
     pid = tl.program_id(0)  # t * HKV + hk
     sp = tl.program_id(1)
@@ -415,50 +358,21 @@ def _decode_attn_kernel(
     m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, BLOCK_DV], dtype=tl.float32)
-    if LEAN:
-        qk_scale = scale * 1.4426950408889634
-    else:
-        qk_scale = scale
+    qk_scale = scale * 1.4426950408889634  # base-2 scores
     lo = sp * chunk
     hi = tl.minimum(lo + chunk, span)
     hi = tl.minimum(hi, p + 1)  # causal: nothing beyond this row's own position
     if window > 0:
         lo = tl.maximum(lo, p - window + 1)
-    if APART > 0:
-        q3 = tl.broadcast_to(q[None, :, :], (APART, GP, BLOCK_DK))
-        m3 = tl.full([APART, GP], float("-inf"), dtype=tl.float32)
-        l3 = tl.zeros([APART, GP], dtype=tl.float32)
-        acc3 = tl.zeros([APART, GP, BLOCK_DV], dtype=tl.float32)
-        full = lo + (tl.maximum(hi - lo, 0) // BLOCK_S) * BLOCK_S
-        for s0 in range(lo, full, BLOCK_S):
-            m3, l3, acc3 = _attend_apart(q3, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m3, l3, acc3, HKV, Dk, Dv,
-                                         qk_scale, softcap, dk, dv, APART, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
-                                         False)  # fmt: skip
-        for s0 in range(full, hi, BLOCK_S):
-            m3, l3, acc3 = _attend_apart(q3, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m3, l3, acc3, HKV, Dk, Dv,
-                                         qk_scale, softcap, dk, dv, APART, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
-                                         True)  # fmt: skip
-        m_i = tl.max(m3, axis=0)  # the runs combined, as the merge combines splits
-        w3 = tl.where(
-            m3 == float("-inf"), 0.0, tl.exp2(m3 - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
-        )
-        l_i = tl.sum(l3 * w3, axis=0)
-        acc = tl.sum(acc3 * w3[:, :, None], axis=0)
-    elif LEAN:  # whole blocks without masks, then the partial last one
-        full = lo + (tl.maximum(hi - lo, 0) // BLOCK_S) * BLOCK_S
-        for s0 in range(lo, full, BLOCK_S):
-            m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV, Dk, Dv,
-                                          qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
-                                          False, True)  # fmt: skip
-        for s0 in range(full, hi, BLOCK_S):
-            m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV, Dk, Dv,
-                                          qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
-                                          True, True)  # fmt: skip
-    else:
-        for s0 in range(lo, hi, BLOCK_S):
-            m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV, Dk, Dv,
-                                          qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
-                                          True, False)  # fmt: skip
+    full = lo + (tl.maximum(hi - lo, 0) // BLOCK_S) * BLOCK_S  # whole blocks without masks, then the last
+    for s0 in range(lo, full, BLOCK_S):
+        m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV, Dk, Dv,
+                                      qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
+                                      False)  # fmt: skip
+    for s0 in range(full, hi, BLOCK_S):
+        m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV, Dk, Dv,
+                                      qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
+                                      True)  # fmt: skip
     om = gm[:, None] & (dv[None, :] < Dv)
     if SPLITS == 1:
         out = acc / l_i[:, None]
@@ -493,7 +407,6 @@ def _merge_kernel(
     SPLITS: tl.constexpr,
     BLOCK_DV: tl.constexpr,  # the values of a head one program merges (a head's slice: program_id(1))
     Q8: tl.constexpr = False,
-    LEAN: tl.constexpr = False,  # the maxima are in base-2 units
 ):
     r = tl.program_id(0)
     d0 = tl.program_id(1) * BLOCK_DV
@@ -502,11 +415,9 @@ def _merge_kernel(
     m = tl.load(ml_ptr + (r * SPLITS + s) * 2)
     lsum = tl.load(ml_ptr + (r * SPLITS + s) * 2 + 1)
     mx = tl.max(m, axis=0)
-    if LEAN:
-        e = tl.exp2(m - mx)
-    else:
-        e = tl.exp(m - mx)
-    w = tl.where(m == float("-inf"), 0.0, e)  # splits wholly past the position weigh nothing
+    w = tl.where(
+        m == float("-inf"), 0.0, tl.exp2(m - mx)
+    )  # base-2 maxima (_attend_block)  # splits wholly past the position weigh nothing
     part = tl.load(part_ptr + (r * SPLITS + s)[:, None] * Dv + dv[None, :], mask=dv[None, :] < Dv, other=0.0)
     out = tl.sum(part * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
     tl.store(o_ptr + r * Dv + dv, out.to(o_ptr.dtype.element_ty), mask=dv < Dv)
@@ -527,17 +438,13 @@ SPLIT_MIN = 128
 class DecodeTune:
     """Launch shape of a long span's split decode (bench/decode_attention_micro.py sweeps it): programs per
     multiprocessor, positions a block, warps, pipeline stages and values of a head a merging program takes (None:
-    the kernels' defaults: 64 positions a block, 128 for int8 codes; Triton's stages; the whole head), whether its
-    blocks take the lean body (_attend_block's LEAN: unmasked whole blocks, exp2, folded scales), and the runs of
-    positions a block is cut into, each with its own softmax (_attend_apart; 0: none; implies lean)."""
+    the kernels' defaults: 64 positions a block, 128 for int8 codes; Triton's stages; the whole head)."""
 
     per_sm: int = 2
     block_s: int | None = None
     warps: int = 4
     stages: int | None = None
     merge_block: int | None = 32
-    lean: bool = False
-    apart: int = 0
 
 
 # Measured on an H200 at a depth of 32,768 (48 layers' caches, bench/results/decode-attention-32k-h200.json): two
@@ -628,20 +535,11 @@ def decode_attention(
         common["BLOCK_S"] = 128
     if tune.stages is not None:
         launch["num_stages"] = tune.stages
-    apart = tune.apart
-    if apart and (common["BLOCK_S"] % apart or common["BLOCK_S"] // apart < 16):
-        raise ValueError(
-            f"DecodeTune.apart={apart} cuts a block of {common['BLOCK_S']} positions into runs the products cannot "
-            "take: each run needs 16 positions or more, whole (a power of two that divides the block)"
-        )
-    lean = tune.lean or apart > 0
     _decode_attn_kernel[(t * hkv, splits)](
         q, k_cache, v_cache, ks, vs, pos, bp, part, ml, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
-        SPLITS=splits, LEAN=lean, APART=apart, **common, **launch,
+        SPLITS=splits, **common, **launch,
     )  # fmt: skip
     mb = common["BLOCK_DV"] if tune.merge_block is None else min(tune.merge_block, common["BLOCK_DV"])
     mb = max(mb, 32) if q8 else mb  # the 8-bit form's scale covers 32 values
-    _merge_kernel[(t * h, triton.cdiv(dvv, mb))](
-        part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=mb, Q8=q8, LEAN=lean
-    )
+    _merge_kernel[(t * h, triton.cdiv(dvv, mb))](part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=mb, Q8=q8)
     return out.view(t, h * dvv)

@@ -432,13 +432,14 @@ def test_decode_attention_default_split() -> None:
     [("f32", 1, 0, 0.0), ("f32", 2, 100, 30.0), ("int8", 1, 0, 0.0), ("int8", 2, 150, 0.0), ("q4_0", 1, 0, 0.0),
      ("q4_0", 1, 37, 0.0)],
 )  # fmt: skip
-def test_lean_blocks_match_the_plain_ones(kv: str, t: int, window: int, softcap: float) -> None:
-    """The split decode's lean body (DecodeTune(lean=True): whole blocks without masks, exp2 with the scale folded
-    in, an int8 key's scale folded into it, q4_0 codes made floats by their bit patterns, the merge in base 2), and
-    its blocks cut into runs of their own (apart=4), give the plain body's output and torch's attention over the
-    dequantized cache, where splits end mid-block (and runs lie wholly past a split's end), with a window and with a
+def test_split_decode_matches_torch_where_splits_end_mid_block(
+    kv: str, t: int, window: int, softcap: float
+) -> None:
+    """The split decode (whole blocks without masks, then the partial last one; exp2 with log2(e) in the score
+    scale, an int8 key's scale folded into it, q4_0 codes made floats by their bit patterns, the merge in base 2)
+    against torch's attention over the dequantized cache, where splits end mid-block, with a window and with a
     soft cap."""
-    from engine.kernels.attention import DecodeTune, decode_attention
+    from engine.kernels.attention import decode_attention
     from engine.layers.attention import attention, causal_mask
     from engine.layers.kv_cache import dequantize_kv, quantize_kv
 
@@ -449,17 +450,13 @@ def test_lean_blocks_match_the_plain_ones(kv: str, t: int, window: int, softcap:
     pos = torch.arange(span - t, span)
     (kc, ks), (vc, vs) = quantize_kv(kv, k), quantize_kv(kv, v)
     k, v = dequantize_kv(kv, kc, ks, torch.float32), dequantize_kv(kv, vc, vs, torch.float32)
-    scales = dict(k_scale=ks, v_scale=vs)
-    # 8 splits of 88 positions: a whole block of 64 and a partial one each
-    args = (q, kc, vc, pos, span, window, d**-0.5, softcap)
-    plain = decode_attention(*args, chunk=88, **scales)
     want = attention(q, k, v, causal_mask(pos, span, window), d**-0.5, softcap).reshape(t, -1)
-    for tune in (DecodeTune(lean=True), DecodeTune(apart=4)):  # apart: a block in 4 runs of 16 positions
-        lean = decode_attention(*args, chunk=88, tune=tune, **scales)
-        assert (lean - plain).abs().max().item() < 1e-5
-        assert (lean - want).abs().max().item() < 1e-4
-    with pytest.raises(ValueError, match="16 positions or more"):  # runs of 8: too short for the products
-        decode_attention(*args, chunk=88, tune=DecodeTune(apart=8, block_s=64), **scales)
+    # 8 splits of 88 positions (a whole block of 64 and a partial one each), and one program a key head
+    for chunk in (88, span):
+        got = decode_attention(
+            q, kc, vc, pos, span, window, d**-0.5, softcap, chunk=chunk, k_scale=ks, v_scale=vs
+        )
+        assert (got - want).abs().max().item() < 1e-4, chunk
 
 
 @pytest.mark.parametrize("t,topk,e", [(9, 2, 4), (300, 8, 128), (64, 10, 512), (1, 8, 128), (700, 8, 128)])
