@@ -213,7 +213,6 @@ ENVIRONMENT: dict[str, str] = {
     "STRATA_PROMPT_GRAPHS": "0: prompt chunks run eagerly, not from CUDA graphs (runtime_switches)",
     "STRATA_GEMV_TUNED": "another GEMV tuning file (runtime_switches)",
     "STRATA_ROWS_GEMM": "1: steps of 2-16 rows multiply dense weights with rows_gemm, not the GEMV (runtime_switches)",
-    "STRATA_PROMPT_Q4_BITS": "1: the prompt kernel makes q4_0 KV codes floats by their bit patterns (runtime_switches)",
     "STRATA_ROUTE_TRACE": "a routing trace file replayed in place of the routers' choice: benchmarks, tests (runtime_switches)",
     "STRATA_FLASH_PREFILL": "0: prompt chunks attend through torch, not the flash kernel (runtime_switches)",
     "STRATA_BATCHED_GEMV": "0: each decode row of a step gets its own GEMV launches, not the batched ones (runtime_switches)",
@@ -243,7 +242,6 @@ class RuntimeSwitches:
     flash_prefill: bool = True  # engine/kernels/prefill_attention.py; 0: torch's attention (comparisons)
     batched_gemv: bool = True  # engine/kernels/gemv.py rows_config; 0: each row of a step its own programs
     step_overlap: bool = True  # engine/pipeline/batch.py: a step's tokens read while the next step runs (GPU)
-    prompt_q4_bits: bool = False  # engine/kernels/prefill_attention.py: off until measured on a card
 
 
 # --cpu-weights-mib's automatic budget: a quarter of the RAM, at most 8 GiB (a small default model fits whole; a big
@@ -263,7 +261,7 @@ def int8_activations(env: Mapping[str, str] | None = None) -> bool:
 
 def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
     """STRATA_ACTIVATIONS, STRATA_NORM_ROUTE, STRATA_PROMPT_GRAPHS, STRATA_GEMV_TUNED, STRATA_ROWS_GEMM,
-    STRATA_FLASH_PREFILL, STRATA_BATCHED_GEMV, STRATA_STEP_OVERLAP, STRATA_PROMPT_Q4_BITS and the routing trace's two, read now (a switch set while the process runs takes effect at the next read)."""
+    STRATA_FLASH_PREFILL, STRATA_BATCHED_GEMV, STRATA_STEP_OVERLAP and the routing trace's two, read now (a switch set while the process runs takes effect at the next read)."""
     e = os.environ if env is None else env
     return RuntimeSwitches(
         activations="int8" if int8_activations(e) else "float",
@@ -276,7 +274,6 @@ def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
         flash_prefill=e.get("STRATA_FLASH_PREFILL", "1") != "0",
         batched_gemv=e.get("STRATA_BATCHED_GEMV", "1") != "0",
         step_overlap=e.get("STRATA_STEP_OVERLAP", "1") != "0",
-        prompt_q4_bits=e.get("STRATA_PROMPT_Q4_BITS", "0") == "1",
     )
 
 

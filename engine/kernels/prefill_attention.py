@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention import Q4_0, cache_layout, head_rows, q4_tile
-from installer.engine_options import runtime_switches
 
 
 @triton.jit
@@ -44,12 +43,11 @@ def _block(
     IEEE: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
-    Q4_BITS: tl.constexpr,
 ):
     s = s0 + tl.arange(0, BLOCK_N)
     sm = s < span
     if QUANT == 2:  # heads of DK = DV values, dk and dv their lanes
-        kt = tl.trans(q4_tile(kc_ptr, ks_ptr, s, sm, HKV * (DK // 2), HKV * (DK // 32), BLOCK_N, DK, Q4_BITS))
+        kt = tl.trans(q4_tile(kc_ptr, ks_ptr, s, sm, HKV * (DK // 2), HKV * (DK // 32), BLOCK_N, DK))
     else:
         kt = tl.load(
             kc_ptr + s[None, :] * (HKV * Dk) + dk[:, None], mask=sm[None, :] & (dk[:, None] < Dk), other=0.0
@@ -77,7 +75,7 @@ def _block(
     pr = tl.math.exp2(sc - m_use[:, None])
     l_i = l_i * alpha + tl.sum(pr, axis=1)
     if QUANT == 2:
-        vb = q4_tile(vc_ptr, vs_ptr, s, sm, HKV * (DV // 2), HKV * (DV // 32), BLOCK_N, DV, Q4_BITS)
+        vb = q4_tile(vc_ptr, vs_ptr, s, sm, HKV * (DV // 2), HKV * (DV // 32), BLOCK_N, DV)
     else:
         vb = tl.load(
             vc_ptr + s[:, None] * (HKV * Dv) + dv[None, :], mask=sm[:, None] & (dv[None, :] < Dv), other=0.0
@@ -120,7 +118,6 @@ def _prefill_attn_kernel(
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
     IEEE: tl.constexpr,
-    Q4_BITS: tl.constexpr = False,  # q4_0 codes to floats by their bit patterns (q4_tile's BITS)
 ):
     h = tl.program_id(0)  # heads fastest: the G heads that read one key head's blocks run side by side (L2)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)  # the last rows, which see the most keys, first
@@ -160,17 +157,17 @@ def _prefill_attn_kernel(
     for s0 in range(lo, tl.minimum(full_lo, hi), BLOCK_N):
         acc, m_i, l_i = _block(
             q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, p, s0, HKV, Dk, Dv, span, window, qk_scale,
-            softcap, dk, dv, BLOCK_N, True, QUANT, SOFTCAP, IEEE, BLOCK_DK, BLOCK_DV, Q4_BITS,
+            softcap, dk, dv, BLOCK_N, True, QUANT, SOFTCAP, IEEE, BLOCK_DK, BLOCK_DV,
         )  # fmt: skip
     for s0 in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _block(
             q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, p, s0, HKV, Dk, Dv, span, window, qk_scale,
-            softcap, dk, dv, BLOCK_N, False, QUANT, SOFTCAP, IEEE, BLOCK_DK, BLOCK_DV, Q4_BITS,
+            softcap, dk, dv, BLOCK_N, False, QUANT, SOFTCAP, IEEE, BLOCK_DK, BLOCK_DV,
         )  # fmt: skip
     for s0 in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _block(
             q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, p, s0, HKV, Dk, Dv, span, window, qk_scale,
-            softcap, dk, dv, BLOCK_N, True, QUANT, SOFTCAP, IEEE, BLOCK_DK, BLOCK_DV, Q4_BITS,
+            softcap, dk, dv, BLOCK_N, True, QUANT, SOFTCAP, IEEE, BLOCK_DK, BLOCK_DV,
         )  # fmt: skip
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a pad row saw nothing: zeros, not NaN
     out = acc / l_i[:, None]
@@ -247,8 +244,6 @@ def prefill_attention(
         SOFTCAP=softcap > 0,
         SINKS=sinks is not None,
         IEEE=q.dtype == torch.float32,
-        # q4_0 tiles by their codes' bit patterns (the same values): off until measured on a card
-        Q4_BITS=quant == Q4_0 and runtime_switches().prompt_q4_bits,
         num_warps=warps,
         num_stages=stages,
     )
