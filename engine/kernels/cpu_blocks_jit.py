@@ -162,16 +162,16 @@ def _row32_loop(b, wp, xp, xdp, xsp, o, n, spec):
     """The IR of one row of 32-value blocks (bytes at o) . the quantized input, in one loop that keeps the block
     products in a float vector (one horizontal sum per row, as ggml's vec_dot bodies do) -> float. spec:
     (block bytes, codes_at(builder, w pointer, block offset) -> its 32 codes, signed codes?, what the block holds
-    besides: "d" a half scale (Q8_0, IQ4_NL), "e8m0" MXFP4's scale byte, ("off", c) code - c (Q4_0: 8, Q5_0: 16),
-    "dm" d * code + m (Q4_1, Q5_1))."""
+    besides: "d" a half scale (Q8_0, Q4_0, Q5_0, IQ4_NL), "e8m0" MXFP4's scale byte, "dm" d * code + m (Q4_1,
+    Q5_1))."""
     block_bytes, codes_at, signed, kind = spec
     f32, v8f32, half = ir.FloatType(), ir.VectorType(ir.FloatType(), 8), ir.HalfType()
-    acc = cgutils.alloca_once_value(b, ir.Constant(v8f32, None))
+    accs = [cgutils.alloca_once_value(b, ir.Constant(v8f32, None)) for _ in range(2)]
     side = cgutils.alloca_once_value(b, ir.Constant(f32, 0.0))
     fma = _fn(b, "llvm.fma.v8f32", v8f32, [v8f32, v8f32, v8f32])
     pf = _fn(b, "llvm.prefetch.p0", ir.VoidType(), [ir.PointerType(i8), i32, i32, i32])
-    with cgutils.for_range(b, n) as loop:
-        i = loop.index
+
+    def block(i, acc):
         p = b.add(o, b.mul(i, ir.Constant(i64, block_bytes)))
         # the blocks some rows ahead: the hardware prefetcher alone left this loop waiting on RAM
         b.call(pf, [b.gep(wp, [b.add(p, ir.Constant(i64, PREFETCH))]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # fmt: skip
@@ -186,17 +186,137 @@ def _row32_loop(b, wp, xp, xdp, xsp, o, n, spec):
             d = b.fpext(b.load(b.bitcast(b.gep(wp, [p]), half.as_pointer()), align=1), f32)
         scale = b.fmul(d, xd_i)
         b.store(b.call(fma, [lanes, _broadcast(b, scale, v8f32), b.load(acc)]), acc)
-        if kind != "d" and kind != "e8m0":
+        if kind == "dm":  # m times the input's sum
             two = b.mul(i, ir.Constant(i64, 2))
             xsum = b.add(b.load(b.gep(xsp, [two])), b.load(b.gep(xsp, [b.add(two, ir.Constant(i64, 1))])))
-            if kind == "dm":
-                m = b.fpext(b.load(b.bitcast(b.gep(wp, [b.add(p, ir.Constant(i64, 2))]), half.as_pointer()), align=1), f32)  # fmt: skip
-                term = b.fmul(b.fmul(m, xd_i), b.sitofp(xsum, f32))
-            else:
-                term = b.fmul(b.fmul(scale, ir.Constant(f32, -float(kind[1]))), b.sitofp(xsum, f32))
-            b.store(b.fadd(b.load(side), term), side)
+            m = b.fpext(b.load(b.bitcast(b.gep(wp, [b.add(p, ir.Constant(i64, 2))]), half.as_pointer()), align=1), f32)  # fmt: skip
+            b.store(b.fadd(b.load(side), b.fmul(b.fmul(m, xd_i), b.sitofp(xsum, f32))), side)
+
+    # two blocks a turn into two sums: the next block's work need not wait for the last one's add
+    with cgutils.for_range(b, b.udiv(n, ir.Constant(i64, 2))) as loop:
+        two = b.mul(loop.index, ir.Constant(i64, 2))
+        block(two, accs[0])
+        block(b.add(two, ir.Constant(i64, 1)), accs[1])
+    with b.if_then(b.icmp_unsigned("!=", b.urem(n, ir.Constant(i64, 2)), ir.Constant(i64, 0))):
+        block(b.sub(n, ir.Constant(i64, 1)), accs[0])
     red = _fn(b, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f32])
-    return b.fadd(b.call(red, [ir.Constant(f32, 0.0), b.load(acc)]), b.load(side))
+    total = b.fadd(b.load(accs[0]), b.load(accs[1]))
+    return b.fadd(b.call(red, [ir.Constant(f32, 0.0), total]), b.load(side))
+
+
+def _lane(b, vec, j, n=8):
+    """Lane j of vec spread over n lanes."""
+    return b.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, n), [j] * n))
+
+
+def _k4_scales(b, wp, p):
+    """Q4_K/Q5_K's 8 six-bit scales and 8 minimums (the 12 bytes at p) as two <8 x float>: the 32-bit moves of
+    ggml's own unpacking, then one widening each."""
+    u = [b.load(b.bitcast(b.gep(wp, [b.add(p, ir.Constant(i64, 4 * i))]), i32.as_pointer()), align=1) for i in range(3)]  # fmt: skip
+    k1, k2, k3 = (ir.Constant(i32, c) for c in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
+    c4, c6 = ir.Constant(i32, 4), ir.Constant(i32, 6)
+    sc_lo = b.and_(u[0], k1)
+    sc_hi = b.or_(b.and_(u[2], k2), b.shl(b.and_(b.lshr(u[0], c6), k3), c4))
+    mn_lo = b.and_(u[1], k1)
+    mn_hi = b.or_(b.and_(b.lshr(u[2], c4), k2), b.shl(b.and_(b.lshr(u[1], c6), k3), c4))
+    v4 = ir.VectorType(i32, 4)
+    vec = ir.Constant(v4, ir.Undefined)
+    for i, part in enumerate((sc_lo, sc_hi, mn_lo, mn_hi)):
+        vec = b.insert_element(vec, part, ir.Constant(i32, i))
+    by = b.bitcast(vec, ir.VectorType(i8, 16))
+    v8f32 = ir.VectorType(ir.FloatType(), 8)
+
+    def half(first):
+        bytes8 = b.shuffle_vector(by, by, ir.Constant(ir.VectorType(i32, 8), list(range(first, first + 8))))
+        return b.uitofp(bytes8, v8f32)
+
+    return half(0), half(8)
+
+
+def _rowk_loop(b, wp, xp, xdp, xsp, o, nblocks, kind):
+    """The IR of one row of Q4_K, Q5_K or Q6_K super-blocks (bytes at o; nblocks 32-value runs) . the quantized
+    input -> float. A super-block's scales (and minimums) are widened once into vectors with the input's scales
+    per 32 multiplied in; each of its 8 runs of 32 is one integer product (Q6_K's two scales of 16 applied inside
+    it, pmaddwd) and one multiply-add into one of two float sums; the offsets (minimums, Q6_K's 32) go into a
+    vector of their own from the input's sums per 16."""
+    f32 = ir.FloatType()
+    v8f32, v16f32 = ir.VectorType(f32, 8), ir.VectorType(f32, 16)
+    half = ir.HalfType()
+    accs = [cgutils.alloca_once_value(b, ir.Constant(v8f32, None)) for _ in range(2)]
+    side = cgutils.alloca_once_value(b, ir.Constant(v16f32 if kind == Q6_K else v8f32, None))
+    fma8 = _fn(b, "llvm.fma.v8f32", v8f32, [v8f32, v8f32, v8f32])
+    maddubs = _fn(b, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
+    maddwd = _fn(b, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
+    pf = _fn(b, "llvm.prefetch.p0", ir.VoidType(), [ir.PointerType(i8), i32, i32, i32])
+    size = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[kind]
+
+    def f16_at(p, off):
+        ptr = b.bitcast(b.gep(wp, [b.add(p, ir.Constant(i64, off))]), half.as_pointer())
+        return b.fpext(b.load(ptr, align=1), f32)
+
+    def at(p, off):
+        return b.add(p, ir.Constant(i64, off))
+
+    with cgutils.for_range(b, b.udiv(nblocks, ir.Constant(i64, 8))) as loop:
+        sb = loop.index
+        p = b.add(o, b.mul(sb, ir.Constant(i64, size)))
+        for ahead in range(0, size, 64):  # the next blocks' lines, as _row32_loop does
+            b.call(pf, [b.gep(wp, [at(p, PREFETCH + ahead)]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # fmt: skip
+        xd8 = b.load(b.bitcast(b.gep(xdp, [b.mul(sb, ir.Constant(i64, 8))]), v8f32.as_pointer()), align=4)
+        xs16 = b.load(b.bitcast(b.gep(xsp, [b.mul(sb, ir.Constant(i64, 16))]), ir.VectorType(i32, 16).as_pointer()), align=4)  # fmt: skip
+        x0 = b.mul(sb, ir.Constant(i64, 256))
+        if kind == Q6_K:
+            d = f16_at(p, 208)
+            run_scale = b.fmul(xd8, _broadcast(b, d, v8f32))
+            sc16 = b.sext(_load(b, wp, at(p, 192), ir.VectorType(i8, 16)), ir.VectorType(i16, 16))
+            # offsets: 32 * d * xd * sc * (sum of 16 inputs), per 16
+            xd16 = b.shuffle_vector(
+                xd8, xd8, ir.Constant(ir.VectorType(i32, 16), [i // 2 for i in range(16)])
+            )
+            w16 = b.fmul(b.fmul(b.sitofp(sc16, v16f32), xd16), _broadcast(b, b.fmul(d, ir.Constant(f32, 32.0)), v16f32))  # fmt: skip
+            b.store(b.fadd(b.load(side), b.fmul(w16, b.sitofp(xs16, v16f32))), side)
+        else:
+            sc8, mn8 = _k4_scales(b, wp, at(p, 4))
+            run_scale = b.fmul(b.fmul(sc8, xd8), _broadcast(b, f16_at(p, 0), v8f32))
+            pairs = b.add(
+                b.shuffle_vector(xs16, xs16, ir.Constant(ir.VectorType(i32, 8), list(range(0, 16, 2)))),
+                b.shuffle_vector(xs16, xs16, ir.Constant(ir.VectorType(i32, 8), list(range(1, 16, 2)))),
+            )
+            wmin = b.fmul(b.fmul(mn8, xd8), _broadcast(b, f16_at(p, 2), v8f32))
+            b.store(b.call(_fn(b, "llvm.fma.v8f32", v8f32, [v8f32] * 3), [wmin, b.sitofp(pairs, v8f32), b.load(side)]), side)  # fmt: skip
+        for j in range(8):
+            jc = ir.Constant(i64, j)  # constant: the codes' offsets and shifts fold
+            if kind == Q6_K:
+                codes = _q6k(b, wp, p, jc)
+            elif kind == Q5_K:
+                codes = _q5k(b, wp, p, jc)
+            else:
+                codes = _nibbles32(b, wp, at(p, 16 + 32 * (j // 2)), ir.Constant(i64, 4 * (j % 2)))
+            xv = _load(b, xp, b.add(x0, ir.Constant(i64, 32 * j)))
+            prods = b.call(maddubs, [codes, xv])
+            if kind == Q6_K:  # the run's two scales of 16 values, one a 128-bit half
+                pair = b.shuffle_vector(sc16, sc16, ir.Constant(ir.VectorType(i32, 16), [2 * j] * 8 + [2 * j + 1] * 8))  # fmt: skip
+                lanes = b.call(maddwd, [prods, pair])
+            else:
+                lanes = b.call(maddwd, [prods, _splat(v16i16, 1)])
+            acc = accs[j % 2]
+            b.store(b.call(fma8, [b.sitofp(lanes, v8f32), _lane(b, run_scale, j), b.load(acc)]), acc)
+    red8 = _fn(b, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f32])
+    total = b.call(red8, [ir.Constant(f32, 0.0), b.fadd(b.load(accs[0]), b.load(accs[1]))])
+    if kind == Q6_K:
+        red16 = _fn(b, "llvm.vector.reduce.fadd.v16f32", f32, [f32, v16f32])
+        return b.fsub(total, b.call(red16, [ir.Constant(f32, 0.0), b.load(side)]))
+    return b.fsub(total, b.call(red8, [ir.Constant(f32, 0.0), b.load(side)]))
+
+
+def _row_loop(b, wp, xp, xdp, xsp, o, nblocks, kid):
+    """_row32_loop or _rowk_loop for the kind `kid`."""
+    if kid in ROWK:
+        return _rowk_loop(b, wp, xp, xdp, xsp, o, nblocks, kid)
+    return _row32_loop(b, wp, xp, xdp, xsp, o, nblocks, ROW32[kid])
+
+
+ROWK = (Q4_K, Q5_K, Q6_K)  # super-block types read by row32/rows32 through _rowk_loop
 
 
 @intrinsic
@@ -209,9 +329,9 @@ def row32(typingctx, w, o, nblocks, x, xd, xs, kind):
         b = builder
         wp, xp, xdp, xsp = (_data(context, b, signature.args[i], args[i]) for i in (0, 3, 4, 5))
         out = cgutils.alloca_once_value(b, ir.Constant(ir.FloatType(), 0.0))
-        for kid, spec in ROW32.items():
+        for kid in (*ROW32, *ROWK):
             with b.if_then(b.icmp_signed("==", args[6], ir.Constant(args[6].type, kid))):
-                b.store(_row32_loop(b, wp, xp, xdp, xsp, args[1], args[2], spec), out)
+                b.store(_row_loop(b, wp, xp, xdp, xsp, args[1], args[2], kid), out)
         return b.load(out)
 
     return sig, codegen
@@ -227,11 +347,11 @@ def rows32(typingctx, w, o, row_bytes, nrows, nblocks, x, xd, xs, kind, out, oo)
     def codegen(context, builder, signature, args):
         b = builder
         wp, xp, xdp, xsp, op = (_data(context, b, signature.args[i], args[i]) for i in (0, 5, 6, 7, 9))
-        for kid, spec in ROW32.items():
+        for kid in (*ROW32, *ROWK):
             with b.if_then(b.icmp_signed("==", args[8], ir.Constant(args[8].type, kid))):
                 with cgutils.for_range(b, args[3]) as loop:
                     r = loop.index
-                    dot = _row32_loop(b, wp, xp, xdp, xsp, b.add(args[1], b.mul(r, args[2])), args[4], spec)
+                    dot = _row_loop(b, wp, xp, xdp, xsp, b.add(args[1], b.mul(r, args[2])), args[4], kid)
                     b.store(dot, b.gep(op, [b.add(args[10], r)]))
         return context.get_dummy_value()
 
@@ -266,9 +386,7 @@ def deq32(typingctx, w, o, nblocks, out, oo, kind):
                     codes = codes_at(b, wp, p)
                     vals = b.sitofp(codes, v32f) if signed else b.uitofp(codes, v32f)
                     d = _broadcast(b, _scale(b, wp, p, what), v32f)
-                    if isinstance(what, tuple):  # ("off", c): d * (code - c)
-                        vals = b.fmul(b.fsub(vals, _splat(v32f, float(what[1]))), d)
-                    elif what == "dm":  # d * code + m, m the half after d
+                    if what == "dm":  # d * code + m, m the half after d
                         m = _broadcast(b, _scale(b, wp, b.add(p, ir.Constant(i64, 2)), "m"), v32f)
                         vals = b.fadd(b.fmul(vals, d), m)
                     else:
@@ -288,11 +406,21 @@ def _q5_codes(b, wp, p):  # p: the 4 bytes of high bits, then 16 bytes of nibble
     return b.or_(_nibbles16(b, wp, b.add(p, ir.Constant(i64, 4))), _bits(b, wp, p, None, 4))
 
 
+# Q4_0 and Q5_0 as signed codes, their offsets inside (code - 8, code - 16), as ggml reads them: the products
+# then need no per-block correction by the input's sums (seven scalar operations a block, ~40% of Q5_0's time)
+def _q4_signed(b, wp, p):
+    return b.sub(_nibbles16(b, wp, p), _splat(v32i8, 8))
+
+
+def _q5_signed(b, wp, p):  # a clear high bit: the nibble's top bits all set (nibble - 16 as int8)
+    return b.or_(_nibbles16(b, wp, b.add(p, ir.Constant(i64, 4))), _bits(b, wp, p, None, 4, on=0, off=-16))
+
+
 ROW32 = {  # the 32-value block types read by row32: (block bytes, codes, signed codes, what else the block holds)
     Q8_0: (34, _at(2, lambda b, wp, p: _load(b, wp, p)), True, "d"),
-    Q4_0: (18, _at(2, _nibbles16), False, ("off", 8)),
+    Q4_0: (18, _at(2, _q4_signed), True, "d"),
     Q4_1: (20, _at(4, _nibbles16), False, "dm"),
-    Q5_0: (22, _at(2, _q5_codes), False, ("off", 16)),
+    Q5_0: (22, _at(2, _q5_signed), True, "d"),
     Q5_1: (24, _at(4, _q5_codes), False, "dm"),
     IQ4_NL: (18, _at(2, lambda b, wp, p: _pshufb(b, IQ4, _nibbles16(b, wp, p))), True, "d"),
     MXFP4_ID: (17, _at(1, lambda b, wp, p: _pshufb(b, MXFP4, _nibbles16(b, wp, p))), True, "e8m0"),
@@ -308,24 +436,19 @@ def _nibbles32(b, wp, p, shift):
     return _field(b, wp, p, shift, 15)
 
 
-def _bits(b, wp, p, bit, n_bytes):
+def _bits(b, wp, p, bit, n_bytes, on=16, off=0):
     """Bit `bit` (an i64) of each of 32 bytes at p (n_bytes 32), or of the 32 bits of the 4 bytes at p
-    (n_bytes 4: bit i of the little-endian word is value i; bit is then ignored), as <32 x i8> of 0 or 16."""
-    if n_bytes == 4:
-        word = b.load(b.bitcast(b.gep(wp, [p]), i32.as_pointer()), align=1)
-        vec = _broadcast(b, word, ir.VectorType(i32, 32))
-        one = b.and_(
-            b.lshr(vec, ir.Constant(ir.VectorType(i32, 32), list(range(32)))),
-            _splat(ir.VectorType(i32, 32), 1),
+    (n_bytes 4: bit i of the little-endian word is value i; bit is then ignored), as <32 x i8> of 0 or 16 (of
+    `on` where set and `off` where clear for n_bytes 4)."""
+    if n_bytes == 4:  # byte i // 8 of the word into byte i, then its bit i % 8 tested (no 32-bit lanes)
+        word = b.load(b.bitcast(b.gep(wp, [p]), ir.VectorType(i8, 4).as_pointer()), align=1)
+        spread = b.shuffle_vector(
+            word, word, ir.Constant(ir.VectorType(i32, 32), [i // 8 for i in range(32)])
         )
-        return b.shl(b.trunc(one, v32i8), _splat(v32i8, 4))
+        bit_of = ir.Constant(v32i8, [1 << (i % 8) for i in range(32)])
+        set_ = b.icmp_unsigned("==", b.and_(spread, bit_of), bit_of)
+        return b.select(set_, _splat(v32i8, on), _splat(v32i8, off))
     return b.shl(_field(b, wp, p, bit, 1), _splat(v32i8, 4))
-
-
-# Q4_K: a sub-block's 32 codes, the low (shift 0) or high (shift 4) nibbles of 32 bytes
-dot_k4 = _dot_intrinsic(
-    lambda b, wp, p, shift: _nibbles32(b, wp, p, shift), signed=False, extra=1, total=True
-)
 
 
 def _q5k(b, wp, p, sub):
@@ -335,9 +458,6 @@ def _q5k(b, wp, p, sub):
     shift = b.mul(b.urem(sub, ir.Constant(i64, 2)), ir.Constant(i64, 4))
     qs = b.add(p, b.add(ir.Constant(i64, 48), b.mul(c, ir.Constant(i64, 32))))
     return b.or_(_nibbles32(b, wp, qs, shift), _bits(b, wp, b.add(p, ir.Constant(i64, 16)), sub, 32))
-
-
-dot_q5k = _dot_intrinsic(_q5k, signed=False, extra=1, total=True)
 
 
 def _q6k(b, wp, p, k):
@@ -352,9 +472,6 @@ def _q6k(b, wp, p, k):
     qh = b.add(p, b.add(ir.Constant(i64, 128), b.mul(n, ir.Constant(i64, 32))))
     hi = b.shl(_field(b, wp, qh, b.mul(j, ir.Constant(i64, 2)), 3), _splat(v32i8, 4))
     return b.or_(lo, hi)
-
-
-dot_q6k = _dot_intrinsic(_q6k, signed=False, extra=1)
 
 
 def _deq_intrinsic(make_codes, off):
@@ -720,16 +837,9 @@ def _unpacked(kind):
 
 
 @nb.njit(inline="always")
-def _unpack_from(kind):
-    """Activation rows from which a row of `kind` read in place is unpacked into codes once instead: its in-place
-    body decodes the row again for every activation row. bench/cpu_block_types.py on 2 cores, 64 rows of 896 x
-    4864: Q4_K 16.4 -> 10.8 ms, Q6_K 24.6 -> 11.4 ms unpacked; Q8_0 (5.7 against 10.7) and IQ4_XS (9.3 against
-    10.6) stay faster in place at every count."""
-    if kind == Q6_K:
-        return 8
-    if kind == Q4_K or kind == Q5_K:
-        return 16
-    return 1 << 30
+def _in_ir(kind):
+    """Whether row32/rows32 read `kind` (ROW32's and ROWK's types)."""
+    return _is_row32(kind) or kind == Q4_K or kind == Q5_K or kind == Q6_K
 
 
 @nb.njit(inline="always")
@@ -751,29 +861,8 @@ def row_dot(w, kind, o, k, x, xd, xs, f16):
     """One weight row (blocks at byte o) . one quantized input row (x int8 [k], xd its scales per 32, xs its sums
     per 16), for the types read in place; one vec-dot body per block type, as ggml has."""
     acc = np.float32(0.0)
-    if _is_row32(kind):
+    if _in_ir(kind):
         acc = row32(w, o, np.int64(k // 32), x, xd, xs, np.int64(kind))
-    elif kind == Q4_K or kind == Q5_K:
-        size = 144 if kind == Q4_K else 176
-        for b in range(k // 256):
-            p = o + b * size
-            for j in range(8):
-                sc, m = _k_sub(w, p, j, f16)
-                g = 8 * b + j
-                if kind == Q4_K:
-                    v = dot_k4(w, p + 16 + 32 * (j // 2), x, np.int64(32 * g), np.int64(4 * (j % 2)))
-                else:
-                    v = dot_q5k(w, p, x, np.int64(32 * g), np.int64(j))
-                acc += xd[g] * (sc * v - m * np.float32(xs[2 * g] + xs[2 * g + 1]))
-    elif kind == Q6_K:
-        for b in range(k // 256):
-            p = o + b * 210
-            d = _h(w, p + 208, f16)
-            for j in range(8):
-                g = 8 * b + j
-                v = dot_q6k(w, p, x, np.int64(32 * g), np.int64(j))
-                s0, s1 = np.float32(_i8(w[p + 192 + 2 * j])), np.float32(_i8(w[p + 193 + 2 * j]))
-                acc += d * xd[g] * (s0 * np.float32(_lo(v) - 32 * xs[2 * g]) + s1 * np.float32(_hi(v) - 32 * xs[2 * g + 1]))  # fmt: skip
     elif kind == IQ4_XS:
         for b in range(k // 256):
             p = o + b * 136
@@ -787,8 +876,9 @@ def row_dot(w, kind, o, k, x, xd, xs, f16):
 def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
     """out[T, n_out] = x @ W.T for x float32 [T, k]: W's rows of `row_bytes` bytes of `kind` blocks in w (uint8,
     flat); x is quantized first (one call: the per-call cost counts at decode). Most types are read in place
-    (row_dot) for a few rows; the IQ types, Q2_K and Q3_K, and the K-quants from _unpack_from rows on, are
-    unpacked into codes once for all T rows."""
+    (row_dot) for every row (bench/cpu_block_types.py, 2 cores, 64 rows of 896 x 4864: Q4_K 9.5 ms in place
+    against 13.9 unpacked, Q6_K 12.4 against 13.4); the IQ types, Q2_K and Q3_K are unpacked into codes once for
+    all T rows."""
     t_rows = x.shape[0]
     xq = np.empty((t_rows, k), np.int8)
     xd = np.empty((t_rows, k // 32), np.float32)
@@ -796,14 +886,14 @@ def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
     quantize(x, xq, xd, xs)
     groups = k // 16
     tasks = (n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    in_place = not _unpacked(kind) and t_rows < _unpack_from(kind)
+    in_place = not _unpacked(kind)
     for t in nb.prange(tasks):
         q = np.empty(k if not in_place else 32, np.int8)
         sc = np.empty(groups, np.float32)
         mn = np.empty(groups, np.float32)
         first = t * ROWS_PER_TASK
-        # a decode step's product of a 32-value type: the task's rows in one call
-        if in_place and t_rows == 1 and _is_row32(kind):
+        # a decode step's product: the task's rows in one call
+        if in_place and t_rows == 1 and _in_ir(kind):
             n_rows = min(n_out, first + ROWS_PER_TASK) - first
             rows32(w, np.int64(first) * row_bytes, np.int64(row_bytes), np.int64(n_rows), np.int64(k // 32), xq[0],
                    xd[0], xs[0], np.int64(kind), out, np.int64(first))  # fmt: skip
