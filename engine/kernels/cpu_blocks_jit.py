@@ -283,7 +283,7 @@ def _rowk_loop(b, wp, xp, xdp, xsp, o, nblocks, kind):
                 b.shuffle_vector(xs16, xs16, ir.Constant(ir.VectorType(i32, 8), list(range(1, 16, 2)))),
             )
             wmin = b.fmul(b.fmul(mn8, xd8), _broadcast(b, f16_at(p, 2), v8f32))
-            b.store(b.call(_fn(b, "llvm.fma.v8f32", v8f32, [v8f32] * 3), [wmin, b.sitofp(pairs, v8f32), b.load(side)]), side)  # fmt: skip
+            b.store(b.call(fma8, [wmin, b.sitofp(pairs, v8f32), b.load(side)]), side)
         for j in range(8):
             jc = ir.Constant(i64, j)  # constant: the codes' offsets and shifts fold
             if kind == Q6_K:
