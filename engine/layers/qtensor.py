@@ -188,7 +188,8 @@ class QTensor:
         if rows <= _CPU_BLOCK_ROWS:
             if self.cpu is None:
                 self.cpu = cpu_blocks.Weight(self.raw, self.qtype, n_out, n_in)
-            return self.cpu.matmul(x).to(x.dtype)
+            y = self.cpu.matmul(x)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         step = max(1, _TILE_ELEMS // n_in)
         parts = [
             x
