@@ -9,6 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES
 
 from engine.gguf.random_blocks import random_blocks
 from engine.kernels import cpu_blocks
@@ -24,9 +25,13 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
     return float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
-def test_each_block_type_unpacks_as_gguf_and_multiplies_within_int8_rounding(qtype: QT) -> None:
-    n_out, k = 37, 512  # rows not a multiple of the rows per task
+# 640: 20 blocks of 32 (the 32-value types' rows in groups of eight, and four left over)
+SHAPES = [(q, k) for q in sorted(KINDS) for k in (512, 640) if k % GGML_QUANT_SIZES[q][0] == 0]
+
+
+@pytest.mark.parametrize(("qtype", "k"), SHAPES, ids=lambda v: v.name if isinstance(v, QT) else str(v))
+def test_each_block_type_unpacks_as_gguf_and_multiplies_within_int8_rounding(qtype: QT, k: int) -> None:
+    n_out = 37  # rows not a multiple of the rows per task
     raw = random_blocks(qtype, n_out, k, seed=int(qtype))
     ref = quants.dequantize(raw, qtype).reshape(n_out, k).astype(np.float64)
     got = cpu_blocks.dequantize(torch.from_numpy(raw), qtype, n_out, k).numpy()
@@ -40,9 +45,7 @@ def test_each_block_type_unpacks_as_gguf_and_multiplies_within_int8_rounding(qty
         for r in range(rows):
             assert _cos(y[r], want[r]) >= 0.999, (qtype.name, rows, r)
         assert np.abs(y - want).max() <= 0.05 * np.abs(want).max()
-        if (
-            rows == 3
-        ):  # one row alone (a decode step: the task's rows in one call for 32-value types) = in a batch
+        if rows == 3:  # one row alone (a decode step: the task's rows in one call) = in a batch
             one = cpu_blocks.matmul(torch.from_numpy(raw), qtype, n_out, k, torch.from_numpy(x[:1])).numpy()
             assert np.array_equal(one[0], y[0]), qtype.name
 
