@@ -158,6 +158,12 @@ def _dot_intrinsic(make_codes, signed, extra=0, total=False):
     return intrinsic(lambda typingctx, w, p, x, xo, e: typer(typingctx, w, p, x, xo, e))
 
 
+def _prefetch(b, wp, at):
+    """Ask for the cache line at byte `at` of w (read soon, kept in every cache level)."""
+    pf = _fn(b, "llvm.prefetch.p0", ir.VoidType(), [ir.PointerType(i8), i32, i32, i32])
+    b.call(pf, [b.gep(wp, [at]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 def _row32_loop(b, wp, xp, xdp, xsp, o, n, spec):
     """The IR of one row of 32-value blocks (bytes at o) . the quantized input, in one loop that keeps the block
     products in a float vector (one horizontal sum per row, as ggml's vec_dot bodies do) -> float. spec:
@@ -169,15 +175,17 @@ def _row32_loop(b, wp, xp, xdp, xsp, o, n, spec):
     accs = [cgutils.alloca_once_value(b, ir.Constant(v8f32, None)) for _ in range(2)]
     side = cgutils.alloca_once_value(b, ir.Constant(f32, 0.0))
     fma = _fn(b, "llvm.fma.v8f32", v8f32, [v8f32, v8f32, v8f32])
-    pf = _fn(b, "llvm.prefetch.p0", ir.VoidType(), [ir.PointerType(i8), i32, i32, i32])
+
+    def lanes_of(p, i):  # block i's codes (at byte p) . its 32 inputs, as 8 float lanes
+        return b.sitofp(
+            _lanes(b, codes_at(b, wp, p), _load(b, xp, b.mul(i, ir.Constant(i64, 32))), signed), v8f32
+        )
 
     def block(i, acc):
         p = b.add(o, b.mul(i, ir.Constant(i64, block_bytes)))
         # the blocks some rows ahead: the hardware prefetcher alone left this loop waiting on RAM
-        b.call(pf, [b.gep(wp, [b.add(p, ir.Constant(i64, PREFETCH))]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # fmt: skip
-        lanes = b.sitofp(
-            _lanes(b, codes_at(b, wp, p), _load(b, xp, b.mul(i, ir.Constant(i64, 32))), signed), v8f32
-        )
+        _prefetch(b, wp, b.add(p, ir.Constant(i64, PREFETCH)))
+        lanes = lanes_of(p, i)
         xd_i = b.load(b.gep(xdp, [i]))
         if kind == "e8m0":
             e = b.zext(b.load(b.gep(wp, [p])), i32)  # 2^(e - 128) as float bits: (e - 1) << 23
@@ -198,7 +206,7 @@ def _row32_loop(b, wp, xp, xdp, xsp, o, n, spec):
         i0 = b.mul(g, ir.Constant(i64, 8))
         p0 = b.add(o, b.mul(i0, ir.Constant(i64, block_bytes)))
         for ahead in range(0, 8 * block_bytes, 64):
-            b.call(pf, [b.gep(wp, [b.add(p0, ir.Constant(i64, PREFETCH + ahead))]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # fmt: skip
+            _prefetch(b, wp, b.add(p0, ir.Constant(i64, PREFETCH + ahead)))
         bits = ir.Constant(ir.VectorType(i16, 8), ir.Undefined)
         for j in range(8):
             at = b.bitcast(b.gep(wp, [b.add(p0, ir.Constant(i64, j * block_bytes))]), i16.as_pointer())
@@ -207,9 +215,7 @@ def _row32_loop(b, wp, xp, xdp, xsp, o, n, spec):
         xd8 = b.load(b.bitcast(b.gep(xdp, [i0]), v8f32.as_pointer()), align=4)
         scales = b.fmul(d8, xd8)
         for j in range(8):
-            p = b.add(p0, ir.Constant(i64, j * block_bytes))
-            xo = b.mul(b.add(i0, ir.Constant(i64, j)), ir.Constant(i64, 32))
-            lanes = b.sitofp(_lanes(b, codes_at(b, wp, p), _load(b, xp, xo), signed), v8f32)
+            lanes = lanes_of(b.add(p0, ir.Constant(i64, j * block_bytes)), b.add(i0, ir.Constant(i64, j)))
             acc = accs[j % 2]
             b.store(b.call(fma, [lanes, _lane(b, scales, j), b.load(acc)]), acc)
 
@@ -274,7 +280,6 @@ def _rowk_loop(b, wp, xp, xdp, xsp, o, nblocks, kind):
     fma8 = _fn(b, "llvm.fma.v8f32", v8f32, [v8f32, v8f32, v8f32])
     maddubs = _fn(b, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
     maddwd = _fn(b, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
-    pf = _fn(b, "llvm.prefetch.p0", ir.VoidType(), [ir.PointerType(i8), i32, i32, i32])
     size = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[kind]
 
     def f16_at(p, off):
@@ -288,7 +293,7 @@ def _rowk_loop(b, wp, xp, xdp, xsp, o, nblocks, kind):
         sb = loop.index
         p = b.add(o, b.mul(sb, ir.Constant(i64, size)))
         for ahead in range(0, size, 64):  # the next blocks' lines, as _row32_loop does
-            b.call(pf, [b.gep(wp, [at(p, PREFETCH + ahead)]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # fmt: skip
+            _prefetch(b, wp, at(p, PREFETCH + ahead))
         xd8 = b.load(b.bitcast(b.gep(xdp, [b.mul(sb, ir.Constant(i64, 8))]), v8f32.as_pointer()), align=4)
         xs16 = b.load(b.bitcast(b.gep(xsp, [b.mul(sb, ir.Constant(i64, 16))]), ir.VectorType(i32, 16).as_pointer()), align=4)  # fmt: skip
         x0 = b.mul(sb, ir.Constant(i64, 256))

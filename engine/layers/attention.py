@@ -124,9 +124,8 @@ def _grouped(
     scores = (qg @ k.permute(1, 2, 0)) * scale  # [Hkv, G*T, S]
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
-    scores = (
-        scores.view(hkv, g, t, -1).masked_fill(~mask, float("-inf")).view(hkv, g * t, -1)
-    )  # mask broadcast
+    # the mask broadcast over a group's query heads (no repeated copy)
+    scores = scores.view(hkv, g, t, -1).masked_fill(~mask, float("-inf")).view(hkv, g * t, -1)
     out = torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v.transpose(0, 1)  # [Hkv, G*T, Dv]
     return out.reshape(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, h, dv)
 
