@@ -409,9 +409,8 @@ def _merge_kernel(
     m = tl.load(ml_ptr + (r * SPLITS + s) * 2)
     lsum = tl.load(ml_ptr + (r * SPLITS + s) * 2 + 1)
     mx = tl.max(m, axis=0)
-    w = tl.where(
-        m == float("-inf"), 0.0, tl.exp2(m - mx)
-    )  # base-2 maxima (_attend_block)  # splits wholly past the position weigh nothing
+    # base-2 maxima (_attend_block); splits wholly past the position weigh nothing
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx))
     part = tl.load(part_ptr + (r * SPLITS + s)[:, None] * Dv + dv[None, :], mask=dv[None, :] < Dv, other=0.0)
     out = tl.sum(part * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
     tl.store(o_ptr + r * Dv + dv, out.to(o_ptr.dtype.element_ty), mask=dv < Dv)
