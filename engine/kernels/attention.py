@@ -260,14 +260,29 @@ def _cache_tile(c_ptr, s_ptr, s, sm, HKV, D, d, BLOCK_S: tl.constexpr, BLOCK_D: 
 
 
 @triton.jit
-def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV, Dk, Dv, qk_scale, softcap, dk, dv,
-                  BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE: tl.constexpr,
-                  QUANT: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+def _int8_scales(ks_ptr, vs_ptr, s0, hi, HKV, BLOCK_S: tl.constexpr, QUANT: tl.constexpr):
+    """An int8 cache's key and value scales (float32 [BLOCK_S]) of positions s0.. below hi; zeros for other caches.
+    The loop loads them a block ahead: they feed no tl.dot, so Triton's pipeliner leaves them out, and loaded in
+    the block that uses them each was a memory round trip in every block's chain."""
+    if QUANT == 1:
+        s = s0 + tl.arange(0, BLOCK_S)
+        sm = s < hi
+        return (tl.load(ks_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32),
+                tl.load(vs_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32))  # fmt: skip
+    else:
+        return tl.zeros([BLOCK_S], tl.float32), tl.zeros([BLOCK_S], tl.float32)
+
+
+@triton.jit
+def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc, vsc, HKV, Dk, Dv, qk_scale,
+                  softcap, dk, dv, BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  IEEE: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """One block of positions s0.. into the running max m_i, sum l_i and output acc of a program's query heads.
     MASKED: positions from `hi` on are left out (only the last block of a split: the others run without masks).
     Scores are in base-2 units (qk_scale carries log2(e); exp2 throughout, and the merge takes base-2 maxima), and
     an int8 key's scale is folded into the score scale: on an H200 at 32K, 8 rows over int8 caches 126 -> 110 us a
-    layer against the masked, natural-base body (bench/results/decode-attention-32k-lean-h200.json)."""
+    layer against the masked, natural-base body (bench/results/decode-attention-32k-lean-h200.json). ksc/vsc: an
+    int8 cache's key and value scales of these positions, loaded a block ahead by the caller (_int8_scales)."""
     s = s0 + tl.arange(0, BLOCK_S)
     sm = s < hi
     kb = _cache_tile(kc_ptr, ks_ptr, s, sm, HKV, Dk, dk, BLOCK_S, BLOCK_DK, QUANT, MASKED)  # [BS, DK]
@@ -276,7 +291,7 @@ def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV,
     else:
         sc = tl.dot(q, tl.trans(kb.to(q.dtype))).to(tl.float32)
     if QUANT == 1:  # int8 codes are exact in the compute dtype; their scales multiply the scores
-        sc = sc * (tl.load(ks_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32) * qk_scale)[None, :]
+        sc = sc * (ksc * qk_scale)[None, :]
     else:
         sc = sc * qk_scale
     if softcap > 0:  # the cap in natural units
@@ -290,7 +305,7 @@ def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV,
     l_i = l_i * alpha + tl.sum(pr, axis=1)
     vb = _cache_tile(vc_ptr, vs_ptr, s, sm, HKV, Dv, dv, BLOCK_S, BLOCK_DV, QUANT, MASKED)  # [BS, DV]
     if QUANT == 1:
-        pr = pr * tl.load(vs_ptr + s * HKV, mask=sm, other=0.0).to(tl.float32)[None, :]
+        pr = pr * vsc[None, :]
     if IEEE:
         pv = tl.dot(pr, vb.to(tl.float32), input_precision="ieee")  # [GP, DV]
     else:
@@ -359,13 +374,16 @@ def _decode_attn_kernel(
     if window > 0:
         lo = tl.maximum(lo, p - window + 1)
     full = lo + (tl.maximum(hi - lo, 0) // BLOCK_S) * BLOCK_S  # whole blocks without masks, then the last
+    ksc, vsc = _int8_scales(ks_ptr, vs_ptr, lo, hi, HKV, BLOCK_S, QUANT)
     for s0 in range(lo, full, BLOCK_S):
-        m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV, Dk, Dv,
-                                      qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
+        nks, nvs = _int8_scales(ks_ptr, vs_ptr, s0 + BLOCK_S, hi, HKV, BLOCK_S, QUANT)
+        m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc, vsc, HKV, Dk,
+                                      Dv, qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
                                       False)  # fmt: skip
-    for s0 in range(full, hi, BLOCK_S):
-        m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, HKV, Dk, Dv,
-                                      qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
+        ksc, vsc = nks, nvs
+    for s0 in range(full, hi, BLOCK_S):  # the partial last block (its scales loaded above)
+        m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc, vsc, HKV, Dk,
+                                      Dv, qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
                                       True)  # fmt: skip
     om = gm[:, None] & (dv[None, :] < Dv)
     if SPLITS == 1:
