@@ -37,7 +37,7 @@ def test_each_block_type_unpacks_as_gguf_and_multiplies_within_int8_rounding(qty
     got = cpu_blocks.dequantize(torch.from_numpy(raw), qtype, n_out, k).numpy()
     assert np.array_equal(got, ref.astype(np.float32))  # the same values, bit for bit
     rng = np.random.default_rng(int(qtype))
-    for rows in (1, 3):
+    for rows in (1, 3, 8):  # 8: two steps of four inputs at once (rows32n)
         x = rng.standard_normal((rows, k)).astype(np.float32)
         x[:, :32] *= 20  # an outlier block: each 32 has its own scale
         y = cpu_blocks.matmul(torch.from_numpy(raw), qtype, n_out, k, torch.from_numpy(x)).numpy()
@@ -45,9 +45,10 @@ def test_each_block_type_unpacks_as_gguf_and_multiplies_within_int8_rounding(qty
         for r in range(rows):
             assert _cos(y[r], want[r]) >= 0.999, (qtype.name, rows, r)
         assert np.abs(y - want).max() <= 0.05 * np.abs(want).max()
-        if rows == 3:  # one row alone (a decode step: the task's rows in one call) = in a batch
-            one = cpu_blocks.matmul(torch.from_numpy(raw), qtype, n_out, k, torch.from_numpy(x[:1])).numpy()
-            assert np.array_equal(one[0], y[0]), qtype.name
+        # each row alone (a decode step: the task's rows in one call) = in a step of several, bit for bit
+        for r in range(rows if rows > 1 else 0):
+            one = cpu_blocks.matmul(torch.from_numpy(raw), qtype, n_out, k, torch.from_numpy(x[r : r + 1]))
+            assert np.array_equal(one.numpy()[0], y[r]), (qtype.name, rows, r)
 
 
 def test_a_zero_input_gives_zeros_and_types_outside_the_kernels_are_not_claimed() -> None:
