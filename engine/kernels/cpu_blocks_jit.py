@@ -390,38 +390,18 @@ def row32(typingctx, w, o, nblocks, x, xd, xs, kind):
     return sig, codegen
 
 
-@intrinsic
-def rows32(typingctx, w, o, row_bytes, nrows, nblocks, x, xd, xs, kind, out, oo):
-    """row32 for `nrows` consecutive weight rows (the first at byte o, row_bytes apart) into out's flat data from
-    element oo: the rows' loop in the IR, so that a short row (a 640-wide head's 20 blocks) does not pay a call,
-    the type's dispatch and its setup each (they had cost ~40 ns a row, 40% of such a product)."""
-    sig = types.none(w, o, row_bytes, nrows, nblocks, x, xd, xs, kind, out, oo)
-
-    def codegen(context, builder, signature, args):
-        b = builder
-        wp, xp, xdp, xsp, op = (_data(context, b, signature.args[i], args[i]) for i in (0, 5, 6, 7, 9))
-        for kid in (*ROW32, *ROWK):
-            with b.if_then(b.icmp_signed("==", args[8], ir.Constant(args[8].type, kid))):
-                with cgutils.for_range(b, args[3]) as loop:
-                    r = loop.index
-                    (dot,) = _row_loop(
-                        b, wp, [(xp, xdp, xsp)], b.add(args[1], b.mul(r, args[2])), args[4], kid
-                    )
-                    b.store(dot, b.gep(op, [b.add(args[10], r)]))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-MULTI = (2, 3, 4)  # input rows rows32n takes at once (a decode step of several slots: 4 at a time)
+# quantized input rows rows32 takes at once (a decode step of several slots: 4 at a time)
+INPUTS = (1, 2, 3, 4)
 
 
 @intrinsic
-def rows32n(typingctx, w, o, row_bytes, nrows, nblocks, x, xd, xs, nx, kind, out, ostride, oo):
-    """rows32 for `nx` (one of MULTI) quantized input rows at once (x int8 [>= nx, k], xd [>= nx, k/32], xs
-    [>= nx, k/16], C-contiguous): each weight block is read and made into codes once for all of them. Input j's
-    products go to out's flat data from element oo + j * ostride. On 2 cores (Qwen2.5-0.5B's products, a step
-    of 4 rows) this made the rows' products ~2x faster than a row at a time."""
+def rows32(typingctx, w, o, row_bytes, nrows, nblocks, x, xd, xs, nx, kind, out, ostride, oo):
+    """row32 for `nrows` consecutive weight rows (the first at byte o, row_bytes apart) and `nx` (one of INPUTS)
+    quantized input rows (x int8 [>= nx, k], xd [>= nx, k/32], xs [>= nx, k/16], each C-contiguous; one input may
+    be a 1-D row): input j's products go to out's flat data from element oo + j * ostride. The rows' loop is in
+    the IR, so that a short row (a 640-wide head's 20 blocks) does not pay a call, the type's dispatch and its
+    setup each (they had cost ~40 ns a row, 40% of such a product), and each weight block is read and made into
+    codes once for all the inputs (a step of 4 rows of Qwen2.5-0.5B: its products 87.8 -> 43.8 ms on 2 cores)."""
     sig = types.none(w, o, row_bytes, nrows, nblocks, x, xd, xs, nx, kind, out, ostride, oo)
 
     def codegen(context, builder, signature, args):
@@ -429,15 +409,17 @@ def rows32n(typingctx, w, o, row_bytes, nrows, nblocks, x, xd, xs, nx, kind, out
         wp, xp, xdp, xsp, op = (_data(context, b, signature.args[i], args[i]) for i in (0, 5, 6, 7, 10))
         nb_ = args[4]
         k = b.mul(nb_, ir.Constant(i64, 32))
-        rows = [(b.gep(xp, [b.mul(k, ir.Constant(i64, j))]), b.gep(xdp, [b.mul(nb_, ir.Constant(i64, j))]),
-                 b.gep(xsp, [b.mul(nb_, ir.Constant(i64, 2 * j))])) for j in range(max(MULTI))]  # fmt: skip
+        inputs = [(b.gep(xp, [b.mul(k, ir.Constant(i64, j))]), b.gep(xdp, [b.mul(nb_, ir.Constant(i64, j))]),
+                   b.gep(xsp, [b.mul(nb_, ir.Constant(i64, 2 * j))])) for j in range(max(INPUTS))]  # fmt: skip
         for kid in (*ROW32, *ROWK):
             with b.if_then(b.icmp_signed("==", args[9], ir.Constant(args[9].type, kid))):
-                for n_in in MULTI:
+                for n_in in INPUTS:
                     with b.if_then(b.icmp_signed("==", args[8], ir.Constant(args[8].type, n_in))):
                         with cgutils.for_range(b, args[3]) as loop:
                             r = loop.index
-                            dots = _row_loop(b, wp, rows[:n_in], b.add(args[1], b.mul(r, args[2])), nb_, kid)
+                            dots = _row_loop(
+                                b, wp, inputs[:n_in], b.add(args[1], b.mul(r, args[2])), nb_, kid
+                            )
                             for j, dot in enumerate(dots):
                                 at = b.add(b.add(args[12], b.mul(args[11], ir.Constant(i64, j))), r)
                                 b.store(dot, b.gep(op, [at]))
@@ -960,14 +942,14 @@ def row_dot(w, kind, o, k, x, xd, xs, f16):
     return acc
 
 
-# No reassociation or contraction: with them LLVM shares a product between the inputs of rows32n and a row's sums
+# No reassociation or contraction: with them LLVM shares a product between the inputs of rows32 and a row's sums
 # then differ by an ulp alone and in a step of several.
 @nb.njit(parallel=True, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"}, nogil=True, cache=True)
 def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
     """out[T, n_out] = x @ W.T for x float32 [T, k]: W's rows of `row_bytes` bytes of `kind` blocks in w (uint8,
     flat); x is quantized first (one call: the per-call cost counts at decode). Most types are read in place: up
     to 8 rows (decode steps) by the IR loops, a task's weight rows at once for up to 4 inputs at once
-    (rows32/rows32n), more (bench/cpu_block_types.py, 2 cores, 64 rows of 896 x 4864: Q4_K 9.5 ms in place against
+    (rows32), more (bench/cpu_block_types.py, 2 cores, 64 rows of 896 x 4864: Q4_K 9.5 ms in place against
     13.9 unpacked, Q6_K 12.4 against 13.4) and IQ4_XS by row_dot for each row; the IQ types, Q2_K and Q3_K are
     unpacked into codes once for all T rows."""
     t_rows = x.shape[0]
@@ -987,14 +969,9 @@ def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
         if in_place and t_rows <= 8 and _in_ir(kind):
             n_rows = min(n_out, first + ROWS_PER_TASK) - first
             for r0 in range(0, t_rows, 4):
-                n_in = min(4, t_rows - r0)
-                if n_in == 1:
-                    rows32(w, np.int64(first) * row_bytes, np.int64(row_bytes), np.int64(n_rows), np.int64(k // 32),
-                           xq[r0], xd[r0], xs[r0], np.int64(kind), out, np.int64(r0 * n_out + first))  # fmt: skip
-                else:
-                    rows32n(w, np.int64(first) * row_bytes, np.int64(row_bytes), np.int64(n_rows),
-                            np.int64(k // 32), xq[r0:], xd[r0:], xs[r0:], np.int64(n_in), np.int64(kind), out,
-                            np.int64(n_out), np.int64(r0 * n_out + first))  # fmt: skip
+                rows32(w, np.int64(first) * row_bytes, np.int64(row_bytes), np.int64(n_rows), np.int64(k // 32),
+                       xq[r0:], xd[r0:], xs[r0:], np.int64(min(4, t_rows - r0)), np.int64(kind), out,
+                       np.int64(n_out), np.int64(r0 * n_out + first))  # fmt: skip
             continue
         for n in range(first, min(n_out, first + ROWS_PER_TASK)):
             o = np.int64(n) * row_bytes
@@ -1087,9 +1064,9 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, w
                 i = tok[j]
                 at = np.int64(j * f + n0)
                 rows32(gate, o, np.int64(gate_row_bytes), n_rows, np.int64(d // 32), xq[i], xd[i], xs[i],
-                       np.int64(kinds[0]), h, at)  # fmt: skip
+                       np.int64(1), np.int64(kinds[0]), h, np.int64(0), at)  # fmt: skip
                 rows32(up, o, np.int64(gate_row_bytes), n_rows, np.int64(d // 32), xq[i], xd[i], xs[i],
-                       np.int64(kinds[1]), hu, at)  # fmt: skip
+                       np.int64(1), np.int64(kinds[1]), hu, np.int64(0), at)  # fmt: skip
                 for n in range(n0, n0 + n_rows):
                     a = h[j, n]
                     h[j, n] = a / (np.float32(1.0) + np.exp(-a)) * hu[j, n]
@@ -1115,8 +1092,8 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, w
                     out[i, n] = np.float32(0.0)
             for j in range(nt):
                 rows32(down, (np.int64(ids[j]) * d + n0) * down_row_bytes, np.int64(down_row_bytes),
-                       np.int64(n_rows), np.int64(f // 32), hq[j], hd[j], hs[j], np.int64(kinds[2]), dots,
-                       np.int64(0))  # fmt: skip
+                       np.int64(n_rows), np.int64(f // 32), hq[j], hd[j], hs[j], np.int64(1), np.int64(kinds[2]),
+                       dots, np.int64(0), np.int64(0))  # fmt: skip
                 for n in range(n0, n0 + n_rows):
                     out[tok[j], n] += ws[j] * dots[n - n0]
             continue

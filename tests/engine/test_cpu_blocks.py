@@ -37,7 +37,7 @@ def test_each_block_type_unpacks_as_gguf_and_multiplies_within_int8_rounding(qty
     got = cpu_blocks.dequantize(torch.from_numpy(raw), qtype, n_out, k).numpy()
     assert np.array_equal(got, ref.astype(np.float32))  # the same values, bit for bit
     rng = np.random.default_rng(int(qtype))
-    for rows in (1, 3, 8):  # 8: two steps of four inputs at once (rows32n)
+    for rows in (1, 3, 8):  # 8: two passes of four inputs at once (rows32)
         x = rng.standard_normal((rows, k)).astype(np.float32)
         x[:, :32] *= 20  # an outlier block: each 32 has its own scale
         y = cpu_blocks.matmul(torch.from_numpy(raw), qtype, n_out, k, torch.from_numpy(x)).numpy()
