@@ -62,6 +62,20 @@ def _jit():
     return cpu_blocks_jit
 
 
+def attend_rows(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    pos: np.ndarray,
+    window: int,
+    scale: float,
+    softcap: float,
+    out: np.ndarray,
+) -> None:
+    """engine/kernels/cpu_attention.py's kernel (cpu_blocks_jit.attend_rows), compiled and cached with these."""
+    _jit().attend_rows(q, k, v, pos, int(window), np.float32(scale), np.float32(softcap), out)
+
+
 def _flat(raw: torch.Tensor) -> np.ndarray:
     return raw.reshape(-1).numpy()
 

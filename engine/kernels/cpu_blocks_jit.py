@@ -1103,3 +1103,52 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, w
             for j in range(nt):
                 r = (np.int64(ids[j]) * d + n) * down_row_bytes
                 out[tok[j], n] += ws[j] * row_dot(down, kinds[2], r, f, hq[j], hd[j], hs[j], f16)
+
+
+@nb.njit(fastmath=True, nogil=True, cache=True)
+def attend_rows(q, k, v, pos, window, scale, softcap, out):
+    """engine/kernels/cpu_attention.py's kernel. q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv], pos [T] -> out [T, H, Dv] (float32): row t's query heads of
+    key head hk against the keys of positions lo..pos[t] of that head (lo: the window's first, else 0); each
+    key and value row is read once for the group's query heads."""
+    t_rows, n_head, d = q.shape
+    n_kv = k.shape[1]
+    g = n_head // n_kv
+    dv = v.shape[2]
+    for task in range(t_rows * n_kv):
+        t = task // n_kv
+        hk = task - t * n_kv
+        p = pos[t]
+        lo = max(0, p - window + 1) if window > 0 else 0
+        n = p + 1 - lo
+        s = np.empty((g, n), np.float32)
+        qg = q[t, hk * g : (hk + 1) * g]  # [G, D]
+        for j in range(n):
+            kr = k[lo + j, hk]
+            for a in range(g):
+                acc = np.float32(0.0)
+                for i in range(d):
+                    acc += qg[a, i] * kr[i]
+                acc *= scale
+                if softcap > 0:
+                    acc = softcap * np.tanh(acc / softcap)
+                s[a, j] = acc
+        total = np.empty(g, np.float32)
+        for a in range(g):
+            top = np.float32(-np.inf)
+            for j in range(n):
+                top = max(top, s[a, j])
+            tot = np.float32(0.0)
+            for j in range(n):
+                s[a, j] = np.exp(s[a, j] - top)
+                tot += s[a, j]
+            total[a] = tot
+        acc_v = np.zeros((g, dv), np.float32)
+        for j in range(n):
+            vr = v[lo + j, hk]
+            for a in range(g):
+                w = s[a, j]
+                for i in range(dv):
+                    acc_v[a, i] += w * vr[i]
+        for a in range(g):
+            for i in range(dv):
+                out[t, hk * g + a, i] = acc_v[a, i] / total[a]

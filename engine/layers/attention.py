@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine import kernels
+from engine.kernels import cpu_attention
 from engine.layers.kv_cache import KVCache
 from engine.layers.qtensor import QTensor
 from installer.engine_options import runtime_switches
@@ -194,6 +195,10 @@ def cached_attention(
             q, lk.k, lk.v, pos, span, window, scale, softcap, lk.k_scale, lk.v_scale, sinks
         )
     keys, values = cache.store(layer, pos, k, v, span)
+    if sinks is None and q.shape[0] <= ROW_BY_ROW and cpu_attention.takes(q, keys, values):
+        return cpu_attention.attend(
+            q, keys, values, pos, window, scale, softcap
+        )  # one call, each row as alone
     if not q.is_cuda and 1 < q.shape[0] <= ROW_BY_ROW:
         # A few rows on the CPU (a verify window, a short chunk): each row as a one-token step computes it (its own
         # keys, no masked columns), so that the window's logits are the one-token steps' to the bit. A float

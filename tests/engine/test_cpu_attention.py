@@ -1,0 +1,57 @@
+"""The CPU decode attention kernel (engine/kernels/cpu_attention.py) against float64 attention written out here, and
+a row alone against the same row in a step of several."""
+
+import math
+
+import pytest
+import torch
+
+from engine.kernels import cpu_attention, cpu_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_blocks.available()[0], reason="no CPU kernels here")
+
+
+def _reference(q, k, v, p, window, scale, softcap):  # type: ignore[no-untyped-def]
+    """One row q [H, D] at position p over k, v [S, Hkv, D] in float64, head by head."""
+    h, hkv = q.shape[0], k.shape[1]
+    lo = max(0, p - window + 1) if window > 0 else 0
+    out = torch.empty(h, v.shape[2], dtype=torch.float64)
+    for head in range(h):
+        kk = k[lo : p + 1, head // (h // hkv)].double()
+        s = kk @ q[head].double() * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        w = torch.softmax(s, dim=0)
+        out[head] = w @ v[lo : p + 1, head // (h // hkv)].double()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "window", "softcap"),
+    [(14, 2, 64, 0, 0.0), (4, 1, 256, 0, 0.0), (8, 4, 128, 16, 30.0), (8, 8, 64, 5, 0.0)],
+)
+def test_rows_match_float64_attention_and_each_row_alone(heads, kv_heads, dim, window, softcap) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(heads * dim + window)
+    s = 80
+    k = torch.randn(s, kv_heads, dim, generator=g)
+    v = torch.randn(s, kv_heads, dim, generator=g)
+    q = torch.randn(4, heads, dim, generator=g)
+    pos = torch.tensor([3, 40, 41, 79])  # rows at different depths, the first inside any window
+    scale = 1 / math.sqrt(dim)
+    got = cpu_attention.attend(q, k, v, pos, window, scale, softcap)
+    for t, p in enumerate(pos.tolist()):
+        want = _reference(q[t], k, v, p, window, scale, softcap)
+        assert torch.allclose(got[t].double(), want, atol=2e-5, rtol=1e-4), (t, (got[t] - want).abs().max())
+        alone = cpu_attention.attend(
+            q[t : t + 1], k[: p + 1], v[: p + 1], pos[t : t + 1], window, scale, softcap
+        )
+        assert torch.equal(alone[0], got[t])  # the same sums alone and in a step of several
+
+
+def test_a_step_past_the_keys_given_is_refused_and_long_steps_go_to_torch() -> None:
+    q, k = torch.randn(1, 4, 64), torch.randn(10, 1, 64)
+    with pytest.raises(ValueError, match="position 10 attends past the 10 positions"):
+        cpu_attention.attend(q, k, k, torch.tensor([10]), 0, 0.125)
+    long = torch.randn(cpu_attention.MAX_MACS // (4 * 64) + 1, 1, 64)
+    assert cpu_attention.takes(q, k, k) and not cpu_attention.takes(q, long, long)
+    assert not cpu_attention.takes(q.bfloat16(), k, k)
