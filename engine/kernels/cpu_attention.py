@@ -10,21 +10,21 @@ import torch
 
 from engine.kernels import cpu_blocks
 
-# Steps of up to this many multiply-adds in their key products (rows x heads x keys x head size) run here, on the
-# calling thread; longer ones through torch's products on every core. One row of Qwen2.5-0.5B's 14 heads of 64 on 2
+# Rows of up to this many multiply-adds in their key products (heads x keys x head size) run here, on the calling
+# thread; longer ones through torch's products on every core. One row of Qwen2.5-0.5B's 14 heads of 64 on 2
 # cores: 16.8 / 61.1 / 200 us here against 97.7 / 141.5 / 253 through torch over 70 / 300 / 1,000 keys, 791
 # against 582 over 4,000.
 MAX_MACS = 1 << 20
 
 
-def takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether `attend` computes this step: float32 queries and cache on the CPU, a step within MAX_MACS over the
-    keys given, and the CPU kernels here."""
-    t, h, d = q.shape
+def takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_keys: int) -> bool:
+    """Whether `attend` computes a row over `n_keys` keys: float32 queries and cache on the CPU, a row within
+    MAX_MACS, and the CPU kernels here."""
+    _, h, d = q.shape
     return (
         not q.is_cuda
         and q.dtype == keys.dtype == values.dtype == torch.float32
-        and t * h * keys.shape[0] * d <= MAX_MACS
+        and h * n_keys * d <= MAX_MACS
         and cpu_blocks.available()[0]
     )
 

@@ -195,18 +195,23 @@ def cached_attention(
             q, lk.k, lk.v, pos, span, window, scale, softcap, lk.k_scale, lk.v_scale, sinks
         )
     keys, values = cache.store(layer, pos, k, v, span)
-    if sinks is None and q.shape[0] <= ROW_BY_ROW and cpu_attention.takes(q, keys, values):
-        return cpu_attention.attend(
-            q, keys, values, pos, window, scale, softcap
-        )  # one call, each row as alone
-    if not q.is_cuda and 1 < q.shape[0] <= ROW_BY_ROW:
-        # A few rows on the CPU (a verify window, a short chunk): each row as a one-token step computes it (its own
-        # keys, no masked columns), so that the window's logits are the one-token steps' to the bit. A float
-        # difference of 1e-6 here flips 8-bit activation codes downstream and can flip a greedy near-tie.
+    if not q.is_cuda and q.shape[0] <= ROW_BY_ROW:
+        # A few rows on the CPU (slots' decode rows, a verify window, a short chunk): each row as a one-token step
+        # computes it (its own keys, no masked columns), so that the window's logits are the one-token steps' to
+        # the bit. A float difference of 1e-6 here flips 8-bit activation codes downstream and can flip a greedy
+        # near-tie. A row whose keys are few enough takes the Numba kernel (one call for all such rows: whether
+        # it does depends on the row's own position only), the others torch.
+        plist = pos.tolist()
+        short = [sinks is None and cpu_attention.takes(q, keys, values, p + 1) for p in plist]
+        if all(short):
+            return cpu_attention.attend(q, keys, values, pos, window, scale, softcap)
         rows = []
-        for j, p in enumerate(pos.tolist()):  # row j: the keys up to its position, as a one-token step's
-            mask = causal_mask(pos[j : j + 1], p + 1, window)
-            rows.append(_attend(q[j : j + 1], keys[: p + 1], values[: p + 1], mask, scale, softcap, sinks))
+        for j, p in enumerate(plist):  # row j: the keys up to its position, as a one-token step's
+            one = (q[j : j + 1], keys[: p + 1], values[: p + 1])
+            if short[j]:
+                rows.append(cpu_attention.attend(*one, pos[j : j + 1], window, scale, softcap).to(q.dtype))
+            else:
+                rows.append(_attend(*one, causal_mask(pos[j : j + 1], p + 1, window), scale, softcap, sinks))
         return torch.cat(rows)
     mask = masks[window] if masks is not None and window in masks else causal_mask(pos, span, window)
     return _attend(q, keys, values, mask, scale, softcap, sinks)

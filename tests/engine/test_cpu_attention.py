@@ -52,6 +52,33 @@ def test_a_step_past_the_keys_given_is_refused_and_long_steps_go_to_torch() -> N
     q, k = torch.randn(1, 4, 64), torch.randn(10, 1, 64)
     with pytest.raises(ValueError, match="position 10 attends past the 10 positions"):
         cpu_attention.attend(q, k, k, torch.tensor([10]), 0, 0.125)
-    long = torch.randn(cpu_attention.MAX_MACS // (4 * 64) + 1, 1, 64)
-    assert cpu_attention.takes(q, k, k) and not cpu_attention.takes(q, long, long)
-    assert not cpu_attention.takes(q.bfloat16(), k, k)
+    n = cpu_attention.MAX_MACS // (4 * 64)  # keys a row of 4 heads of 64 may take
+    assert cpu_attention.takes(q, k, k, n) and not cpu_attention.takes(q, k, k, n + 1)
+    assert not cpu_attention.takes(q.bfloat16(), k, k, 10)
+
+
+def test_a_step_gives_each_row_its_one_token_steps_output_on_both_sides_of_the_kernels_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cached_attention: a verify window's rows, some within the kernel's bound and some past it, equal one-token
+    steps at their positions, bit for bit (whether a row takes the kernel depends on its own position only)."""
+    from engine.layers.attention import cached_attention
+    from engine.layers.kv_cache import KVCache
+
+    h, hkv, d = 4, 2, 64
+    monkeypatch.setattr(cpu_attention, "MAX_MACS", h * 21 * d)  # rows over up to 21 keys take the kernel
+    g = torch.Generator().manual_seed(7)
+    k, v, q = (torch.randn(24, n, d, generator=g) for n in (hkv, hkv, h))
+    window = KVCache(range(1), 32, hkv, d, d, "f32", torch.device("cpu"))
+    cached_attention(window, 0, q[:18], k[:18], v[:18], torch.arange(18), 18, 0, 0.125)  # the prompt
+    pos = torch.arange(18, 24)  # rows over 19..24 keys: the first three within the bound
+    got = cached_attention(window, 0, q[18:], k[18:], v[18:], pos, 24, 0, 0.125)
+    steps = KVCache(range(1), 32, hkv, d, d, "f32", torch.device("cpu"))
+    cached_attention(steps, 0, q[:18], k[:18], v[:18], torch.arange(18), 18, 0, 0.125)
+    for j, p in enumerate(pos.tolist()):
+        one = cached_attention(
+            steps, 0, q[p : p + 1], k[p : p + 1], v[p : p + 1], pos[j : j + 1], p + 1, 0, 0.125
+        )
+        assert torch.equal(one[0], got[j]), p
+        want = _reference(q[p], k, v, p, 0, 0.125, 0.0)
+        assert torch.allclose(got[j].double(), want, atol=2e-5, rtol=1e-4)
