@@ -5,7 +5,8 @@ Every block type is read the same way: a weight row's blocks are unpacked into i
 float offset per 16 values (value = scale * code + offset), in a scratch row that stays in L1, and that row is
 multiplied with each activation row, rounded to int8 with a scale per 32 values (llama.cpp's q8_0 rounding). The
 integer sums per 16 are what LLVM vectorizes; the scales are applied once per 16 values. One unpack function per
-block type holds all that differs between the types (ggml's block layouts)."""
+block type holds all that differs between the types (ggml's block layouts). The file ends with the attention of a
+decode step's few rows (attend_rows, engine/kernels/cpu_attention.py)."""
 
 import gguf.quants as gq
 import numba as nb
@@ -1107,9 +1108,10 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, w
 
 @nb.njit(fastmath=True, nogil=True, cache=True)
 def attend_rows(q, k, v, pos, window, scale, softcap, out):
-    """engine/kernels/cpu_attention.py's kernel. q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv], pos [T] -> out [T, H, Dv] (float32): row t's query heads of
-    key head hk against the keys of positions lo..pos[t] of that head (lo: the window's first, else 0); each
-    key and value row is read once for the group's query heads."""
+    """engine/kernels/cpu_attention.py's kernel (here to be compiled and cached with the block kernels): q [T, H,
+    D], k [S, Hkv, D], v [S, Hkv, Dv], pos [T] -> out [T, H, Dv] (float32), row t's query heads of key head hk
+    against the keys of positions lo..pos[t] of that head (lo: the window's first, else 0); each key and value
+    row is read once for the group's query heads."""
     t_rows, n_head, d = q.shape
     n_kv = k.shape[1]
     g = n_head // n_kv
