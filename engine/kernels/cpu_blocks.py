@@ -125,6 +125,8 @@ def warm_up() -> None:
     raw = torch.zeros(1, GGML_QUANT_SIZES[QT.Q8_0][1], dtype=torch.uint8)
     matmul(raw, QT.Q8_0, 1, 32, torch.zeros(1, 32))
     dequantize(raw, QT.Q8_0, 1, 32)
+    one = np.zeros((1, 1, 32), np.float32)  # a decode step's attention (engine/kernels/cpu_attention.py)
+    attend_rows(one, one, one, np.zeros(1, np.int64), 0, 1.0, 0.0, np.empty_like(one))
     secs = time.perf_counter() - t0
     if secs > 2:
         log.info("CPU kernels compiled in %.0f s (kept in Numba's cache for the next start)", secs)
