@@ -1038,7 +1038,7 @@ def dequantize(w, kind, n_out, k, row_bytes, out, f16):
                     out[n, 16 * g + i] = sc[g] * np.float32(q[16 * g + i]) + mn[g]
 
 
-@nb.njit(parallel=True, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"}, nogil=True, cache=True)  # as matmul
+@nb.njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, ws, starts, x, out, f16):
     """out[t] = sum over the pairs j of token t of ws[j] * down_j(silu(gate_j x[t]) * up_j x[t]) for the (expert,
     token) pairs j (ids[j], tok[j]), grouped by expert as starts says (each weight row read once for its group),
@@ -1051,27 +1051,11 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, w
     xs = np.empty((n_tok, d // 16), np.int32)
     quantize(x, xq, xd, xs)
     h = np.empty((nt, f), np.float32)
-    hu = np.empty((nt, f), np.float32)
     tasks = (f + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    in_ir = _in_ir(kinds[0]) and _in_ir(kinds[1]) and _in_ir(kinds[2])
     for t in nb.prange(n_grp * tasks):
         g = t // tasks
         n0 = (t - g * tasks) * ROWS_PER_TASK
         e = np.int64(ids[starts[g]])
-        if in_ir:  # the task's rows in one loop per token (a call per row and token had cost ~40 ns each)
-            n_rows = np.int64(min(f, n0 + ROWS_PER_TASK) - n0)
-            o = (e * f + n0) * gate_row_bytes
-            for j in range(starts[g], starts[g + 1]):
-                i = tok[j]
-                at = np.int64(j * f + n0)
-                rows32(gate, o, np.int64(gate_row_bytes), n_rows, np.int64(d // 32), xq[i], xd[i], xs[i],
-                       np.int64(1), np.int64(kinds[0]), h, np.int64(0), at)  # fmt: skip
-                rows32(up, o, np.int64(gate_row_bytes), n_rows, np.int64(d // 32), xq[i], xd[i], xs[i],
-                       np.int64(1), np.int64(kinds[1]), hu, np.int64(0), at)  # fmt: skip
-                for n in range(n0, n0 + n_rows):
-                    a = h[j, n]
-                    h[j, n] = a / (np.float32(1.0) + np.exp(-a)) * hu[j, n]
-            continue
         for n in range(n0, min(f, n0 + ROWS_PER_TASK)):
             r = (e * f + n) * gate_row_bytes
             for j in range(starts[g], starts[g + 1]):
@@ -1084,28 +1068,12 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, w
     hs = np.empty((nt, f // 16), np.int32)
     quantize(h, hq, hd, hs)
     for t in nb.prange((d + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        if in_ir:  # each pair's rows of the task in one loop; the pairs added in the same order as below
-            n0 = t * ROWS_PER_TASK
-            n_rows = min(d, n0 + ROWS_PER_TASK) - n0
-            dots = np.empty(ROWS_PER_TASK, np.float32)
-            for i in range(n_tok):
-                for n in range(n0, n0 + n_rows):
-                    out[i, n] = np.float32(0.0)
-            for j in range(nt):
-                rows32(down, (np.int64(ids[j]) * d + n0) * down_row_bytes, np.int64(down_row_bytes),
-                       np.int64(n_rows), np.int64(f // 32), hq[j], hd[j], hs[j], np.int64(1), np.int64(kinds[2]),
-                       dots, np.int64(0), np.int64(0))  # fmt: skip
-                for n in range(n0, n0 + n_rows):
-                    out[tok[j], n] += ws[j] * dots[n - n0]
-            continue
         for n in range(t * ROWS_PER_TASK, min(d, t * ROWS_PER_TASK + ROWS_PER_TASK)):
             for i in range(n_tok):
                 out[i, n] = np.float32(0.0)
             for j in range(nt):
                 r = (np.int64(ids[j]) * d + n) * down_row_bytes
                 out[tok[j], n] += ws[j] * row_dot(down, kinds[2], r, f, hq[j], hd[j], hs[j], f16)
-
-
 @nb.njit(fastmath=True, nogil=True, cache=True)
 def attend_rows(q, k, v, pos, window, scale, softcap, out):
     """engine/kernels/cpu_attention.py's kernel (here to be compiled and cached with the block kernels): q [T, H,
