@@ -398,8 +398,7 @@ INPUTS = (1, 2, 3, 4)
 @intrinsic
 def rows32(typingctx, w, o, row_bytes, nrows, nblocks, x, xd, xs, nx, kind, out, ostride, oo):
     """row32 for `nrows` consecutive weight rows (the first at byte o, row_bytes apart) and `nx` (one of INPUTS)
-    quantized input rows (x int8 [>= nx, k], xd [>= nx, k/32], xs [>= nx, k/16], each C-contiguous; one input may
-    be a 1-D row): input j's products go to out's flat data from element oo + j * ostride. The rows' loop is in
+    quantized input rows (x int8 [>= nx, k], xd [>= nx, k/32], xs [>= nx, k/16], each C-contiguous): input j's products go to out's flat data from element oo + j * ostride. The rows' loop is in
     the IR, so that a short row (a 640-wide head's 20 blocks) does not pay a call, the type's dispatch and its
     setup each (they had cost ~40 ns a row, 40% of such a product), and each weight block is read and made into
     codes once for all the inputs (a step of 4 rows of Qwen2.5-0.5B: its products 87.8 -> 43.8 ms on 2 cores)."""
@@ -1074,6 +1073,8 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, w
             for j in range(nt):
                 r = (np.int64(ids[j]) * d + n) * down_row_bytes
                 out[tok[j], n] += ws[j] * row_dot(down, kinds[2], r, f, hq[j], hd[j], hs[j], f16)
+
+
 @nb.njit(fastmath=True, nogil=True, cache=True)
 def attend_rows(q, k, v, pos, window, scale, softcap, out):
     """engine/kernels/cpu_attention.py's kernel (here to be compiled and cached with the block kernels): q [T, H,

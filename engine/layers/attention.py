@@ -209,7 +209,7 @@ def cached_attention(
         for j, p in enumerate(plist):  # row j: the keys up to its position, as a one-token step's
             one = (q[j : j + 1], keys[: p + 1], values[: p + 1])
             if short[j]:
-                rows.append(cpu_attention.attend(*one, pos[j : j + 1], window, scale, softcap).to(q.dtype))
+                rows.append(cpu_attention.attend(*one, pos[j : j + 1], window, scale, softcap))
             else:
                 rows.append(_attend(*one, causal_mask(pos[j : j + 1], p + 1, window), scale, softcap, sinks))
         return torch.cat(rows)
