@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import rope_pairs, store_q8_rows
+from engine.kernels.gemv import _INTERPRETED  # no inline PTX in Triton's interpreter
 
 NO_QUANT, INT8, Q4_0 = 0, 1, 2
 
@@ -245,18 +246,85 @@ def rope_store(
 
 
 @triton.jit
-def _cache_tile(c_ptr, s_ptr, s, sm, HKV, D, d, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
-                MASKED: tl.constexpr):  # fmt: skip
-    """The keys or values [BLOCK_S, BLOCK_D] of positions s of one key head (q4_0's as floats, made by their bit
-    patterns; float and int8 codes as stored), masked to positions where sm when MASKED."""
-    if QUANT == 2:
-        return q4_tile(c_ptr, s_ptr, s, sm, HKV * (BLOCK_D // 2), HKV * (BLOCK_D // 32), BLOCK_S, BLOCK_D)
-    elif MASKED:
-        return tl.load(
-            c_ptr + s[:, None] * (HKV * D) + d[None, :], mask=sm[:, None] & (d[None, :] < D), other=0.0
-        )
+def _i8_f16(x, ASM: tl.constexpr):
+    """int8 codes -> the same values as float16, four a 32-bit word: the byte with its sign bit flipped (code +
+    128) under the exponent of float16's 1024 is 1024 + 128 + code, less 1152 (two byte permutes and two paired
+    subtractions per four codes, where Triton's own conversion took eight instructions)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, c;
+            xor.b32 t, $2, 0x80808080;
+            mov.b32 c, 0x64806480;
+            prmt.b32 $0, t, 0x64646464, 0x4140;
+            prmt.b32 $1, t, 0x64646464, 0x4342;
+            sub.f16x2 $0, $0, c;
+            sub.f16x2 $1, $1, c;
+            }""",
+            constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=True, pack=4,
+        )  # fmt: skip
+    return x.to(tl.float16)
+
+
+@triton.jit
+def _i8_words_f16(w, ASM: tl.constexpr):
+    """32-bit words of four int8 codes -> four float16 tensors of w's shape, byte 0's first (as _i8_f16)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, c, lo, hi;
+            xor.b32 t, $4, 0x80808080;
+            mov.b32 c, 0x64806480;
+            prmt.b32 lo, t, 0x64646464, 0x4140;
+            prmt.b32 hi, t, 0x64646464, 0x4342;
+            sub.f16x2 lo, lo, c;
+            sub.f16x2 hi, hi, c;
+            mov.b32 {$0, $1}, lo;
+            mov.b32 {$2, $3}, hi;
+            }""",
+            constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    b0, b1, b2, b3 = w & 255, (w >> 8) & 255, (w >> 16) & 255, (w >> 24) & 255
+    return (tl.where(b0 > 127, b0 - 256, b0).to(tl.float16), tl.where(b1 > 127, b1 - 256, b1).to(tl.float16),
+            tl.where(b2 > 127, b2 - 256, b2).to(tl.float16), tl.where(b3 > 127, b3 - 256, b3).to(tl.float16))  # fmt: skip
+
+
+@triton.jit
+def _i8_value_tile(c_ptr, s, sm, HKV, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+                   ASM: tl.constexpr):  # fmt: skip
+    """An int8 value tile [BLOCK_S, BLOCK_D] as float16, read as words of four codes and made floats in registers.
+    The positions are the value product's inner dimension: codes taken to shared memory as bytes were read back a
+    byte a load (no 8-bit transposing load on this generation); as 16-bit floats they go through ldmatrix. On an
+    H200 at 32K with the float16 products, 25.1 -> 23.4 us a layer for one row, 106 -> 97 for 8 slots
+    (bench/results/decode-attention-32k-int8-f16-h200.json)."""
+    w4 = tl.arange(0, BLOCK_D // 4)
+    wp = c_ptr.to(tl.pointer_type(tl.int32)) + s[:, None] * (HKV * D // 4) + w4[None, :]
+    if MASKED:  # D is BLOCK_D (V_WORDS)
+        w = tl.load(wp, mask=sm[:, None], other=0)
     else:
-        return tl.load(c_ptr + s[:, None] * (HKV * D) + d[None, :], mask=d[None, :] < D, other=0.0)
+        w = tl.load(wp)
+    v0, v1, v2, v3 = _i8_words_f16(w, ASM)
+    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (BLOCK_S, BLOCK_D))
+
+
+@triton.jit
+def _cache_tile(c_ptr, s_ptr, s, sm, HKV, D, d, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
+                MASKED: tl.constexpr, ASM: tl.constexpr = True):  # fmt: skip
+    """The keys or values [BLOCK_S, BLOCK_D] of positions s of one key head (q4_0's as floats, made by their bit
+    patterns; int8 codes as float16; float as stored), masked to positions where sm when MASKED."""
+    if QUANT == 2:
+        x = q4_tile(c_ptr, s_ptr, s, sm, HKV * (BLOCK_D // 2), HKV * (BLOCK_D // 32), BLOCK_S, BLOCK_D)
+    else:
+        if MASKED:
+            x = tl.load(
+                c_ptr + s[:, None] * (HKV * D) + d[None, :], mask=sm[:, None] & (d[None, :] < D), other=0.0
+            )
+        else:
+            x = tl.load(c_ptr + s[:, None] * (HKV * D) + d[None, :], mask=d[None, :] < D, other=0.0)
+        if QUANT == 1:
+            x = _i8_f16(x, ASM)
+    return x
 
 
 @triton.jit
@@ -276,16 +344,19 @@ def _int8_scales(ks_ptr, vs_ptr, s0, hi, HKV, BLOCK_S: tl.constexpr, QUANT: tl.c
 @triton.jit
 def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc, vsc, HKV, Dk, Dv, qk_scale,
                   softcap, dk, dv, BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  IEEE: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+                  IEEE: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
+                  ASM: tl.constexpr, V_WORDS: tl.constexpr):  # fmt: skip
     """One block of positions s0.. into the running max m_i, sum l_i and output acc of a program's query heads.
     MASKED: positions from `hi` on are left out (only the last block of a split: the others run without masks).
     Scores are in base-2 units (qk_scale carries log2(e); exp2 throughout, and the merge takes base-2 maxima), and
     an int8 key's scale is folded into the score scale: on an H200 at 32K, 8 rows over int8 caches 126 -> 110 us a
     layer against the masked, natural-base body (bench/results/decode-attention-32k-lean-h200.json). ksc/vsc: an
-    int8 cache's key and value scales of these positions, loaded a block ahead by the caller (_int8_scales)."""
+    int8 cache's key and value scales of these positions, loaded a block ahead by the caller (_int8_scales). Over
+    int8 codes both products are float16 (q comes scaled into its range): the codes are exact there and are made
+    float16 in fewer instructions than bfloat16."""
     s = s0 + tl.arange(0, BLOCK_S)
     sm = s < hi
-    kb = _cache_tile(kc_ptr, ks_ptr, s, sm, HKV, Dk, dk, BLOCK_S, BLOCK_DK, QUANT, MASKED)  # [BS, DK]
+    kb = _cache_tile(kc_ptr, ks_ptr, s, sm, HKV, Dk, dk, BLOCK_S, BLOCK_DK, QUANT, MASKED, ASM)  # [BS, DK]
     if IEEE:  # float32 compute stays float32 (no TF32 rounding)
         sc = tl.dot(q, tl.trans(kb.to(q.dtype)), input_precision="ieee")  # [GP, BS]
     else:
@@ -294,7 +365,7 @@ def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc,
         sc = sc * (ksc * qk_scale)[None, :]
     else:
         sc = sc * qk_scale
-    if softcap > 0:  # the cap in natural units
+    if SOFTCAP:  # the cap in natural units
         sc = sc * 0.6931471805599453
         sc = softcap * (2.0 / (1.0 + tl.exp(-2.0 * sc / softcap)) - 1.0) * 1.4426950408889634
     if MASKED:
@@ -303,7 +374,10 @@ def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc,
     alpha = tl.exp2(m_i - m_new)
     pr = tl.exp2(sc - m_new[:, None])
     l_i = l_i * alpha + tl.sum(pr, axis=1)
-    vb = _cache_tile(vc_ptr, vs_ptr, s, sm, HKV, Dv, dv, BLOCK_S, BLOCK_DV, QUANT, MASKED)  # [BS, DV]
+    if QUANT == 1 and V_WORDS:
+        vb = _i8_value_tile(vc_ptr, s, sm, HKV, Dv, BLOCK_S, BLOCK_DV, MASKED, ASM)  # [BS, DV] float16
+    else:
+        vb = _cache_tile(vc_ptr, vs_ptr, s, sm, HKV, Dv, dv, BLOCK_S, BLOCK_DV, QUANT, MASKED)  # [BS, DV]
     if QUANT == 1:
         pr = pr * vsc[None, :]
     if IEEE:
@@ -344,6 +418,9 @@ def _decode_attn_kernel(
     Q8: tl.constexpr = False,
     BASE: tl.constexpr = False,
     QUANT: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = False,
+    ASM: tl.constexpr = True,
+    V_WORDS: tl.constexpr = False,  # int8 value heads read as 32-bit words (a power of two >= 4, aligned rows)
 ):
     pid = tl.program_id(0)  # t * HKV + hk
     sp = tl.program_id(1)
@@ -364,10 +441,15 @@ def _decode_attn_kernel(
     q = tl.load(
         q_ptr + (t * H + heads)[:, None] * Dk + dk[None, :], mask=gm[:, None] & (dk[None, :] < Dk), other=0.0
     )  # [GP, DK]
+    qk_scale = scale * 1.4426950408889634  # base-2 scores
+    if QUANT == 1 and not IEEE:  # float16 products over int8 codes: q divided by its largest value, which the
+        qf = q.to(tl.float32)  # score scale takes back (a bfloat16 query may lie beyond float16's range)
+        qa = tl.maximum(tl.max(tl.max(tl.abs(qf), axis=1), axis=0), 1e-30)
+        q = (qf / qa).to(tl.float16)
+        qk_scale = qk_scale * qa
     m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, BLOCK_DV], dtype=tl.float32)
-    qk_scale = scale * 1.4426950408889634  # base-2 scores
     lo = sp * chunk
     hi = tl.minimum(lo + chunk, span)
     hi = tl.minimum(hi, p + 1)  # causal: nothing beyond this row's own position
@@ -379,12 +461,12 @@ def _decode_attn_kernel(
         nks, nvs = _int8_scales(ks_ptr, vs_ptr, s0 + BLOCK_S, hi, HKV, BLOCK_S, QUANT)
         m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc, vsc, HKV, Dk,
                                       Dv, qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
-                                      False)  # fmt: skip
+                                      False, SOFTCAP, ASM, V_WORDS)  # fmt: skip
         ksc, vsc = nks, nvs
     for s0 in range(full, hi, BLOCK_S):  # the partial last block (its scales loaded above)
         m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc, vsc, HKV, Dk,
                                       Dv, qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
-                                      True)  # fmt: skip
+                                      True, SOFTCAP, ASM, V_WORDS)  # fmt: skip
     om = gm[:, None] & (dv[None, :] < Dv)
     if SPLITS == 1:
         out = acc / l_i[:, None]
@@ -523,6 +605,9 @@ def decode_attention(
         IEEE=q.dtype == torch.float32,
         BASE=base is not None,
         QUANT=quant,
+        SOFTCAP=softcap > 0,  # a compile-time branch: the cap's code out of the others' loop
+        ASM=not _INTERPRETED,
+        V_WORDS=quant == INT8 and 4 <= dvv == triton.next_power_of_2(dvv) and v_cache.data_ptr() % 4 == 0,
     )
     bp = base if base is not None else pos
     ks = k_scale if k_scale is not None else k_cache
