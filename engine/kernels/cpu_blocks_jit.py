@@ -362,10 +362,59 @@ def _rowk_loop(b, wp, xs, o, nblocks, kind):
     return out
 
 
+def _iq4xs_runs(b, wp, p):
+    """An IQ4_XS super-block's (bytes at p) eight run scales d * (ls - 32) as <8 x float>: ls is a run's low four
+    bits from scales_l (byte j/2, nibble j%2) and two high bits from scales_h (bits 2j, 2j+1)."""
+    f32 = ir.FloatType()
+    sh = b.zext(b.load(b.bitcast(b.gep(wp, [b.add(p, ir.Constant(i64, 2))]), i16.as_pointer()), align=1), i32)
+    sl = b.load(b.bitcast(b.gep(wp, [b.add(p, ir.Constant(i64, 4))]), i32.as_pointer()), align=1)
+    vec = ir.Constant(ir.VectorType(i32, 8), ir.Undefined)
+    for j in range(8):
+        lo = b.and_(b.lshr(sl, ir.Constant(i32, 4 * j)), ir.Constant(i32, 15))  # byte j/2's nibble j%2
+        hi = b.and_(b.lshr(sh, ir.Constant(i32, 2 * j)), ir.Constant(i32, 3))
+        vec = b.insert_element(vec, b.or_(lo, b.shl(hi, ir.Constant(i32, 4))), ir.Constant(i32, j))
+    ls = b.sitofp(b.sub(vec, _splat(vec.type, 32)), ir.VectorType(f32, 8))
+    d = b.fpext(b.load(b.bitcast(b.gep(wp, [p]), ir.HalfType().as_pointer()), align=1), f32)
+    return b.fmul(ls, _broadcast(b, d, ir.VectorType(f32, 8)))
+
+
+def _rowxs_loop(b, wp, xs, o, nblocks):
+    """The IR of one row of IQ4_XS super-blocks (136 bytes: d, scales_h, scales_l, 128 bytes of IQ4_NL nibbles;
+    nblocks 32-value runs) . each quantized input row of xs (as _row32_loop takes them) -> a float per input: a
+    super-block's eight run scales are made once into a vector and multiplied by each input's eight scales; each
+    run's codes (the IQ4 table through pshufb) are one integer product per input and one multiply-add into its
+    sums, which alternate as _row32_loop's do. It replaced a dot call per run (bench/cpu_mix_experts.py)."""
+    f32 = ir.FloatType()
+    v8f32 = ir.VectorType(f32, 8)
+    accs = [[cgutils.alloca_once_value(b, ir.Constant(v8f32, None)) for _ in range(2)] for _ in xs]
+    fma = _fn(b, "llvm.fma.v8f32", v8f32, [v8f32, v8f32, v8f32])
+    with cgutils.for_range(b, b.udiv(nblocks, ir.Constant(i64, 8))) as loop:
+        sb = loop.index
+        p = b.add(o, b.mul(sb, ir.Constant(i64, 136)))
+        for ahead in range(0, 136, 64):
+            _prefetch(b, wp, b.add(p, ir.Constant(i64, PREFETCH + ahead)))
+        runs = _iq4xs_runs(b, wp, p)
+        i0 = b.mul(sb, ir.Constant(i64, 8))
+        scales = [
+            b.fmul(runs, b.load(b.bitcast(b.gep(xdp, [i0]), v8f32.as_pointer()), align=4)) for _, xdp, _ in xs
+        ]
+        for j in range(8):
+            codes = _pshufb(b, IQ4, _nibbles16(b, wp, b.add(p, ir.Constant(i64, 8 + 16 * j))))
+            at = b.mul(b.add(i0, ir.Constant(i64, j)), ir.Constant(i64, 32))
+            for r, (xp, _, _) in enumerate(xs):
+                lanes = b.sitofp(_lanes(b, codes, _load(b, xp, at), True), v8f32)
+                acc = accs[r][j % 2]
+                b.store(b.call(fma, [lanes, _lane(b, scales[r], j), b.load(acc)]), acc)
+    red = _fn(b, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f32])
+    return [b.call(red, [ir.Constant(f32, 0.0), b.fadd(b.load(a[0]), b.load(a[1]))]) for a in accs]
+
+
 def _row_loop(b, wp, xs, o, nblocks, kid):
-    """_row32_loop or _rowk_loop for the kind `kid` -> a float per input row of xs."""
+    """_row32_loop, _rowk_loop or _rowxs_loop for the kind `kid` -> a float per input row of xs."""
     if kid in ROWK:
         return _rowk_loop(b, wp, xs, o, nblocks, kid)
+    if kid == IQ4_XS:
+        return _rowxs_loop(b, wp, xs, o, nblocks)
     return _row32_loop(b, wp, xs, o, nblocks, ROW32[kid])
 
 
@@ -382,7 +431,7 @@ def row32(typingctx, w, o, nblocks, x, xd, xs, kind):
         b = builder
         wp, xp, xdp, xsp = (_data(context, b, signature.args[i], args[i]) for i in (0, 3, 4, 5))
         out = cgutils.alloca_once_value(b, ir.Constant(ir.FloatType(), 0.0))
-        for kid in (*ROW32, *ROWK):
+        for kid in (*ROW32, *ROWK, IQ4_XS):
             with b.if_then(b.icmp_signed("==", args[6], ir.Constant(args[6].type, kid))):
                 (dot,) = _row_loop(b, wp, [(xp, xdp, xsp)], args[1], args[2], kid)
                 b.store(dot, out)
@@ -395,13 +444,21 @@ def row32(typingctx, w, o, nblocks, x, xd, xs, kind):
 INPUTS = (1, 2, 3, 4)
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def rows32(typingctx, w, o, row_bytes, nrows, nblocks, x, xd, xs, nx, kind, out, ostride, oo):
     """row32 for `nrows` consecutive weight rows (the first at byte o, row_bytes apart) and `nx` (one of INPUTS)
     quantized input rows (x int8 [>= nx, k], xd [>= nx, k/32], xs [>= nx, k/16], each C-contiguous): input j's products go to out's flat data from element oo + j * ostride. The rows' loop is in
     the IR, so that a short row (a 640-wide head's 20 blocks) does not pay a call, the type's dispatch and its
     setup each (they had cost ~40 ns a row, 40% of such a product), and each weight block is read and made into
-    codes once for all the inputs (a step of 4 rows of Qwen2.5-0.5B: its products 87.8 -> 43.8 ms on 2 cores)."""
+    codes once for all the inputs (a step of 4 rows of Qwen2.5-0.5B: its products 87.8 -> 43.8 ms on 2 cores).
+    A literal `nx` (a constant at the call site) builds that count's loops alone: each call site compiles every
+    block type's loops for each count it may take, and the first compile is paid on every new install."""
+    if isinstance(nx, types.IntegerLiteral):
+        if nx.literal_value not in INPUTS:
+            raise ValueError(f"rows32 takes {INPUTS} inputs at once, not {nx.literal_value}")
+        counts = (nx.literal_value,)
+    else:
+        counts = INPUTS
     sig = types.none(w, o, row_bytes, nrows, nblocks, x, xd, xs, nx, kind, out, ostride, oo)
 
     def codegen(context, builder, signature, args):
@@ -410,10 +467,10 @@ def rows32(typingctx, w, o, row_bytes, nrows, nblocks, x, xd, xs, nx, kind, out,
         nb_ = args[4]
         k = b.mul(nb_, ir.Constant(i64, 32))
         inputs = [(b.gep(xp, [b.mul(k, ir.Constant(i64, j))]), b.gep(xdp, [b.mul(nb_, ir.Constant(i64, j))]),
-                   b.gep(xsp, [b.mul(nb_, ir.Constant(i64, 2 * j))])) for j in range(max(INPUTS))]  # fmt: skip
-        for kid in (*ROW32, *ROWK):
+                   b.gep(xsp, [b.mul(nb_, ir.Constant(i64, 2 * j))])) for j in range(max(counts))]  # fmt: skip
+        for kid in (*ROW32, *ROWK, IQ4_XS):
             with b.if_then(b.icmp_signed("==", args[9], ir.Constant(args[9].type, kid))):
-                for n_in in INPUTS:
+                for n_in in counts:
                     with b.if_then(b.icmp_signed("==", args[8], ir.Constant(args[8].type, n_in))):
                         with cgutils.for_range(b, args[3]) as loop:
                             r = loop.index
@@ -495,10 +552,6 @@ ROW32 = {  # the 32-value block types read by row32: (block bytes, codes, signed
     IQ4_NL: (18, _at(2, lambda b, wp, p: _pshufb(b, IQ4, _nibbles16(b, wp, p))), True, "d"),
     MXFP4_ID: (17, _at(1, lambda b, wp, p: _pshufb(b, MXFP4, _nibbles16(b, wp, p))), True, "e8m0"),
 }
-
-
-# 16 bytes of nibbles through the IQ4 table (IQ4_XS's sub-blocks)
-dot_iq4 = _dot_intrinsic(lambda b, wp, p: _pshufb(b, IQ4, _nibbles16(b, wp, p)), signed=True, total=True)
 
 
 def _nibbles32(b, wp, p, shift):
@@ -908,8 +961,8 @@ def _unpacked(kind):
 
 @nb.njit(inline="always")
 def _in_ir(kind):
-    """Whether row32/rows32 read `kind` (ROW32's and ROWK's types)."""
-    return _is_row32(kind) or kind == Q4_K or kind == Q5_K or kind == Q6_K
+    """Whether row32/rows32 read `kind` (ROW32's and ROWK's types, and IQ4_XS)."""
+    return _is_row32(kind) or kind == Q4_K or kind == Q5_K or kind == Q6_K or kind == IQ4_XS
 
 
 @nb.njit(inline="always")
@@ -933,12 +986,6 @@ def row_dot(w, kind, o, k, x, xd, xs, f16):
     acc = np.float32(0.0)
     if _in_ir(kind):
         acc = row32(w, o, np.int64(k // 32), x, xd, xs, np.int64(kind))
-    elif kind == IQ4_XS:
-        for b in range(k // 256):
-            p = o + b * 136
-            for j in range(8):
-                g = 8 * b + j
-                acc += _iq4xs_scale(w, p, j, f16) * xd[g] * dot_iq4(w, p + 8 + 16 * j, x, np.int64(32 * g))
     return acc
 
 
@@ -950,7 +997,7 @@ def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
     flat); x is quantized first (one call: the per-call cost counts at decode). Most types are read in place: up
     to 8 rows (decode steps) by the IR loops, a task's weight rows at once for up to 4 inputs at once
     (rows32), more (bench/cpu_block_types.py, 2 cores, 64 rows of 896 x 4864: Q4_K 9.5 ms in place against
-    13.9 unpacked, Q6_K 12.4 against 13.4) and IQ4_XS by row_dot for each row; the IQ types, Q2_K and Q3_K are
+    13.9 unpacked, Q6_K 12.4 against 13.4) by row_dot for each row; the other IQ types, Q2_K and Q3_K are
     unpacked into codes once for all T rows."""
     t_rows = x.shape[0]
     xq = np.empty((t_rows, k), np.int8)
@@ -1037,7 +1084,7 @@ def dequantize(w, kind, n_out, k, row_bytes, out, f16):
                     out[n, 16 * g + i] = sc[g] * np.float32(q[16 * g + i]) + mn[g]
 
 
-@nb.njit(parallel=True, fastmath=True, nogil=True, cache=True)
+@nb.njit(parallel=True, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"}, nogil=True, cache=True)  # as matmul
 def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, ws, starts, x, out, f16):
     """out[t] = sum over the pairs j of token t of ws[j] * down_j(silu(gate_j x[t]) * up_j x[t]) for the (expert,
     token) pairs j (ids[j], tok[j]), grouped by expert as starts says (each weight row read once for its group),
@@ -1049,12 +1096,28 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, w
     xd = np.empty((n_tok, d // 32), np.float32)
     xs = np.empty((n_tok, d // 16), np.int32)
     quantize(x, xq, xd, xs)
+    in_ir = _in_ir(kinds[0]) and _in_ir(kinds[1]) and _in_ir(kinds[2])
     h = np.empty((nt, f), np.float32)
+    hu = np.empty((nt, f) if in_ir else (0, 0), np.float32)
     tasks = (f + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for t in nb.prange(n_grp * tasks):
         g = t // tasks
         n0 = (t - g * tasks) * ROWS_PER_TASK
         e = np.int64(ids[starts[g]])
+        if in_ir:  # the task's rows in one IR loop per token (a dot call per row and token: ~40 ns each)
+            n_rows = np.int64(min(f, n0 + ROWS_PER_TASK) - n0)
+            o = (e * f + n0) * gate_row_bytes
+            for j in range(starts[g], starts[g + 1]):
+                i = tok[j]
+                at = np.int64(j * f + n0)
+                rows32(gate, o, np.int64(gate_row_bytes), n_rows, np.int64(d // 32), xq[i:], xd[i:], xs[i:], 1,
+                       np.int64(kinds[0]), h, np.int64(f), at)  # fmt: skip
+                rows32(up, o, np.int64(gate_row_bytes), n_rows, np.int64(d // 32), xq[i:], xd[i:], xs[i:], 1,
+                       np.int64(kinds[1]), hu, np.int64(f), at)  # fmt: skip
+                for n in range(n0, n0 + n_rows):
+                    a = h[j, n]
+                    h[j, n] = a / (np.float32(1.0) + np.exp(-a)) * hu[j, n]
+            continue
         for n in range(n0, min(f, n0 + ROWS_PER_TASK)):
             r = (e * f + n) * gate_row_bytes
             for j in range(starts[g], starts[g + 1]):
@@ -1067,6 +1130,20 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, w
     hs = np.empty((nt, f // 16), np.int32)
     quantize(h, hq, hd, hs)
     for t in nb.prange((d + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        if in_ir:  # each pair's rows of the task in one IR loop; the pairs added in the same order as below
+            n0 = t * ROWS_PER_TASK
+            n_rows = min(d, n0 + ROWS_PER_TASK) - n0
+            dots = np.empty(ROWS_PER_TASK, np.float32)
+            for i in range(n_tok):
+                for n in range(n0, n0 + n_rows):
+                    out[i, n] = np.float32(0.0)
+            for j in range(nt):
+                rows32(down, (np.int64(ids[j]) * d + n0) * down_row_bytes, np.int64(down_row_bytes),
+                       np.int64(n_rows), np.int64(f // 32), hq[j:], hd[j:], hs[j:], 1, np.int64(kinds[2]), dots,
+                       np.int64(0), np.int64(0))  # fmt: skip
+                for n in range(n0, n0 + n_rows):
+                    out[tok[j], n] += ws[j] * dots[n - n0]
+            continue
         for n in range(t * ROWS_PER_TASK, min(d, t * ROWS_PER_TASK + ROWS_PER_TASK)):
             for i in range(n_tok):
                 out[i, n] = np.float32(0.0)
