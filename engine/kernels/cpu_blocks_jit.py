@@ -134,29 +134,20 @@ def _nibbles16(builder, wp, p):
     return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(i32, 32), list(range(32))))
 
 
-def _dot_intrinsic(make_codes, signed, extra=0, total=False):
-    """An intrinsic (w, p, x, xo[, extra arg]) -> the products of a 32-value run of codes (made by
-    make_codes(builder, w pointer, p, extra values)) with the int8 inputs x[xo:xo+32]: with `total` their sum as a
-    float32, else the sums of the first and the second 16 packed into an int64 (first low)."""
+def _dot_intrinsic(make_codes, signed):
+    """An intrinsic (w, p, x, xo) -> the products of a 32-value run of codes (made by make_codes(builder, w
+    pointer, p)) with the int8 inputs x[xo:xo+32]: the sums of the first and the second 16 packed into an int64
+    (first low)."""
 
-    def typer(typingctx, w, p, x, xo, *more):
-        sig = (types.float32 if total else types.int64)(w, p, x, xo, *more)
-
+    def typer(typingctx, w, p, x, xo):
         def codegen(context, builder, signature, args):
             wp = _data(context, builder, signature.args[0], args[0])
             xp = _data(context, builder, signature.args[2], args[2])
-            codes = make_codes(builder, wp, args[1], *args[4:])
-            xv = _load(builder, xp, args[3])
-            if not total:
-                return _pair_sums(builder, codes, xv, signed)
-            reduce8 = _fn(builder, "llvm.vector.reduce.add.v8i32", i32, [v8i32])
-            return builder.sitofp(builder.call(reduce8, [_lanes(builder, codes, xv, signed)]), ir.FloatType())
+            return _pair_sums(builder, make_codes(builder, wp, args[1]), _load(builder, xp, args[3]), signed)
 
-        return sig, codegen
+        return types.int64(w, p, x, xo), codegen
 
-    if extra == 0:
-        return intrinsic(lambda typingctx, w, p, x, xo: typer(typingctx, w, p, x, xo))
-    return intrinsic(lambda typingctx, w, p, x, xo, e: typer(typingctx, w, p, x, xo, e))
+    return intrinsic(typer)
 
 
 def _prefetch(b, wp, at):
@@ -980,7 +971,7 @@ def _is_row32(kind):
 
 
 @nb.njit(fastmath=True)
-def row_dot(w, kind, o, k, x, xd, xs, f16):
+def row_dot(w, kind, o, k, x, xd, xs):
     """One weight row (blocks at byte o) . one quantized input row (x int8 [k], xd its scales per 32, xs its sums
     per 16), for the types read in place; one vec-dot body per block type, as ggml has."""
     acc = np.float32(0.0)
@@ -1024,7 +1015,7 @@ def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
             o = np.int64(n) * row_bytes
             if in_place:
                 for r in range(t_rows):
-                    out[r, n] = row_dot(w, kind, o, k, xq[r], xd[r], xs[r], f16)
+                    out[r, n] = row_dot(w, kind, o, k, xq[r], xd[r], xs[r])
                 continue
             unpack_row(w, kind, o, k, q, sc, mn, f16)
             for r in range(t_rows):
@@ -1122,8 +1113,8 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, w
             r = (e * f + n) * gate_row_bytes
             for j in range(starts[g], starts[g + 1]):
                 i = tok[j]
-                a = row_dot(gate, kinds[0], r, d, xq[i], xd[i], xs[i], f16)
-                b = row_dot(up, kinds[1], r, d, xq[i], xd[i], xs[i], f16)
+                a = row_dot(gate, kinds[0], r, d, xq[i], xd[i], xs[i])
+                b = row_dot(up, kinds[1], r, d, xq[i], xd[i], xs[i])
                 h[j, n] = a / (np.float32(1.0) + np.exp(-a)) * b
     hq = np.empty((nt, f), np.int8)
     hd = np.empty((nt, f // 32), np.float32)
@@ -1149,7 +1140,7 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, w
                 out[i, n] = np.float32(0.0)
             for j in range(nt):
                 r = (np.int64(ids[j]) * d + n) * down_row_bytes
-                out[tok[j], n] += ws[j] * row_dot(down, kinds[2], r, f, hq[j], hd[j], hs[j], f16)
+                out[tok[j], n] += ws[j] * row_dot(down, kinds[2], r, f, hq[j], hd[j], hs[j])
 
 
 @nb.njit(fastmath=True, nogil=True, cache=True)
