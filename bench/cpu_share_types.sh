@@ -8,13 +8,18 @@
 # For each file: llama-bench -ncmoe 36 decode with nvidia-smi sampling its VRAM, then ours within that VRAM
 # (engine_bench --vram-process-mib) with the CPU's share on its default (every layer whose blocks the CPU reads in
 # place: Q4_K/Q6_K by cpu_q4k, the other types by cpu_blocks) and off (--cpu-experts 0), into cpu-share-types.json.
-# TYPES (default "q4k q8_0 iq4_xs") chooses the files; KEEP=1 keeps the rewritten files.
+# TYPES (default "q4k q8_0 iq4_xs") chooses the files; KEEP=1 keeps the rewritten files; CPU_OFF= skips the runs
+# with the share off. One type fits a call: `TYPES=iq4_xs` took 391 s with both runs (2026-12-04).
 set -u
 KIT=${KIT:?set KIT to the benchmark kit folder}
 OUT=${OUT:-bench/results}
 W=/tmp/anchor
 mkdir -p "$OUT"
 [ "${KIT_STARTED:-0}" = 1 ] || SERVER=0 bash "$KIT/device_llamacpp.sh" start
+# the first retyped file is written while llama.cpp builds (the build takes ~4 minutes, the model ~1, a retype ~1)
+for _ in $(seq 1 120); do [ -f $W/gen.rc ] && break; sleep 2; done
+first=$(for t in ${TYPES:-q4k q8_0 iq4_xs}; do [ $t = q4k ] || { echo $t; break; }; done)
+[ -z "$first" ] || [ -f $W/a3b-$first.gguf ] || python3 bench/retype_experts.py $W/a3b-q4k.gguf $W/a3b-$first.gguf --type "$first"
 bash "$KIT/device_llamacpp.sh" wait
 B=$W/llama.cpp/build/bin/llama-bench
 for t in ${TYPES:-q4k q8_0 iq4_xs}; do
@@ -26,7 +31,7 @@ for t in ${TYPES:-q4k q8_0 iq4_xs}; do
     kill $SMI
     USED=$(sort -n "$OUT/smi-$t.txt" | tail -1)
     echo "$t: llama.cpp -ncmoe 36 VRAM peak $USED MiB"
-    for cpu in default 0; do
+    for cpu in default ${CPU_OFF-0}; do  # CPU_OFF= (empty) skips the run with the share off
         extra=(); [ $cpu = 0 ] && extra=(--cpu-experts 0)
         timeout 300 python3 bench/engine_bench.py --model "$M" --prompts 512 --decode 128 --reps 2 \
             --vram-process-mib "$USED" "${extra[@]}" --out "$OUT/ours-ncmoe36-vram-$t-cpu-$cpu.json" \
