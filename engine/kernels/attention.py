@@ -310,7 +310,7 @@ def _i8_value_tile(c_ptr, s, sm, HKV, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.cons
 
 @triton.jit
 def _cache_tile(c_ptr, s_ptr, s, sm, HKV, D, d, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
-                MASKED: tl.constexpr, ASM: tl.constexpr = True):  # fmt: skip
+                MASKED: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     """The keys or values [BLOCK_S, BLOCK_D] of positions s of one key head (q4_0's as floats, made by their bit
     patterns; int8 codes as float16; float as stored), masked to positions where sm when MASKED."""
     if QUANT == 2:
@@ -377,7 +377,7 @@ def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc,
     if QUANT == 1 and V_WORDS:
         vb = _i8_value_tile(vc_ptr, s, sm, HKV, Dv, BLOCK_S, BLOCK_DV, MASKED, ASM)  # [BS, DV] float16
     else:
-        vb = _cache_tile(vc_ptr, vs_ptr, s, sm, HKV, Dv, dv, BLOCK_S, BLOCK_DV, QUANT, MASKED)  # [BS, DV]
+        vb = _cache_tile(vc_ptr, vs_ptr, s, sm, HKV, Dv, dv, BLOCK_S, BLOCK_DV, QUANT, MASKED, ASM)
     if QUANT == 1:
         pr = pr * vsc[None, :]
     if IEEE:

@@ -227,14 +227,14 @@ def _write_through_rope_store(kv: str, d: int) -> tuple:
     return t, h, pos, qo, lk, ref.layers[0], keys, values
 
 
-def test_int8_cache_write_and_decode() -> None:
+@pytest.mark.parametrize("d", [64, 48])  # 48: value heads not a power of two skip the 32-bit word tiles
+def test_int8_cache_write_and_decode(d: int) -> None:
     """The decode path on an int8 KV cache: rope_store writes the codes and float16 scales KVCache.write makes of the
     same keys and values, and decode_attention over the codes (one launch, and split and merged) equals torch's
     attention over the dequantized cache."""
     from engine.kernels.attention import decode_attention
     from engine.layers.attention import attention, causal_mask
 
-    d = 64
     t, _, pos, qo, lk, rk, keys, values = _write_through_rope_store("int8", d)
     assert torch.equal(lk.k_scale, rk.k_scale) and torch.equal(lk.v_scale, rk.v_scale)
     assert (lk.k.int() - rk.k.int()).abs().max().item() <= 1 and torch.equal(lk.v, rk.v)  # keys: RoPE's ulps
