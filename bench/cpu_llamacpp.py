@@ -1,8 +1,8 @@
 """Our engine and llama.cpp on the CPU, on the same GGUF files, in one run: prompt tokens/s (64 and 512 tokens),
 decode tokens/s, our peak RSS, unloaded and with another process busy on one core.
 
-    python bench/cpu_llamacpp.py [--model F ...] [--threads N] [--busy [--schedules]] [--out F.json]
-                                 [--llamacpp-src ../shared/bench/llamacpp-src.tgz] [--build DIR]
+    python bench/cpu_llamacpp.py [--model F ...] [--threads N] [--busy [--schedules]] [--float32-gemm]
+                                 [--out F.json] [--llamacpp-src ../shared/bench/llamacpp-src.tgz] [--build DIR]
 
 llama-bench is built for this CPU from the source archive the first time (cmake, ~10 minutes on 2 cores) into
 --build (default ~/.cache/polystrata/llamacpp-cpu) and reused afterwards. Without --model the two embedded models
@@ -12,7 +12,8 @@ decode from a one-token prompt, greedy; ours runs `strata-engine`'s model code i
 the thread count in its environment and its default 8-bit activations. --schedules adds, on the busy machine, our
 engine on every core under other thread schedules: OpenMP's passive wait (OMP_WAIT_POLICY=PASSIVE), Numba's
 dynamic chunks (numba.set_parallel_chunksize) and shorter spins before a waiting thread sleeps (GOMP_SPINCOUNT), each
-also unloaded.
+also unloaded. --float32-gemm adds our engine with prompt chunks through float32 tiles where the cores would
+take bfloat16 ones (engine.kernels.cpu_blocks.bf16_gemm), measured right after the default.
 """
 
 import argparse
@@ -107,6 +108,10 @@ def child(model: Path, threads: int) -> None:
     from engine.pipeline.loader import load_model
 
     torch.set_num_threads(threads)
+    if os.environ.get("BENCH_FLOAT32_GEMM") == "1":  # --float32-gemm
+        from engine.kernels import cpu_blocks
+
+        cpu_blocks.bf16_gemm = lambda: False
     if os.environ.get("BENCH_NUMBA_CHUNK"):  # --schedules: dynamic chunks of Numba's parallel loops
         import numba
 
@@ -117,7 +122,8 @@ def child(model: Path, threads: int) -> None:
     for n in (64, 512):
         ids = torch.arange(100, 100 + n) % 1000 + 10
         best = 0.0
-        for _ in range(2):
+        # a 64-token prompt takes ~0.1 s: the best of three, as this host's neighbours come and go
+        for _ in range(3):
             cache = m.new_cache(n + 8, "f32")
             t = time.perf_counter()
             m.forward(ids, cache, 0, last_only=True)  # the head for the last token only, as generate does
@@ -148,6 +154,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--busy", action="store_true", help="also measure with another process busy on one core")
     ap.add_argument("--schedules", action="store_true", help="with --busy: other thread schedules too")
+    ap.add_argument("--float32-gemm", action="store_true", help="ours with float32 prompt tiles too")
     ap.add_argument(
         "--llamacpp-src", type=Path, default=REPO.parent / "shared" / "bench" / "llamacpp-src.tgz"
     )
@@ -168,6 +175,11 @@ def main() -> None:
         row["llamacpp"] = run_llamacpp(exe, model, a.threads)
         row["ours"] = run_ours(model, a.threads)
         row["ours_over_llamacpp"] = {k: round(row["ours"][k] / v, 3) for k, v in row["llamacpp"].items() if v}
+        if a.float32_gemm:
+            from engine.kernels import cpu_blocks
+
+            row["bf16_gemm_by_default"] = cpu_blocks.bf16_gemm()
+            row["ours_float32_gemm"] = run_ours(model, a.threads, {"BENCH_FLOAT32_GEMM": "1"})
         if a.busy and a.schedules:
             row["unloaded_schedules"] = {k: run_ours(model, a.threads, e) for k, e in SCHEDULES.items()}
         if a.busy:

@@ -109,13 +109,26 @@ class Weight:
         return out if flat2 else out.reshape(*x.shape[:-1], self.n_out)
 
 
-def dequantize(raw: torch.Tensor, qtype: QT, n_out: int, k: int) -> torch.Tensor:
-    """W's rows as float32 [n_out, k]."""
+def dequantize(raw: torch.Tensor, qtype: QT, n_out: int, k: int, bf16: bool = False) -> torch.Tensor:
+    """W's rows as float32 [n_out, k], or bfloat16 (rounded to nearest even) with `bf16`."""
     j = _jit()
-    out = np.empty((n_out, k), np.float32)
+    out = np.empty((0 if bf16 else n_out, k), np.float32)
+    bits = np.empty((n_out if bf16 else 0, k), np.uint16)
     with LOCK:
-        j.dequantize(_flat(raw), int(qtype), n_out, k, _row_bytes(qtype, k), out, j.F16)
-    return torch.from_numpy(out)
+        j.dequantize(_flat(raw), int(qtype), n_out, k, _row_bytes(qtype, k), out, bits, j.F16)
+    got = torch.from_numpy(bits if bf16 else out)
+    return got.view(torch.bfloat16) if bf16 else got
+
+
+@functools.cache
+def bf16_gemm() -> bool:
+    """Whether prompt chunks' products over 8-bit activations multiply bfloat16 tiles of the weights (dequantize's
+    `bf16`) rather than float32 ones: where the cores have bfloat16 dot products (AVX512-BF16, AMX), whose GEMM runs
+    at ~2.5x float32's pace; elsewhere torch emulates bfloat16 products, slower than float32's."""
+    cpu = torch.cpu
+    return any(
+        getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    )
 
 
 def warm_up() -> None:
@@ -124,7 +137,7 @@ def warm_up() -> None:
     t0 = time.perf_counter()
     raw = torch.zeros(1, GGML_QUANT_SIZES[QT.Q8_0][1], dtype=torch.uint8)
     matmul(raw, QT.Q8_0, 1, 32, torch.zeros(1, 32))
-    dequantize(raw, QT.Q8_0, 1, 32)
+    dequantize(raw, QT.Q8_0, 1, 32, bf16_gemm())
     one = np.zeros((1, 1, 32), np.float32)  # a decode step's attention (engine/kernels/cpu_attention.py)
     attend_rows(one, one, one, np.zeros(1, np.int64), 0, 1.0, 0.0, np.empty_like(one))
     secs = time.perf_counter() - t0

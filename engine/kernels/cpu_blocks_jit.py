@@ -1053,26 +1053,45 @@ def deq_k_row(w, kind, o, k, out, oo, f16):
                 deq_q5k(w, p, np.int64(j), sc, -m, sc, -m, out, at)
 
 
+@nb.njit(fastmath=True)
+def _deq_row(w, kind, o, k, out, r, q, sc, mn, f16):
+    """Row r of out [*, k] (float32): the values of the weight row whose blocks start at byte o."""
+    if _is_row32(kind):
+        deq32(w, o, np.int64(k // 32), out, np.int64(r) * k, np.int64(kind))
+    elif kind == Q4_K or kind == Q5_K or kind == Q6_K:
+        deq_k_row(w, kind, o, k, out, np.int64(r) * k, f16)
+    else:
+        unpack_row(w, kind, o, k, q, sc, mn, f16)
+        for g in range(k // 16):
+            for i in range(16):
+                out[r, 16 * g + i] = sc[g] * np.float32(q[16 * g + i]) + mn[g]
+
+
 @nb.njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def dequantize(w, kind, n_out, k, row_bytes, out, f16):
-    """out[n_out, k] float32: the rows' values (the same unpacking; for prompt chunks through a float GEMM)."""
+def dequantize(w, kind, n_out, k, row_bytes, out, bits, f16):
+    """out[n_out, k] float32: the rows' values (the same unpacking; for prompt chunks through a float GEMM). Or, with
+    bits [n_out, k] (uint16; out then [0, k]), their bfloat16 bits, rounded to nearest even: each row is made
+    float32 in a row of scratch that stays in cache, so no float32 tile is written to memory and read back."""
     groups = k // 16
     tasks = (n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    half = bits.shape[0] > 0
     for t in nb.prange(tasks):
         q = np.empty(k, np.int8)
         sc = np.empty(groups, np.float32)
         mn = np.empty(groups, np.float32)
+        row = np.empty((1, k), np.float32)
+        b32 = row.reshape(k).view(np.uint32)
         for n in range(t * ROWS_PER_TASK, min(n_out, t * ROWS_PER_TASK + ROWS_PER_TASK)):
-            if _is_row32(kind):
-                deq32(w, np.int64(n) * row_bytes, np.int64(k // 32), out, np.int64(n) * k, np.int64(kind))
+            o = np.int64(n) * row_bytes
+            if not half:
+                _deq_row(w, kind, o, k, out, n, q, sc, mn, f16)
                 continue
-            if kind == Q4_K or kind == Q5_K or kind == Q6_K:
-                deq_k_row(w, kind, np.int64(n) * row_bytes, k, out, np.int64(n) * k, f16)
-                continue
-            unpack_row(w, kind, np.int64(n) * row_bytes, k, q, sc, mn, f16)
-            for g in range(groups):
-                for i in range(16):
-                    out[n, 16 * g + i] = sc[g] * np.float32(q[16 * g + i]) + mn[g]
+            _deq_row(w, kind, o, k, row, 0, q, sc, mn, f16)
+            for i in range(k):
+                b = b32[i]
+                bits[n, i] = np.uint16(
+                    (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                )
 
 
 @nb.njit(parallel=True, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"}, nogil=True, cache=True)  # as matmul

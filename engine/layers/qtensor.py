@@ -191,11 +191,15 @@ class QTensor:
             y = self.cpu.matmul(x)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
         step = max(1, _TILE_ELEMS // n_in)
+        # bfloat16 tiles where the cores multiply them natively: Gemma 3 270M's 64-token prompt on 2 cores ~1.5x
+        bf16 = cpu_blocks.bf16_gemm()
+        xg = x.to(torch.bfloat16) if bf16 else x
         parts = [
-            x
-            @ cpu_blocks.dequantize(self.raw[r : r + step], self.qtype, min(step, n_out - r), n_in)
-            .to(x.dtype)
+            xg
+            @ cpu_blocks.dequantize(self.raw[r : r + step], self.qtype, min(step, n_out - r), n_in, bf16)
+            .to(xg.dtype)
             .T
             for r in range(0, n_out, step)
         ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return y.to(x.dtype)

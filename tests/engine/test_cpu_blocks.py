@@ -36,6 +36,9 @@ def test_each_block_type_unpacks_as_gguf_and_multiplies_within_int8_rounding(qty
     ref = quants.dequantize(raw, qtype).reshape(n_out, k).astype(np.float64)
     got = cpu_blocks.dequantize(torch.from_numpy(raw), qtype, n_out, k).numpy()
     assert np.array_equal(got, ref.astype(np.float32))  # the same values, bit for bit
+    # the bfloat16 tiles of prompt chunks: those values rounded to nearest even, as torch rounds them
+    b16 = cpu_blocks.dequantize(torch.from_numpy(raw), qtype, n_out, k, bf16=True)
+    assert b16.dtype == torch.bfloat16 and torch.equal(b16, torch.from_numpy(got).to(torch.bfloat16))
     rng = np.random.default_rng(int(qtype))
     for rows in (1, 3, 8):  # 8: two passes of four inputs at once (rows32)
         x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -58,20 +61,22 @@ def test_a_zero_input_gives_zeros_and_types_outside_the_kernels_are_not_claimed(
     assert not cpu_blocks.supports(QT.Q4_K, 320)  # not a whole number of blocks
 
 
-@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize(("rows", "bf16"), [(1, False), (5, False), (40, False), (40, True)])
 def test_cpu_linear_reads_blocks_with_int8_activations_and_keeps_no_float_copy(
-    rows: int, monkeypatch: pytest.MonkeyPatch
+    rows: int, bf16: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     raw = torch.from_numpy(random_blocks(QT.Q6_K, 300, 512, seed=2))
     w = QTensor(raw, QT.Q6_K, (300, 512))
     x = torch.randn(rows, 512)
     want = x.double() @ torch.from_numpy(quants.dequantize(raw.numpy(), QT.Q6_K)).reshape(300, 512).double().T
     monkeypatch.setenv("STRATA_ACTIVATIONS", "int8")
+    monkeypatch.setattr(cpu_blocks, "bf16_gemm", lambda: bf16)
     y = w.linear(x)
-    assert w.dense is None and w.in_blocks_on_cpu() and y.shape == (rows, 300)
+    assert w.dense is None and w.in_blocks_on_cpu() and y.shape == (rows, 300) and y.dtype == torch.float32
     cos = torch.nn.functional.cosine_similarity(y.double().flatten(), want.flatten(), dim=0)
-    # up to 8 rows: 8-bit activations; a prompt chunk of more: float tiles of the weight, a float GEMM
-    assert cos >= (0.999 if rows <= 8 else 0.999999)
+    # up to 8 rows: 8-bit activations; a prompt chunk of more: tiles of the weight through a GEMM, float32 or
+    # (where the cores multiply bfloat16 natively) bfloat16 tiles and inputs
+    assert cos >= (0.999 if rows <= 8 else 0.9999 if bf16 else 0.999999)
     monkeypatch.setenv("STRATA_ACTIVATIONS", "float")
     assert not w.in_blocks_on_cpu()
 
