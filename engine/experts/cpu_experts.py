@@ -184,13 +184,17 @@ class CpuExperts:
         return gate.qtype == up.qtype == QT.Q4_K and down.qtype in (QT.Q4_K, QT.Q6_K)
 
     @classmethod
-    def in_place(cls, gate: QTensor, up: QTensor, down: QTensor, act: str) -> bool:
+    def in_place(cls, gate: QTensor, up: QTensor, down: QTensor, act: str, unpacked: bool = False) -> bool:
         """Whether these experts are computed from their blocks in place (no copy): Q4_K with Q4_K/Q6_K down by
-        engine/experts/cpu_q4k.py, the other block types the CPU reads in place by engine/kernels/cpu_blocks.py."""
+        engine/experts/cpu_q4k.py, the other block types the CPU reads in place by engine/kernels/cpu_blocks.py,
+        and with `unpacked` Q2_K, Q3_K and the IQ1-IQ3 grids too, each weight row unpacked into codes by the same
+        kernel call. Those take ~10x an in-place type's time for one token's experts (`bench/cpu_mix_experts.py`:
+        Q2_K 10.1 ms, IQ3_S 11.0, against Q8_0 1.2 on 2 cores), so a card's CPU share takes them only when
+        `--cpu-experts F` asks for it; a CPU model's experts take them always (its other path unpacks as much)."""
         _, f, d = gate.shape
+        kinds = cpu_blocks.KINDS if unpacked else cpu_blocks.IN_PLACE
         generic = all(
-            q.qtype in cpu_blocks.IN_PLACE and cpu_blocks.supports(q.qtype, k)
-            for q, k in ((gate, d), (up, d), (down, f))
+            q.qtype in kinds and cpu_blocks.supports(q.qtype, k) for q, k in ((gate, d), (up, d), (down, f))
         )
         return (
             act == "silu"
@@ -202,11 +206,11 @@ class CpuExperts:
 
     @classmethod
     def in_place_kernels(
-        cls, gate: QTensor, up: QTensor, down: QTensor, act: str
+        cls, gate: QTensor, up: QTensor, down: QTensor, act: str, unpacked: bool = True
     ) -> cpu_q4k.Q4KExperts | cpu_blocks.BlockExperts | None:
         """The kernels that compute these experts from their blocks where they lie, or None where `in_place`
         says they cannot."""
-        if not cls.in_place(gate, up, down, act):
+        if not cls.in_place(gate, up, down, act, unpacked):
             return None
         n, f, d = gate.shape
         g, u, dn = (q.raw.reshape(n, q.shape[1], -1).numpy() for q in (gate, up, down))  # views: contiguous

@@ -169,15 +169,16 @@ def _row_bytes(qtype: QT, k: int) -> int:
 
 class BlockExperts:
     """A layer's routed experts computed from their blocks where they lie (gate, up [E, F, D] and down [E, D, F],
-    uint8 row bytes of any IN_PLACE types, e.g. the host store's pinned copy): SiLU-gated, as
-    engine.experts.cpu_q4k.Q4KExperts computes Q4_K/Q6_K ones, with the same `mix`."""
+    uint8 row bytes of any KINDS, e.g. the host store's pinned copy; the UNPACKED ones a row at a time into codes,
+    as matmul takes them): SiLU-gated, as engine.experts.cpu_q4k.Q4KExperts computes Q4_K/Q6_K ones, with the
+    same `mix`."""
 
     def __init__(self, gate: np.ndarray, up: np.ndarray, down: np.ndarray, qtypes: tuple[QT, QT, QT], d: int,
                  f: int) -> None:  # fmt: skip
         for name, qt, k in (("gate", qtypes[0], d), ("up", qtypes[1], d), ("down", qtypes[2], f)):
-            if qt not in IN_PLACE or k % GGML_QUANT_SIZES[qt][0]:
+            if qt not in KINDS or k % GGML_QUANT_SIZES[qt][0]:
                 raise ValueError(
-                    f"{name} ({qt.name}, rows of {k}) cannot be read in place by the CPU kernels"
+                    f"{name} ({qt.name}, rows of {k}) cannot be read from its blocks by the CPU kernels"
                 )
         want = {"gate": (f, _row_bytes(qtypes[0], d)), "up": (f, _row_bytes(qtypes[1], d)),
                 "down": (d, _row_bytes(qtypes[2], f))}  # fmt: skip

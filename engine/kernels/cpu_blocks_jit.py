@@ -980,6 +980,20 @@ def row_dot(w, kind, o, k, x, xd, xs):
     return acc
 
 
+@nb.njit(fastmath={"nnan", "ninf", "nsz", "arcp", "afn"})
+def codes_dot(q, sc, mn, k, x, xd, xs):
+    """A row unpacked into codes (q int8 [k], a scale and a minimum per 16: unpack_row) . one quantized input row,
+    for the types not read in place (Q2_K, Q3_K, the IQ1-IQ3 grids)."""
+    acc = np.float32(0.0)
+    off = np.float32(0.0)
+    for b in range(k // 32):
+        v = dot_codes(q, np.int64(32 * b), x, np.int64(32 * b))
+        acc += xd[b] * (sc[2 * b] * np.float32(_lo(v)) + sc[2 * b + 1] * np.float32(_hi(v)))
+    for g in range(k // 16):
+        off += mn[g] * xd[g >> 1] * np.float32(xs[g])
+    return acc + off
+
+
 # No reassociation or contraction: with them LLVM shares a product between the inputs of rows32 and a row's sums
 # then differ by an ulp alone and in a step of several.
 @nb.njit(parallel=True, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"}, nogil=True, cache=True)
@@ -1019,14 +1033,7 @@ def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
                 continue
             unpack_row(w, kind, o, k, q, sc, mn, f16)
             for r in range(t_rows):
-                acc = np.float32(0.0)
-                off = np.float32(0.0)
-                for b in range(k // 32):
-                    v = dot_codes(q, np.int64(32 * b), xq[r], np.int64(32 * b))
-                    acc += xd[r, b] * (sc[2 * b] * np.float32(_lo(v)) + sc[2 * b + 1] * np.float32(_hi(v)))
-                for g in range(groups):
-                    off += mn[g] * xd[r, g >> 1] * np.float32(xs[r, g])
-                out[r, n] = acc + off
+                out[r, n] = codes_dot(q, sc, mn, k, xq[r], xd[r], xs[r])
 
 
 @nb.njit(fastmath=True)
@@ -1128,12 +1135,27 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, w
                     a = h[j, n]
                     h[j, n] = a / (np.float32(1.0) + np.exp(-a)) * hu[j, n]
             continue
+        # types not read in place: each row unpacked into codes once for the group's tokens (as matmul does)
+        ug, uu = _unpacked(kinds[0]), _unpacked(kinds[1])
+        qg, qu = np.empty(d if ug else 0, np.int8), np.empty(d if uu else 0, np.int8)
+        sg, su = np.empty(d // 16, np.float32), np.empty(d // 16, np.float32)
+        mg, mu = np.empty(d // 16, np.float32), np.empty(d // 16, np.float32)
         for n in range(n0, min(f, n0 + ROWS_PER_TASK)):
             r = (e * f + n) * gate_row_bytes
+            if ug:
+                unpack_row(gate, kinds[0], r, d, qg, sg, mg, f16)
+            if uu:
+                unpack_row(up, kinds[1], r, d, qu, su, mu, f16)
             for j in range(starts[g], starts[g + 1]):
                 i = tok[j]
-                a = row_dot(gate, kinds[0], r, d, xq[i], xd[i], xs[i])
-                b = row_dot(up, kinds[1], r, d, xq[i], xd[i], xs[i])
+                if ug:
+                    a = codes_dot(qg, sg, mg, d, xq[i], xd[i], xs[i])
+                else:
+                    a = row_dot(gate, kinds[0], r, d, xq[i], xd[i], xs[i])
+                if uu:
+                    b = codes_dot(qu, su, mu, d, xq[i], xd[i], xs[i])
+                else:
+                    b = row_dot(up, kinds[1], r, d, xq[i], xd[i], xs[i])
                 h[j, n] = a / (np.float32(1.0) + np.exp(-a)) * b
     hq = np.empty((nt, f), np.int8)
     hd = np.empty((nt, f // 32), np.float32)
@@ -1154,12 +1176,22 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, w
                 for n in range(n0, n0 + n_rows):
                     out[tok[j], n] += ws[j] * dots[n - n0]
             continue
+        ud = _unpacked(kinds[2])
+        qd = np.empty(f if ud else 0, np.int8)
+        sd, md = np.empty(f // 16, np.float32), np.empty(f // 16, np.float32)
         for n in range(t * ROWS_PER_TASK, min(d, t * ROWS_PER_TASK + ROWS_PER_TASK)):
             for i in range(n_tok):
                 out[i, n] = np.float32(0.0)
             for j in range(nt):
                 r = (np.int64(ids[j]) * d + n) * down_row_bytes
-                out[tok[j], n] += ws[j] * row_dot(down, kinds[2], r, f, hq[j], hd[j], hs[j])
+                # the pairs come grouped by expert: a row is unpacked again only when the expert changes
+                if ud:
+                    if j == 0 or ids[j] != ids[j - 1]:
+                        unpack_row(down, kinds[2], r, f, qd, sd, md, f16)
+                    v = codes_dot(qd, sd, md, f, hq[j], hd[j], hs[j])
+                else:
+                    v = row_dot(down, kinds[2], r, f, hq[j], hd[j], hs[j])
+                out[tok[j], n] += ws[j] * v
 
 
 @nb.njit(fastmath=True, nogil=True, cache=True)

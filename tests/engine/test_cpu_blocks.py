@@ -101,7 +101,12 @@ def test_a_tiny_model_on_the_cpu_keeps_its_greedy_tokens_with_int8_activations(
     assert weights and all(q.dense is None for q in weights)  # nothing kept as floats
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.IQ4_XS, QT.Q5_K, QT.MXFP4], ids=lambda q: q.name)
+# Q2_K onwards: the types unpacked a row at a time into codes (cpu_blocks.UNPACKED)
+@pytest.mark.parametrize(
+    "qtype",
+    [QT.Q8_0, QT.IQ4_XS, QT.Q5_K, QT.MXFP4, QT.Q2_K, QT.Q3_K, QT.IQ2_XXS, QT.IQ3_S, QT.IQ1_M],
+    ids=lambda q: q.name,
+)
 def test_routed_experts_of_other_block_types_are_computed_in_place(qtype: QT) -> None:
     """The CPU's experts (a CPU model's, or a card's misses) of types beyond Q4_K/Q6_K: SiLU-gated mix from the
     blocks where they lie, against float64 products of gguf's dequantized weights."""
