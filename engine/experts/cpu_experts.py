@@ -188,9 +188,10 @@ class CpuExperts:
         """Whether these experts are computed from their blocks in place (no copy): Q4_K with Q4_K/Q6_K down by
         engine/experts/cpu_q4k.py, the other block types the CPU reads in place by engine/kernels/cpu_blocks.py,
         and with `unpacked` Q2_K, Q3_K and the IQ1-IQ3 grids too, each weight row unpacked into codes by the same
-        kernel call. Those take ~10x an in-place type's time for one token's experts (`bench/cpu_mix_experts.py`:
-        Q2_K 10.1 ms, IQ3_S 11.0, against Q8_0 1.2 on 2 cores), so a card's CPU share takes them only when
-        `--cpu-experts F` asks for it; a CPU model's experts take them always (its other path unpacks as much)."""
+        kernel call. Those take ~10x an in-place type's time for one token's experts
+        (`bench/results/cpu-mix-unpacked.json`: Q2_K 12.6 ms, IQ3_S 9.7, against Q8_0 1.2 on 2 cores), so a card's
+        CPU share takes them only when `--cpu-experts F` asks for it; a CPU model's experts take them always (its
+        other path unpacks as much)."""
         _, f, d = gate.shape
         kinds = cpu_blocks.KINDS if unpacked else cpu_blocks.IN_PLACE
         generic = all(
