@@ -213,8 +213,13 @@ def main() -> None:
         }
         for d in depths:
             key = f"decode_depth_{d}_tok_s"
-            if lc.get(key):
-                res["ratios"][key] = round(ours[f"decode_depth_{d}"]["decode_tok_s"] / lc[key], 3)
+            theirs = lc.get(key)
+            for kv in a.kv_types.split(","):  # each KV type of ours against llama.cpp's cache
+                mine = ours.get(f"decode_depth_{d}" + ("" if kv == "bf16" else f"_{kv}"))
+                if theirs and mine:
+                    res["ratios"][key.replace("_tok_s", "" if kv == "bf16" else f"_{kv}") + "_tok_s"] = round(
+                        mine["decode_tok_s"] / theirs, 3
+                    )
     emit(res, a.out)
 
 

@@ -8,7 +8,7 @@ from types import ModuleType
 from installer import engine_options
 
 _KERNEL_MODULES = frozenset(
-    ("attention", "cpu_handoff", "delta_net", "dequant", "fused", "gemv", "expert_lru", "moe_blocks", "moe_gemm", "prefill_attention", "route_trace", "rows_gemm", "stage_copy",
+    ("attention", "cpu_handoff", "delta_net", "dequant", "fused", "gemv", "expert_lru", "launch", "moe_blocks", "moe_gemm", "prefill_attention", "route_trace", "rows_gemm", "stage_copy",
      "token_mask", "tuning", "vec_dot")
 )  # fmt: skip
 

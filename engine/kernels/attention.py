@@ -19,6 +19,7 @@ import triton.language as tl
 
 from engine.kernels.fused import rope_pairs, store_q8_rows
 from engine.kernels.gemv import _INTERPRETED  # no inline PTX in Triton's interpreter
+from engine.kernels.launch import pdl_args, pdl_enter
 
 NO_QUANT, INT8, Q4_0 = 0, 1, 2
 
@@ -122,7 +123,9 @@ def _rope_store_kernel(
     NEOX: tl.constexpr,
     BASE: tl.constexpr = False,
     QUANT: tl.constexpr = 0,
+    PDL: tl.constexpr = False,  # launched early (engine/kernels/launch.py)
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     hh = tl.program_id(1)  # 0..H-1 query heads, then H..H+HKV-1 key heads (each with its value head)
     offs = tl.arange(0, BLOCK)
@@ -241,6 +244,7 @@ def rope_store(
         NEOX=neox,
         BASE=base is not None,
         QUANT=quant,
+        **pdl_args(q.device),
     )
     return qo
 
@@ -421,9 +425,11 @@ def _decode_attn_kernel(
     SOFTCAP: tl.constexpr = False,
     ASM: tl.constexpr = True,
     V_WORDS: tl.constexpr = False,  # int8 value heads read as 32-bit words (a power of two >= 4, aligned rows)
+    PDL: tl.constexpr = False,  # launched early (engine/kernels/launch.py)
 ):
     pid = tl.program_id(0)  # t * HKV + hk
     sp = tl.program_id(1)
+    pdl_enter(PDL)
     t = pid // HKV
     hk = pid % HKV
     p = tl.load(pos_ptr + t).to(tl.int32)
@@ -501,7 +507,9 @@ def _merge_kernel(
     SPLITS: tl.constexpr,
     BLOCK_DV: tl.constexpr,  # the values of a head one program merges (a head's slice: program_id(1))
     Q8: tl.constexpr = False,
+    PDL: tl.constexpr = False,  # launched early (engine/kernels/launch.py)
 ):
+    pdl_enter(PDL)
     r = tl.program_id(0)
     d0 = tl.program_id(1) * BLOCK_DV
     s = tl.arange(0, SPLITS)
@@ -619,7 +627,7 @@ def decode_attention(
     if splits == 1:
         _decode_attn_kernel[(t * hkv, 1)](
             q, k_cache, v_cache, ks, vs, pos, bp, out, out, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
-            SPLITS=1, Q8=q8, **common,
+            SPLITS=1, Q8=q8, **common, **pdl_args(q.device),
         )  # fmt: skip
         return out.view(t, h * dvv)
     part = torch.empty(t * h, splits, dvv, dtype=torch.float32, device=q.device)
@@ -633,9 +641,11 @@ def decode_attention(
         launch["num_stages"] = tune.stages
     _decode_attn_kernel[(t * hkv, splits)](
         q, k_cache, v_cache, ks, vs, pos, bp, part, ml, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
-        SPLITS=splits, **common, **launch,
+        SPLITS=splits, **common, **launch, **pdl_args(q.device),
     )  # fmt: skip
     mb = common["BLOCK_DV"] if tune.merge_block is None else min(tune.merge_block, common["BLOCK_DV"])
     mb = max(mb, 32) if q8 else mb  # the 8-bit form's scale covers 32 values
-    _merge_kernel[(t * h, triton.cdiv(dvv, mb))](part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=mb, Q8=q8)
+    _merge_kernel[(t * h, triton.cdiv(dvv, mb))](
+        part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=mb, Q8=q8, **pdl_args(q.device)
+    )
     return out.view(t, h * dvv)

@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import pdl_args, pdl_enter
 from engine.kernels.tuning import tuned
 
 
@@ -48,7 +49,9 @@ def store_q8_rows(y, q_rows, meta_rows, rmask, D, R: tl.constexpr, BLOCK: tl.con
 def _rms_norm_kernel(
     x_ptr, w_ptr, y_ptr, y2_ptr, q_ptr, D, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr, TWO: tl.constexpr,
     Q8: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched early (engine/kernels/launch.py)
 ):  # fmt: skip
+    pdl_enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < D
@@ -64,7 +67,8 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _q8_kernel(x_ptr, q_ptr, D, BLOCK: tl.constexpr):
+def _q8_kernel(x_ptr, q_ptr, D, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * D + offs, mask=offs < D, other=0.0).to(tl.float32)
@@ -80,7 +84,7 @@ def quantize_rows_q8(x: torch.Tensor) -> torch.Tensor:
 def quantize_rows_q8_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """quantize_rows_q8 into `out` (float32 [T, D])."""
     t, d = x.shape
-    _q8_kernel[(t,)](x.contiguous(), out, d, BLOCK=triton.next_power_of_2(d))
+    _q8_kernel[(t,)](x.contiguous(), out, d, BLOCK=triton.next_power_of_2(d), **pdl_args(x.device))
     return out
 
 
@@ -111,6 +115,7 @@ def _rms_norm(
         BLOCK=triton.next_power_of_2(d),
         TWO=f32_copy,
         Q8=q8,
+        **pdl_args(x.device),
     )
     return y, y2, yq
 
@@ -265,7 +270,9 @@ def _route_kernel(
     BLOCK_E: tl.constexpr,
     NORM: tl.constexpr,
     COUNT: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched early (engine/kernels/launch.py)
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     m = offs < E
@@ -294,6 +301,7 @@ def route(
         NORM=norm,
         COUNT=counts is not None,
         num_warps=1,  # the top-k is k rounds of max + argmax: one warp's shuffles, no block-wide barriers
+        **pdl_args(lc.device),
     )
     return w, ids
 
@@ -334,10 +342,12 @@ def _norm_route_kernel(
     OUT_Y32: tl.constexpr,
     Q8: tl.constexpr,
     SELECT: tl.constexpr,  # the top-k here (last program of a row), or logits only (`route` after)
+    PDL: tl.constexpr = False,  # launched early (engine/kernels/launch.py)
 ):
     """The FFN's RMS norm and the router's logits in one launch, and with SELECT the softmax + top-k too. Every
     program normalises the row itself (8 KB from L2: cheaper than a launch) and computes ROWS logits; with SELECT
     the last program of a row to finish (last_to_finish) reads all E logits back and selects."""
+    pdl_enter(PDL)
     p = tl.program_id(0)
     t = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -411,6 +421,7 @@ def norm_route(
         counts if counts is not None else ids, d, e, eps,
         ROWS=rows, BLOCK=block, BLOCK_E=triton.next_power_of_2(e), K=k, KP2=triton.next_power_of_2(k), NORM=norm,
         COUNT=counts is not None, OUT_Y=y is not None, OUT_Y32=f32_copy, Q8=q8, SELECT=select, num_warps=warps,
+        **pdl_args(h.device),
     )  # fmt: skip
     if not select:
         w, ids = route(logits, k, norm, counts)

@@ -6,8 +6,6 @@ one launch covers every selected expert of a layer with no host synchronisation,
 in a CUDA graph. The dequantization happens in registers; nothing is written back to memory but the outputs.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -16,6 +14,8 @@ from gguf import GGMLQuantizationType as QT
 from engine.gguf.quants import code_values
 from engine.kernels import int8_activations
 from engine.kernels.fused import last_to_finish, quantize_rows_q8, store_q8
+from engine.kernels.launch import INTERPRETED as _INTERPRETED
+from engine.kernels.launch import pdl_args, pdl_enter, prefetch_l2
 from engine.kernels.rows_mma import rows_mma
 from engine.kernels.rows_mma import takes as mma_takes
 from engine.kernels.tuning import tuned as _tuned
@@ -46,7 +46,6 @@ _VARIANTS: dict[QT, tuple[int, ...]] = {QT.Q4_K: (0, 5, 10, 12), QT.Q6_K: (1, 11
 # Bodies on activations rounded to 8 bits (quantize_q8), as llama.cpp's MMVQ computes: not the float product the
 # others give, so they run only under `--activations int8` (the default; see int8_activations).
 APPROXIMATE = {12, 13}
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: no inline PTX there
 
 
 def quantize_q8(x: torch.Tensor) -> torch.Tensor:
@@ -98,10 +97,16 @@ def _gemv_kernel(
     SB: tl.constexpr,
     HAS_RES: tl.constexpr,
     ASM: tl.constexpr = True,
+    PDL: tl.constexpr = False,  # launched early (engine/kernels/launch.py)
+    PREFETCH: tl.constexpr = False,  # the program's rows into L2 before the wait (PDL)
 ):
     """y[t, n] = W[n, :] . x[t, :] (+ r[t, n]) for a dense weight."""
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
+    if PREFETCH:
+        n0 = pid_n * BLOCK_N
+        prefetch_l2(w_ptr + n0.to(tl.int64) * row_bytes, tl.minimum(BLOCK_N, N - n0) * row_bytes, PDL)
+    pdl_enter(PDL)
     offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs < N
     w_rows = (w_ptr + offs.to(tl.int64) * row_bytes)[:, None, None]
@@ -139,7 +144,9 @@ def _moe_gemv_kernel(
     X_PER_SLOT: tl.constexpr,
     FUSE_GLU: tl.constexpr,  # 0: plain, 1: silu(gate) * up, 2: gelu_tanh(gate) * up
     ASM: tl.constexpr = True,
+    PDL: tl.constexpr = False,  # launched early (engine/kernels/launch.py)
 ):
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     e = tl.load(ids_ptr + s).to(tl.int64)
@@ -193,12 +200,14 @@ def _moe_gemv_combine_kernel(
     q_ptr=None,  # [T, N] float32 for quantize_q8's layout (NEXT_NORM)
     eps=0.0,
     BLOCK_D: tl.constexpr = 1,  # N rounded up to a power of two (NEXT_NORM)
+    PDL: tl.constexpr = False,  # launched early (engine/kernels/launch.py)
 ):
     """y[t] = r[t] + sum over the token's slots s of w[s] * (W_ids[s] . x[s]): the down projection of every
     selected expert, the weighted combine and the residual add in one launch. The rows of all the slots form one
     set (their loads go out together) and are summed in a fixed order, so the result does not vary run to run.
     With NEXT_NORM the last program of a row to finish (an atomic count) also writes rms_norm(y[t]) * nw rounded
     to 8 bits, the next layer's q/k/v input, in place of that layer's own norm launch."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     r = tl.arange(0, SLOTS * BLOCK_N)
@@ -246,10 +255,12 @@ def _gemv_rows_kernel(
     SB: tl.constexpr,
     HAS_RES: tl.constexpr,
     ASM: tl.constexpr = True,
+    PDL: tl.constexpr = False,  # launched early (engine/kernels/launch.py)
 ):
     """_gemv_kernel for several activation rows (the decode rows of several slots): a program takes BLOCK_N
     weight rows times G activation rows as one set of BLOCK_N * G dot products, so each weight block is fetched
     from memory once for the G rows (the copies of its address in the set are served by the same load)."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     r = tl.arange(0, BLOCK_N * G)
     offs = pid_n * BLOCK_N + r // G
@@ -286,11 +297,13 @@ def _moe_gemv_grouped_kernel(
     X_PER_SLOT: tl.constexpr,
     FUSE_GLU: tl.constexpr,
     ASM: tl.constexpr = True,
+    PDL: tl.constexpr = False,  # launched early (engine/kernels/launch.py)
 ):
     """_moe_gemv_kernel for a step of several token rows, the pairs that chose one expert taken together: the
     program of pair s works only where s is the first, the (G+1)-th, ... pair of its expert in the step, and then
     computes that pair and the next G - 1 of the same expert as one set of rows, so the expert's blocks are
     fetched once for them. Found from the ids alone (no sort, no host): graph-safe, and the same every run."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     e = tl.load(ids_ptr + s)
@@ -345,10 +358,12 @@ def _combine_kernel(
     nw_ptr=None,
     q_ptr=None,
     eps=0.0,
+    PDL: tl.constexpr = False,  # launched early (engine/kernels/launch.py)
 ):
     """y[t] = r[t] + sum over the token's slots j (in order) of w[j] * yp[j]; with NEXT_NORM also the next
     layer's attention norm rounded to 8 bits (as _moe_gemv_combine_kernel's), the whole row being this
     program's."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     od = tl.arange(0, BLOCK_D)
     md = od < N
@@ -474,6 +489,7 @@ def gemv(
         _gemv_rows_kernel[(triton.cdiv(n, bn), triton.cdiv(t, g))](
             raw, raw.shape[-1], x, y, res, lut(qtype, x.device), n, k, t,
             QTYPE=qid, BLOCK_N=bn, G=g, SB=step, HAS_RES=residual is not None, ASM=not _INTERPRETED, num_warps=warps,
+            **pdl_args(x.device),
         )  # fmt: skip
         return y
     bn, step, warps, tuned_variant = _config(qtype, n, k)
@@ -482,9 +498,11 @@ def gemv(
     qid = tuned_variant if variant is None else variant
     x = _activations(x, qid, q8)
     res = residual.contiguous() if residual is not None else y
+    pa = pdl_args(x.device)
     _gemv_kernel[grid](
         raw, raw.shape[-1], x, y, res, lut(qtype, x.device), n, k,
         QTYPE=qid, BLOCK_N=block_n, SB=sb, HAS_RES=residual is not None, ASM=not _INTERPRETED, num_warps=num_warps,
+        PREFETCH=bool(pa) and t == 1, **pa,
     )  # fmt: skip
     return y
 
@@ -523,7 +541,7 @@ def moe_gemv(
         _moe_gemv_grouped_kernel[(triton.cdiv(n, block_n), s)](
             table, up_table if up_table is not None else table, row_bytes, flat, x, y, lut(qtype, x.device), n, k,
             topk, s, QTYPE=qid, BLOCK_N=block_n, SB=sb, G=g, SP=triton.next_power_of_2(s), X_PER_SLOT=int(x_per_slot),
-            FUSE_GLU=glu, ASM=not _INTERPRETED, num_warps=warps,
+            FUSE_GLU=glu, ASM=not _INTERPRETED, num_warps=warps, **pdl_args(x.device),
         )  # fmt: skip
         return y
     block_n, sb, warps, tuned_variant = _config(qtype, n, k, "moe")
@@ -550,6 +568,7 @@ def moe_gemv(
         FUSE_GLU=glu,
         ASM=not _INTERPRETED,
         num_warps=warps,
+        **pdl_args(x.device),
     )
     return y
 
@@ -585,7 +604,7 @@ def moe_down_combine(
         _moe_gemv_grouped_kernel[(triton.cdiv(n, block_n), s)](
             table, table, row_bytes, flat, x, part, lut(qtype, x.device), n, k, topk, s,
             QTYPE=qid, BLOCK_N=block_n, SB=sb, G=g, SP=triton.next_power_of_2(s), X_PER_SLOT=1, FUSE_GLU=0,
-            ASM=not _INTERPRETED, num_warps=warps,
+            ASM=not _INTERPRETED, num_warps=warps, **pdl_args(x.device),
         )  # fmt: skip
         extra = {}
         if next_norm is not None:
@@ -593,7 +612,7 @@ def moe_down_combine(
             extra = dict(NEXT_NORM=True, nw_ptr=nw, q_ptr=q_out, eps=eps)
         _combine_kernel[(t,)](
             part, weights.contiguous(), residual.contiguous(), y, n, TOPK=topk, BLOCK_D=triton.next_power_of_2(n),
-            num_warps=4, **extra,
+            num_warps=4, **extra, **pdl_args(x.device),
         )  # fmt: skip
         return y
     block_n, sb, warps, tuned_variant = _config(qtype, n, k, "moe_down")
@@ -611,6 +630,6 @@ def moe_down_combine(
     _moe_gemv_combine_kernel[(triton.cdiv(n, block_n), t)](
         table, row_bytes, ids.contiguous(), weights.contiguous(), x, residual.contiguous(), y,
         lut(qtype, x.device), n, k, TOPK=topk, SLOTS=triton.next_power_of_2(topk), QTYPE=qid, BLOCK_N=block_n, SB=sb,
-        ASM=not _INTERPRETED, num_warps=warps, **extra,
+        ASM=not _INTERPRETED, num_warps=warps, **extra, **pdl_args(x.device),
     )  # fmt: skip
     return y

@@ -444,3 +444,26 @@ def _same_codes(a: torch.Tensor, b: torch.Tensor, d: int) -> None:
     qa, qb = (x.view(torch.uint8)[:, :d].contiguous().view(torch.int8).int() for x in (a, b))
     diff = (qa - qb).abs()
     assert diff.max().item() <= 1 and (diff > 0).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_early_launches_give_the_same_step(
+    tmp_path: Path, activations: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kernels launched early (programmatic dependent launch, sm_90+: engine/kernels/launch.py) wait for the kernel
+    before them before reading the step's data: the tokens and logits are bit-equal to launches one by one, in the
+    decode step's CUDA graphs (Runner) and eager."""
+    from engine.kernels import launch
+
+    monkeypatch.setenv("STRATA_ACTIVATIONS", activations)
+    path = write_tiny_model(tmp_path / "m.gguf", "qwen3moe", qtype="Q4_K", types={"output": "Q6_K"}, seed=5)
+    runs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("STRATA_PDL", on)
+        launch._capable.cache_clear()
+        runs[on] = _tokens(path, "f32", fast=True)
+    launch._capable.cache_clear()
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert launch.pdl(torch.device("cuda"))
+    assert runs["1"][0] == runs["0"][0]
+    assert torch.equal(runs["1"][1], runs["0"][1])

@@ -1,0 +1,70 @@
+"""Programmatic dependent launch for the decode step's kernel chain (Hopper and later).
+
+A decode step is ~9 small kernels a layer, each waiting for the one before. Launched with PDL, a kernel's programs
+start while the previous kernel finishes: each reads what does not depend on it (its weight rows, prefetched into
+L2 by one bulk copy) and then waits (`griddepcontrol.wait`: the previous kernel complete, its writes visible)
+before it reads or writes anything else. Every kernel launched this way waits before touching the step's data, so
+the wait chains: a kernel's wait also covers every kernel before the previous one. On GPUs before sm_90, under
+Triton's interpreter, or with STRATA_PDL=0 the kernels launch one after another as before."""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from installer.engine_options import runtime_switches
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: no inline PTX there
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """Wait for the previous kernel (complete, memory visible), then let the next one launch. Call it before the
+    first read of anything another kernel of the step writes, and before any write."""
+    if PDL:
+        tl.inline_asm_elementwise(
+            "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.u32 $0, 0;",
+            "=r", [], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def prefetch_l2(ptr, nbytes, PDL: tl.constexpr):
+    """Start reading the `nbytes` at `ptr` into L2 (the 16-byte units that hold them: one bulk prefetch, by one
+    thread of the program): weight rows the program or the next kernel reads soon. With PDL only: otherwise
+    nothing runs ahead of the loads themselves."""
+    if PDL:
+        a = ptr.to(tl.uint64, bitcast=True)
+        lo = a & ~tl.full([], 15, tl.uint64)
+        size = ((a + nbytes.to(tl.uint64) + 15) & ~tl.full([], 15, tl.uint64)) - lo
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred p;
+            .reg .u32 t;
+            mov.u32 t, %tid.x;
+            setp.eq.u32 p, t, 0;
+            @p cp.async.bulk.prefetch.L2.global [$1], $2;
+            mov.u32 $0, 0;
+            }""",
+            "=r,l,r", [lo, size.to(tl.uint32)], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return runtime_switches().pdl and torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: CUDA sm_90 or later, compiled (not interpreted), STRATA_PDL
+    (read once per device and process)."""
+    if device.type != "cuda" or INTERPRETED:
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_args(device: torch.device) -> dict:
+    """The launch keywords of a kernel that takes `PDL: tl.constexpr` (and calls pdl_enter)."""
+    return {"PDL": True, "launch_pdl": True} if pdl(device) else {}
