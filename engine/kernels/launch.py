@@ -52,14 +52,28 @@ def prefetch_l2(ptr, nbytes, PDL: tl.constexpr):
         )  # fmt: skip
 
 
+def _triton_launches_pdl() -> bool:
+    """Whether this Triton takes the `launch_pdl` launch option (an older one, or a build
+    without the NVIDIA backend, would refuse the keyword at the first launch)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions  # lazy: the NVIDIA backend's module
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
 @functools.cache
 def _capable(index: int) -> bool:
-    return runtime_switches().pdl and torch.cuda.get_device_capability(index) >= (9, 0)
+    return (
+        runtime_switches().pdl
+        and torch.cuda.get_device_capability(index) >= (9, 0)
+        and _triton_launches_pdl()
+    )
 
 
 def pdl(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: CUDA sm_90 or later, compiled (not interpreted), STRATA_PDL
-    (read once per device and process)."""
+    """Whether kernels on `device` launch with PDL: CUDA sm_90 or later, a Triton that takes the launch option,
+    compiled (not interpreted), STRATA_PDL (read once per device and process)."""
     if device.type != "cuda" or INTERPRETED:
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
