@@ -9,6 +9,7 @@ Triton's interpreter, or with STRATA_PDL=0 the kernels launch one after another 
 
 import functools
 import os
+import sys
 
 import torch
 import triton
@@ -62,18 +63,41 @@ def _triton_launches_pdl() -> bool:
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
+# CUDA graphs keep a programmatic launch's early start from CUDA 12.3's driver on; an older driver may refuse the
+# launch attribute inside a capture.
+MIN_DRIVER = 12030
+
+
+def driver_version() -> int | None:
+    """The CUDA driver's version (12030 for 12.3) from the driver library torch has loaded; None where unknown."""
+    import ctypes  # lazy: only where CUDA is in use
+
+    name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+    try:
+        lib = ctypes.WinDLL(name) if sys.platform == "win32" else ctypes.CDLL(name)  # type: ignore[attr-defined]
+        v = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(v)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return int(v.value)
+
+
 @functools.cache
 def _capable(index: int) -> bool:
-    return (
-        runtime_switches().pdl
-        and torch.cuda.get_device_capability(index) >= (9, 0)
-        and _triton_launches_pdl()
-    )
+    if (
+        not runtime_switches().pdl
+        or torch.cuda.get_device_capability(index) < (9, 0)
+        or not _triton_launches_pdl()
+    ):
+        return False
+    drv = driver_version()
+    return drv is None or drv >= MIN_DRIVER
 
 
 def pdl(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: CUDA sm_90 or later, a Triton that takes the launch option,
-    compiled (not interpreted), STRATA_PDL (read once per device and process)."""
+    """Whether kernels on `device` launch with PDL: CUDA sm_90 or later, a Triton that takes the launch option, a
+    driver of CUDA 12.3 or later, compiled (not interpreted), STRATA_PDL (read once per device and process)."""
     if device.type != "cuda" or INTERPRETED:
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
