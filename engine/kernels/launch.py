@@ -4,8 +4,10 @@ A decode step is ~9 small kernels a layer, each waiting for the one before. Laun
 start while the previous kernel finishes: each reads what does not depend on it (its weight rows, prefetched into
 L2 by one bulk copy) and then waits (`griddepcontrol.wait`: the previous kernel complete, its writes visible)
 before it reads or writes anything else. Every kernel launched this way waits before touching the step's data, so
-the wait chains: a kernel's wait also covers every kernel before the previous one. On GPUs before sm_90, under
-Triton's interpreter, or with STRATA_PDL=0 the kernels launch one after another as before."""
+the wait chains: a kernel's wait also covers every kernel before the previous one. On GPUs before sm_90, with a
+Triton or a driver too old for it (`pdl`), under Triton's interpreter, or with STRATA_PDL=0 the kernels launch one
+after another as before; tests/engine/test_launch_rules.py checks on the source that every kernel launched early
+waits before its first load or store."""
 
 import functools
 import os
