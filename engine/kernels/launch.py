@@ -9,6 +9,7 @@ Triton or a driver too old for it (`pdl`), under Triton's interpreter, or with S
 after another as before; tests/engine/test_launch_rules.py checks on the source that every kernel launched early
 waits before its first load or store."""
 
+import ctypes
 import functools
 import os
 import sys
@@ -18,6 +19,11 @@ import triton
 import triton.language as tl
 
 from installer.engine_options import runtime_switches
+
+try:  # the NVIDIA backend's options (a Triton built without it has none)
+    from triton.backends.nvidia.compiler import CUDAOptions
+except ImportError:
+    CUDAOptions = None
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: no inline PTX there
 
@@ -56,12 +62,8 @@ def prefetch_l2(ptr, nbytes, PDL: tl.constexpr):
 
 
 def _triton_launches_pdl() -> bool:
-    """Whether this Triton takes the `launch_pdl` launch option (an older one, or a build
-    without the NVIDIA backend, would refuse the keyword at the first launch)."""
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions  # lazy: the NVIDIA backend's module
-    except ImportError:
-        return False
+    """Whether this Triton takes the `launch_pdl` launch option (an older one, or a build without the NVIDIA
+    backend, would refuse the keyword at the first launch)."""
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
@@ -72,8 +74,6 @@ MIN_DRIVER = 12030
 
 def driver_version() -> int | None:
     """The CUDA driver's version (12030 for 12.3) from the driver library torch has loaded; None where unknown."""
-    import ctypes  # lazy: only where CUDA is in use
-
     name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
     try:
         lib = ctypes.WinDLL(name) if sys.platform == "win32" else ctypes.CDLL(name)  # type: ignore[attr-defined]
