@@ -1242,3 +1242,27 @@ def attend_rows(q, k, v, pos, window, scale, softcap, out):
         for a in range(g):
             for i in range(dv):
                 out[t, hk * g + a, i] = acc_v[a, i] / total[a]
+
+
+@nb.njit(nogil=True, cache=True)
+def rotate(x, cos, sin, dim, neox, out):
+    """RoPE of x [T, H, D] (float32) into out: the first `dim` features of each head rotated by cos, sin [T,
+    dim/2] (its halves with neox, adjacent pairs without), the rest copied. The same float32 products and sums,
+    one rounding each, as the torch form in engine/layers/rope.py: the two give the same bits."""
+    t_rows, n_head, d = x.shape
+    half = dim // 2
+    for t in range(t_rows):
+        for h in range(n_head):
+            for i in range(half):
+                c = cos[t, i]
+                s = sin[t, i]
+                if neox:
+                    j0, j1 = i, i + half
+                else:
+                    j0, j1 = 2 * i, 2 * i + 1
+                a = x[t, h, j0]
+                b = x[t, h, j1]
+                out[t, h, j0] = a * c - b * s
+                out[t, h, j1] = b * c + a * s
+            for i in range(dim, d):
+                out[t, h, i] = x[t, h, i]

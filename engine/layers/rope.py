@@ -7,6 +7,7 @@ import torch
 
 from engine import kernels
 from engine.gguf.model_config import RopeConfig
+from engine.kernels import cpu_blocks
 from engine.layers.norm import rms_norm
 
 
@@ -98,7 +99,23 @@ class Rope:
         return self.apply(x, cos, sin)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D]; rotates the first `dim` features of each head."""
+        """x [T, H, D]; rotates the first `dim` features of each head (on the CPU in one kernel call where the
+        block kernels run: the same bits as the torch form below)."""
+        if (
+            not x.is_cuda
+            and x.dtype == torch.float32
+            and x.dim() == 3
+            and x.is_contiguous()
+            and cos.dtype == sin.dtype == torch.float32
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+            and cpu_blocks.available()[0]
+        ):
+            return cpu_blocks.rotate(x, cos, sin, self.cfg.dim, self.cfg.neox)
+        return self.apply_torch(x, cos, sin)
+
+    def apply_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """apply's torch form (any device and dtype)."""
         dim = self.cfg.dim
         xr = x[..., :dim].float()
         c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, dim/2]
