@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import rope_pairs, store_q8_rows
-from engine.kernels.gemv import _INTERPRETED  # no inline PTX in Triton's interpreter
+from engine.kernels.launch import INTERPRETED as _INTERPRETED  # no inline PTX in Triton's interpreter
 from engine.kernels.launch import pdl_args, pdl_enter
 
 NO_QUANT, INT8, Q4_0 = 0, 1, 2

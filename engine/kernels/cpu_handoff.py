@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.gemv import _INTERPRETED  # no inline PTX (the fence) in Triton's interpreter
+from engine.kernels.launch import INTERPRETED as _INTERPRETED  # no inline PTX (the fence) there
 
 HDR_REQ, HDR_MISS, HDR_TAKE, HDR_WAIT, HDR_ROWS = 0, 1, 2, 3, 4
 IDS = 8
