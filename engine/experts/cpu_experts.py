@@ -304,6 +304,21 @@ class CpuExperts:
             sel = np.flatnonzero(tok == t)
             self.mix_into(np.asarray(ids)[sel], np.asarray(w, dtype=np.float32)[sel], x[t], out[t])
 
+    def serve_box(self, box: np.ndarray, boxf: np.ndarray, at: tuple[int, int, int], n: int, k: int,
+                  x: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
+        """A decode step's request in a mailbox row (engine/experts/cpu_misses.py): of its n (row, slot) pairs, k a
+        row, those flagged taken, with their expert ids and weights at the offsets at = (ids, taken, weights) of the
+        int32 row box and its float32 view boxf; x float32 [T, D] -> out [T, D] (written, zeros where nothing is
+        taken). In place, the whole request is one kernel call."""
+        if self.q4k is not None:
+            self.q4k.serve_box(box, boxf, at, n, k, x, out)
+            return
+        take = np.flatnonzero(box[at[1] : at[1] + n])
+        if not take.size:
+            out[:] = 0.0
+            return
+        self.mix_rows(box[at[0] : at[0] + n][take], take // k, boxf[at[2] : at[2] + n][take], x, out)
+
     def mix_into(self, ids: np.ndarray, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
         """One token, numpy in and out (the decode hand-off's mailbox): ids int [n] held experts, w float32 [n],
         x float32 [D] -> out float32 [D] = sum of w * expert(x), written in place."""

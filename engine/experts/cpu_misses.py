@@ -114,6 +114,7 @@ class CpuMisses:
         # each mailbox's inputs and sums as float32 [rows, D] views, made once (the answer reads them)
         lay, most = self.layout, self.max_rows
         self._x = [self._boxf[r, lay.x : lay.x + most * d].reshape(most, d) for r in range(n_rows)]
+        self._at = (ho.IDS, ho.IDS + lay.pairs, ho.IDS + 2 * lay.pairs)  # a row's ids, taken flags, weights
         self._y = [self._boxf[r, lay.y : lay.y + most * d].reshape(most, d) for r in range(n_rows)]
         self._recorded: list[int] | None = None  # a capture's posts (recording)
         self._rows_seen = 0  # rows of the last step timed for the tuner
@@ -127,14 +128,11 @@ class CpuMisses:
                  held, len(self.layers), how, f"{100 * self.ratio:.0f}%",
                  ", tuned while serving" if self.tuner else "")  # fmt: skip
         if in_place:  # compile (or load from the disk cache) now, not in the first decode step
-            ce = next(ce for ce in self.layers.values() if ce.q4k is not None)
-            ce.mix_rows(
-                np.zeros(1, np.int64),
-                np.zeros(1, np.int64),
-                np.zeros(1, np.float32),
-                np.zeros((1, d), np.float32),
-                np.zeros((1, d), np.float32),
-            )
+            for ce in {ce.kernels: ce for ce in self.layers.values() if ce.q4k is not None}.values():
+                scratch = np.zeros(self.layout.words, np.int32)
+                scratch[self._at[1]] = 1  # one pair taken (expert 0, weight 0): the whole path runs once
+                ce.serve_box(scratch, scratch.view(np.float32), self._at, k, k, np.zeros((1, d), np.float32),
+                             np.zeros((1, d), np.float32))  # fmt: skip
 
     # -- the device side, from the decode step --------------------------------------------------------------------
 
@@ -262,19 +260,15 @@ class CpuMisses:
                      100 * self.tuner.ratio, 1e3 * self.tuner.best_median, 100 * before)  # fmt: skip
 
     def _serve(self, r: int) -> None:
-        row, k, pm = self._box[r], self.k, self.layout.pairs
+        row, k = self._box[r], self.k
         seq = int(row[ho.HDR_REQ])
         t = min(max(int(row[ho.HDR_ROWS]), 1), self.max_rows)
         y = self._y[r][:t]
         t0 = time.perf_counter()
-        try:
-            take = np.flatnonzero(row[ho.IDS + pm : ho.IDS + pm + t * k])
-            if take.size:
-                ce = self.layers[self._layer_of[r]]
-                w = self._boxf[r, ho.IDS + 2 * pm : ho.IDS + 2 * pm + t * k][take]
-                ce.mix_rows(row[ho.IDS : ho.IDS + t * k][take], take // k, w, self._x[r][:t], y)
-            else:
-                y[:] = 0.0
+        try:  # one kernel call reads the request out of the mailbox and writes the sums into it
+            self.layers[self._layer_of[r]].serve_box(
+                row, self._boxf[r], self._at, t * k, k, self._x[r][:t], y
+            )
         except BaseException as e:  # answered with zeros; check() raises it after the step
             self.error = e
             y[:] = 0.0

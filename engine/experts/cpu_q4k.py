@@ -41,7 +41,7 @@ available = cpu_blocks.available  # Numba, and a CPU with AVX2 and F16C: the sam
 def _kernels():
     from engine.experts import cpu_q4k_jit  # lazy: importing it compiles the kernels (seconds), at first use
 
-    return cpu_q4k_jit.mix
+    return cpu_q4k_jit
 
 
 class Q4KExperts:
@@ -69,7 +69,7 @@ class Q4KExperts:
         # flat views: the kernels address rows by byte offset
         self._g, self._u, self._d = (a.reshape(-1) for a in (gate, up, down))
         self.n_experts, self.d, self.f, self.down_q6k = n_exp, d, f, down_q6k
-        self._mix = _kernels()
+        self._jit = _kernels()
 
     def mix(self, ids: np.ndarray, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
         """ids int [n] distinct experts, w float32 [n] their weights, x float32 [D] -> out float32 [D] (written):
@@ -82,7 +82,18 @@ class Q4KExperts:
     ) -> None:
         """(expert, token) pairs ids, tok int [n] with weights w float32 [n], x float32 [T, D] -> out float32 [T, D]
         (written): each token's weighted sum of its pairs' experts; an expert's blocks read once for its pairs."""
-        ids, tok, w, starts = cpu_blocks.group_pairs(ids, tok, w, self.n_experts, x.shape[0])
+        ids, tok, w = cpu_blocks.pair_arrays(ids, tok, w)
         with _LOCK:
-            self._mix(self._g, self._u, self._d, self.down_q6k, self.f, self.d, ids, tok, w, starts,
-                      np.ascontiguousarray(x, dtype=np.float32), out)  # fmt: skip
+            bad = self._jit.mix(self._g, self._u, self._d, self.down_q6k, self.f, self.d, *cpu_blocks.NO_BOX, ids,
+                                tok, w, np.ascontiguousarray(x, dtype=np.float32), out)  # fmt: skip
+        cpu_blocks.check_pairs(bad, ids, tok, self.n_experts, x.shape[0])
+
+    def serve_box(self, box: np.ndarray, boxf: np.ndarray, at: tuple[int, int, int], n: int, k: int,
+                  x: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
+        """A decode step's request in a mailbox row, answered in one kernel call (cpu_blocks.BlockExperts.serve_box
+        says what the arguments are)."""
+        with _LOCK:
+            bad = self._jit.mix(self._g, self._u, self._d, self.down_q6k, self.f, self.d, box, boxf, *at, n, k,
+                                *cpu_blocks.NO_PAIRS, x, out)  # fmt: skip
+        if bad:
+            cpu_blocks.check_pairs(bad, *cpu_blocks.box_pairs(box, at, n, k), self.n_experts, x.shape[0])

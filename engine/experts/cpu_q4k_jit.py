@@ -192,14 +192,76 @@ def _q8_rows(rows, k):
     )
 
 
+# group_pairs and box_pairs as in engine/kernels/cpu_blocks_jit.py, repeated here: Numba's disk cache keeps a
+# function with the code of every jitted function it calls, but knows only its own file's changes.
+@nb.njit(nogil=True, cache=True)
+def group_pairs(ids, tok, ws, n_exp, n_tok):
+    """(expert, token) pairs ids, tok int64 [n], ws float32 [n] -> (ids, tok, ws, starts, 0): the pairs in a stable
+    order by expert (a counting sort), group g being starts[g] .. starts[g + 1]; or (.., 1) for an expert id
+    outside 0..n_exp-1, (.., 2) for a token row outside 0..n_tok-1 (the caller says which)."""
+    n = ids.shape[0]
+    cnt = np.zeros(n_exp + 1, np.int64)
+    for j in range(n):
+        if ids[j] < 0 or ids[j] >= n_exp:
+            return ids, tok, ws, cnt[:0], 1
+        if tok[j] < 0 or tok[j] >= n_tok:
+            return ids, tok, ws, cnt[:0], 2
+        cnt[ids[j] + 1] += 1
+    groups = 0
+    for e in range(n_exp):
+        groups += cnt[e + 1] > 0
+        cnt[e + 1] += cnt[e]
+    gi, gt, gw = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.float32)
+    starts = np.empty(groups + 1, np.int64)
+    g = 0
+    for e in range(n_exp):
+        if cnt[e + 1] > cnt[e]:
+            starts[g] = cnt[e]
+            g += 1
+    starts[groups] = n
+    for j in range(n):
+        at = cnt[ids[j]]
+        cnt[ids[j]] += 1
+        gi[at], gt[at], gw[at] = ids[j], tok[j], ws[j]
+    return gi, gt, gw, starts, 0
+
+
+@nb.njit(nogil=True, cache=True)
+def box_pairs(box, boxf, at_ids, at_take, at_w, n, k):
+    """The pairs a decode step's mailbox row hands the CPU (engine/kernels/cpu_handoff.py): of its n (row, slot)
+    pairs those whose flag at at_take is set -> (expert ids int64, token rows int64, weights float32), read from
+    the int32 row box (ids at at_ids) and its float32 view boxf (weights at at_w)."""
+    m = 0
+    for p in range(n):
+        m += box[at_take + p] != 0
+    ids, tok, ws = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.float32)
+    j = 0
+    for p in range(n):
+        if box[at_take + p] != 0:
+            ids[j], tok[j], ws[j] = box[at_ids + p], p // k, boxf[at_w + p]
+            j += 1
+    return ids, tok, ws
+
+
 @nb.njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def mix(gate, up, down, down_q6k, f, d, ids, tok, ws, starts, x, out):
+def mix(gate, up, down, down_q6k, f, d, box, boxf, at_ids, at_take, at_w, n_box, k, ids, tok, ws, x, out):
     """out[t] = sum over the pairs j of token t of ws[j] * down_j(silu(gate_j x[t]) * up_j x[t]), for the (expert,
-    token) pairs j: ids[j] the expert, tok[j] the token, grouped by expert (the pairs of group g are starts[g] ..
-    starts[g + 1]: each weight row is read once for all of them). gate, up: the flat Q4_K bytes of [E, f, d];
-    down: the Q4_K (or, with down_q6k, Q6_K) bytes of [E, d, f]; x float32 [T, d]; out float32 [T, d] (written)."""
-    nt, n_tok, n_grp = ids.shape[0], x.shape[0], starts.shape[0] - 1
+    token) pairs j: ids[j] the expert, tok[j] the token, in any order (grouped here by expert: each weight row is
+    read once for all of an expert's pairs), or, where n_box >= 0, the pairs a mailbox row hands over (box_pairs:
+    one call answers a decode step's request). gate, up: the flat Q4_K bytes of [E, f, d]; down: the Q4_K (or,
+    with down_q6k, Q6_K) bytes of [E, d, f]; x float32 [T, d]; out float32 [T, d] (written, zeros where a token
+    has no pair). -> 0, or group_pairs' error code (nothing written).
+
+    The grouping lives in this one parallel function, not in a caller: a cached function that calls a parallel
+    one crashed when it was loaded from Numba's cache (numba 0.68, where the callee had been loaded from the cache
+    when the caller was compiled)."""
+    if n_box >= 0:
+        ids, tok, ws = box_pairs(box, boxf, at_ids, at_take, at_w, n_box, k)
     rb1 = u64(d // QK * BLOCK_BYTES)
+    ids, tok, ws, starts, bad = group_pairs(ids, tok, ws, gate.shape[0] // (f * int(rb1)), x.shape[0])
+    if bad:
+        return bad
+    nt, n_tok, n_grp = ids.shape[0], x.shape[0], starts.shape[0] - 1
     rb2 = u64(f // QK * (Q6K_BYTES if down_q6k else BLOCK_BYTES))
     xq, xd, xs, xs16 = _q8_rows(n_tok, d)
     for t in range(n_tok):
@@ -227,3 +289,4 @@ def mix(gate, up, down, down_q6k, f, d, ids, tok, ws, starts, x, out):
             for j in range(nt):
                 r = (u64(ids[j]) * u64(d) + u64(n)) * rb2
                 out[tok[j], n] += ws[j] * row_dot(down, r, f // QK, hq[j], hd[j], hs[j], hs16[j], down_q6k)
+    return 0

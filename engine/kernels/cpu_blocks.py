@@ -153,22 +153,29 @@ def warm_up() -> None:
         log.info("CPU kernels compiled in %.0f s (kept in Numba's cache for the next start)", secs)
 
 
-def group_pairs(
-    ids: np.ndarray, tok: np.ndarray, w: np.ndarray, n_experts: int, n_tok: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(expert, token) pairs sorted by expert for the experts' kernels: (ids, tok, w, starts), the pairs of group g
-    being starts[g] .. starts[g + 1]. Checks the ids and tokens are in range."""
-    ids = np.asarray(ids, dtype=np.int64)
-    tok = np.asarray(tok, dtype=np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
+# what the kernels' mix takes in place of a mailbox row (pairs given as arrays), and of the arrays (a mailbox row)
+_EMPTY_BOX = np.zeros(0, np.int32)
+NO_BOX = (_EMPTY_BOX, _EMPTY_BOX.view(np.float32), 0, 0, 0, -1, 1)
+NO_PAIRS = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32))
+
+
+def pair_arrays(ids: np.ndarray, tok: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(expert, token) pairs as the kernels take them (int64, int64, float32: one compiled form each)."""
+    return np.asarray(ids, dtype=np.int64), np.asarray(tok, dtype=np.int64), np.asarray(w, dtype=np.float32)
+
+
+def box_pairs(box: np.ndarray, at: tuple[int, int, int], n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """A mailbox row's taken pairs as (expert ids, token rows), for an error message."""
+    take = np.flatnonzero(box[at[1] : at[1] + n])
+    return box[at[0] : at[0] + n][take], take // k
+
+
+def check_pairs(bad: int, ids: np.ndarray, tok: np.ndarray, n_experts: int, n_tok: int) -> None:
+    """Raise for an error code of the kernels' grouping (1: an expert id, 2: a token row out of range)."""
+    if bad == 1:
         raise ValueError(f"expert ids {ids.tolist()} out of range: this layer has 0..{n_experts - 1}")
-    if tok.size and (tok.min() < 0 or tok.max() >= n_tok):
+    if bad == 2:
         raise ValueError(f"token rows {tok.tolist()} out of range: the input has {n_tok}")
-    order = np.argsort(ids, kind="stable")
-    ids, tok = ids[order], tok[order]
-    cut = np.flatnonzero(np.diff(ids)) + 1
-    starts = np.concatenate(([0], cut, [ids.size]) if ids.size else ([0],)).astype(np.int64)
-    return ids, tok, np.asarray(w, dtype=np.float32)[order], starts
 
 
 def _row_bytes(qtype: QT, k: int) -> int:
@@ -211,8 +218,21 @@ class BlockExperts:
     ) -> None:
         """(expert, token) pairs ids, tok int [n] with weights w float32 [n], x float32 [T, D] -> out float32 [T, D]
         (written): each token's weighted sum of its pairs' experts; an expert's blocks read once for its pairs."""
-        ids, tok, w, starts = group_pairs(ids, tok, w, self.n_experts, x.shape[0])
+        ids, tok, w = pair_arrays(ids, tok, w)
         j = _jit()
         with LOCK:
-            j.mix(self._g, self._u, self._d, self._kinds, self._rb[0], self._rb[1], self.f, self.d, ids, tok, w,
-                  starts, np.ascontiguousarray(x, dtype=np.float32), out, j.F16)  # fmt: skip
+            bad = j.mix(self._g, self._u, self._d, self._kinds, self._rb[0], self._rb[1], self.f, self.d, *NO_BOX,
+                        ids, tok, w, np.ascontiguousarray(x, dtype=np.float32), out, j.F16)  # fmt: skip
+        check_pairs(bad, ids, tok, self.n_experts, x.shape[0])
+
+    def serve_box(self, box: np.ndarray, boxf: np.ndarray, at: tuple[int, int, int], n: int, k: int,
+                  x: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
+        """A decode step's request in a mailbox row (engine/experts/cpu_misses.py), answered in one kernel call:
+        of the row's n pairs (k a token) those flagged taken, their expert ids and weights at the offsets
+        at = (ids, taken, weights) of the int32 row box and its float32 view boxf; x [T, D] -> out [T, D]."""
+        j = _jit()
+        with LOCK:
+            bad = j.mix(self._g, self._u, self._d, self._kinds, self._rb[0], self._rb[1], self.f, self.d, box, boxf,
+                        *at, n, k, *NO_PAIRS, x, out, j.F16)  # fmt: skip
+        if bad:
+            check_pairs(bad, *box_pairs(box, at, n, k), self.n_experts, x.shape[0])

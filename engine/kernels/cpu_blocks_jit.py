@@ -1102,12 +1102,20 @@ def dequantize(w, kind, n_out, k, row_bytes, out, bits, f16):
 
 
 @nb.njit(parallel=True, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"}, nogil=True, cache=True)  # as matmul
-def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, ws, starts, x, out, f16):
+def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, box, boxf, at_ids, at_take, at_w, n_box, k,
+        ids, tok, ws, x, out, f16):  # fmt: skip
     """out[t] = sum over the pairs j of token t of ws[j] * down_j(silu(gate_j x[t]) * up_j x[t]) for the (expert,
-    token) pairs j (ids[j], tok[j]), grouped by expert as starts says (each weight row read once for its group),
-    each expert read in place from the flat blocks of gate and up [E, f, d] and down [E, d, f] (block types
-    kinds[0..2]); x float32 [T, d], out float32 [T, d] (written). The input and the hidden rows are rounded to
-    8 bits per 32 values, as in matmul."""
+    token) pairs j (ids[j], tok[j]) in any order (grouped here by expert: each weight row read once for its
+    group), or, where n_box >= 0, the pairs a mailbox row hands over (box_pairs), each expert read in place from
+    the flat blocks of gate and up [E, f, d] and down [E, d, f] (block types kinds[0..2]); x float32 [T, d], out
+    float32 [T, d] (written, zeros where a token has no pair). The input and the hidden rows are rounded to 8 bits
+    per 32 values, as in matmul. -> 0, or group_pairs' error code (nothing written). The grouping is inside this
+    parallel function for the reason engine/experts/cpu_q4k_jit.py's mix gives."""
+    if n_box >= 0:
+        ids, tok, ws = box_pairs(box, boxf, at_ids, at_take, at_w, n_box, k)
+    ids, tok, ws, starts, bad = group_pairs(ids, tok, ws, gate.shape[0] // (f * gate_row_bytes), x.shape[0])
+    if bad:
+        return bad
     nt, n_tok, n_grp = ids.shape[0], x.shape[0], starts.shape[0] - 1
     xq = np.empty((n_tok, d), np.int8)
     xd = np.empty((n_tok, d // 32), np.float32)
@@ -1192,6 +1200,56 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, ids, tok, w
                 else:
                     v = row_dot(down, kinds[2], r, f, hq[j], hd[j], hs[j])
                 out[tok[j], n] += ws[j] * v
+    return 0
+
+
+@nb.njit(nogil=True, cache=True)
+def group_pairs(ids, tok, ws, n_exp, n_tok):
+    """(expert, token) pairs ids, tok int64 [n], ws float32 [n] -> (ids, tok, ws, starts, 0): the pairs in a stable
+    order by expert (a counting sort), group g being starts[g] .. starts[g + 1]; or (.., 1) for an expert id
+    outside 0..n_exp-1, (.., 2) for a token row outside 0..n_tok-1 (the caller says which)."""
+    n = ids.shape[0]
+    cnt = np.zeros(n_exp + 1, np.int64)
+    for j in range(n):
+        if ids[j] < 0 or ids[j] >= n_exp:
+            return ids, tok, ws, cnt[:0], 1
+        if tok[j] < 0 or tok[j] >= n_tok:
+            return ids, tok, ws, cnt[:0], 2
+        cnt[ids[j] + 1] += 1
+    groups = 0
+    for e in range(n_exp):
+        groups += cnt[e + 1] > 0
+        cnt[e + 1] += cnt[e]
+    gi, gt, gw = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.float32)
+    starts = np.empty(groups + 1, np.int64)
+    g = 0
+    for e in range(n_exp):
+        if cnt[e + 1] > cnt[e]:
+            starts[g] = cnt[e]
+            g += 1
+    starts[groups] = n
+    for j in range(n):
+        at = cnt[ids[j]]
+        cnt[ids[j]] += 1
+        gi[at], gt[at], gw[at] = ids[j], tok[j], ws[j]
+    return gi, gt, gw, starts, 0
+
+
+@nb.njit(nogil=True, cache=True)
+def box_pairs(box, boxf, at_ids, at_take, at_w, n, k):
+    """The pairs a decode step's mailbox row hands the CPU (engine/kernels/cpu_handoff.py): of its n (row, slot)
+    pairs those whose flag at at_take is set -> (expert ids int64, token rows int64, weights float32), read from
+    the int32 row box (ids at at_ids) and its float32 view boxf (weights at at_w)."""
+    m = 0
+    for p in range(n):
+        m += box[at_take + p] != 0
+    ids, tok, ws = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.float32)
+    j = 0
+    for p in range(n):
+        if box[at_take + p] != 0:
+            ids[j], tok[j], ws[j] = box[at_ids + p], p // k, boxf[at_w + p]
+            j += 1
+    return ids, tok, ws
 
 
 @nb.njit(fastmath=True, nogil=True, cache=True)

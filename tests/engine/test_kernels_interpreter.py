@@ -599,12 +599,12 @@ def test_cpu_share_of_misses_goes_through_the_mailbox(monkeypatch: pytest.Monkey
     # a failing CPU kernel is answered with zeros (the device is never left waiting), and the caller hears
     cm.set_ratio(1.0)
     ce = cm.layers[0]
-    working = ce.mix_rows
+    working = ce.serve_box
 
-    def broken(ids: object, tok: object, w: object, x: object, out: object) -> None:
+    def broken(*args: object) -> None:
         raise MemoryError("no room")
 
-    ce.mix_rows = broken  # type: ignore[method-assign]
+    ce.serve_box = broken  # type: ignore[method-assign]
     cm.post(0, ids, w, x)
     out = torch.zeros(1, d)
     with pytest.raises(RuntimeError, match=r"computing experts on the CPU failed.*no room"):
@@ -613,7 +613,7 @@ def test_cpu_share_of_misses_goes_through_the_mailbox(monkeypatch: pytest.Monkey
     assert cm.box[0, cm.answer].item() == cm.box[0, ho.HDR_REQ].item()  # answered all the same
     # a request the host never answered: the device gives up (marked -1 in the mailbox, shortened here), the
     # caller hears, and the next step is answered normally
-    ce.mix_rows = working  # type: ignore[method-assign]
+    ce.serve_box = working  # type: ignore[method-assign]
     monkeypatch.setattr(ho, "WAIT_LIMIT", 5)
     cm.post(0, ids, w, x)
     # the device's side only

@@ -138,6 +138,49 @@ def test_cpu_experts_reads_q4k_in_place_and_falls_back_without_the_kernels(layer
     assert np.abs(y2 - y).max() <= 3e-2 * np.abs(y).max()
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q4_K + Q6_K down", "Q8_0", "repacked"])
+def test_a_mailbox_request_is_answered_as_the_pairs_alone(
+    layer, layer_q6k_down, kind: str, monkeypatch
+) -> None:
+    """serve_box: a decode step's request read straight out of a mailbox row (ids, taken flags and weights at
+    their offsets; the layout of engine/kernels/cpu_handoff.py) gives the same bits as mix_rows on the taken
+    pairs, whatever kernels hold the layer; nothing taken gives zeros; a bad id says which."""
+    raws = {"Q4_K + Q6_K down": layer_q6k_down[0], "Q8_0": [_store(F, D, 5, QT.Q8_0)[0], _store(F, D, 6, QT.Q8_0)[0],
+            _store(D, F, 7, QT.Q8_0)[0]]}.get(kind, layer[0])  # fmt: skip
+    qt_down = QT.Q6_K if kind == "Q4_K + Q6_K down" else QT.Q8_0 if kind == "Q8_0" else QT.Q4_K
+    qt = QT.Q8_0 if kind == "Q8_0" else QT.Q4_K
+    qts = [QTensor(torch.from_numpy(r), t, s)
+           for r, t, s in zip(raws, [qt, qt, qt_down], [(E, F, D), (E, F, D), (E, D, F)], strict=True)]  # fmt: skip
+    if kind == "repacked":
+        monkeypatch.setattr(cpu_experts.cpu_q4k, "available", lambda: (False, "switched off in this test"))
+    ce = CpuExperts(*qts, experts=range(E))
+    want_kernels = {"Q8_0": "blocks", "repacked": "int4"}.get(kind, "q4k")
+    assert ce.kernels[0] == want_kernels
+    t, k, pm = 3, 2, 16  # three rows of two slots; room for 16 pairs
+    at = (8, 8 + pm, 8 + 2 * pm)
+    box = np.zeros(64 + (t + 1) * D, np.int32)
+    boxf = box.view(np.float32)
+    ids = np.array([4, 1, 1, 5, 0, 4], np.int32)  # row 0: 4, 1; row 1: 1, 5; row 2: 0, 4
+    taken = np.array([1, 1, 1, 0, 0, 1], np.int32)  # row 2 keeps 0 on the GPU; 5 stays there too
+    w = np.array([0.6, 0.4, 0.3, 0.7, 0.2, 0.8], np.float32)
+    box[at[0] : at[0] + t * k], box[at[1] : at[1] + t * k], boxf[at[2] : at[2] + t * k] = ids, taken, w
+    x = boxf[64 : 64 + t * D].reshape(t, D)
+    x[:] = np.random.default_rng(3).standard_normal((t, D)).astype(np.float32)
+    y = np.full((t, D), np.nan, np.float32)
+    ce.serve_box(box, boxf, at, t * k, k, x, y)
+    sel = np.flatnonzero(taken)
+    want = np.full((t, D), np.nan, np.float32)
+    ce.mix_rows(ids[sel].astype(np.int64), sel // k, w[sel], x.copy(), want)
+    assert np.array_equal(y, want) and y[0].any() and y[2].any()
+    box[at[1] : at[1] + t * k] = 0
+    ce.serve_box(box, boxf, at, t * k, k, x, y)
+    assert not y.any()
+    if kind != "repacked":  # the repacked copies hold no id outside the layer
+        box[at[1]], box[at[0]] = 1, E
+        with pytest.raises(ValueError, match=f"expert ids \\[{E}\\] out of range"):
+            ce.serve_box(box, boxf, at, t * k, k, x, y)
+
+
 def test_cpu_misses_by_default_takes_the_layers_read_in_place_only() -> None:
     """--cpu-experts left out: the CPU computes every host-RAM expert of the Q4_K layers (no copy) and nothing of
     the others, which would need a repacked copy; given a fraction, it takes both kinds."""
