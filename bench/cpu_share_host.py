@@ -1,9 +1,12 @@
 """What the host adds around its experts when it answers a decode step's request (`--cpu-experts`): one mailbox
 request of c Qwen3-30B-A3B experts (gate/up 768x2048, down 2048x768, random Q4_K) answered by
-`CpuMisses._serve`, against the same c experts computed and summed outside the mailbox (`CpuExperts.mix_into`).
+`CpuMisses._serve`, against the same pairs computed and summed outside the mailbox (`CpuExperts.mix_rows`).
 Runs on a CPU-only machine (the mailbox is then plain memory): the host side does the same work either way.
 
-python bench/cpu_share_host.py [--threads N] [--experts 2] [--out bench/results/cpu-share-host.json]"""
+A batched step (`--rows T`, e.g. 8 clients): T rows each choosing K of `--layer-experts` experts at random (seeded),
+the CPU taking every pair of `--experts` of the distinct experts chosen.
+
+python bench/cpu_share_host.py [--threads N] [--experts 2] [--rows 1] [--layer-experts 8] [--out F.json]"""
 
 import argparse
 import os
@@ -25,10 +28,10 @@ from engine.kernels import cpu_handoff as ho
 from engine.layers.moe import ExpertWeights
 from engine.layers.qtensor import QTensor
 
-E, F, D, K = 8, 768, 2048, 8
+F, D, K = 768, 2048, 8
 
 
-def _layer() -> ExpertWeights:
+def _layer(E: int) -> ExpertWeights:
     def stack(n: int, k: int, seed: int) -> QTensor:
         raw = torch.stack([torch.from_numpy(random_blocks(QT.Q4_K, n, k, seed=seed + e)) for e in range(E)])
         return QTensor(raw, QT.Q4_K, (E, n, k))
@@ -45,37 +48,48 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--experts", type=int, default=2, help="experts in the request (the CPU's c of 8)")
+    ap.add_argument("--rows", type=int, default=1, help="rows of the step (decode rows of that many slots)")
+    ap.add_argument("--layer-experts", type=int, default=8, help="experts of the layer (Qwen3-30B-A3B: 128)")
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    cache = ExpertCache({0: _layer()}, torch.device("cpu"), {0: 0})
+    cache = ExpertCache({0: _layer(a.layer_experts)}, torch.device("cpu"), {0: 0})
     cm = CpuMisses(cache, 1.0, K, "silu", ratio=1.0)
-    row, c, lay = cm._box[0], a.experts, cm.layout
-    row[ho.IDS : ho.IDS + K] = list(range(K))
-    row[ho.IDS + lay.pairs : ho.IDS + lay.pairs + K] = [1] * c + [0] * (K - c)
-    row[ho.HDR_TAKE] = c
-    row[ho.HDR_ROWS] = 1
-    cm._boxf[0, ho.IDS + 2 * lay.pairs : ho.IDS + 2 * lay.pairs + K] = 0.1
-    cm.box[0, lay.x : lay.x + D].view(torch.float32).copy_(torch.randn(D))
+    row, lay, t = cm._box[0], cm.layout, a.rows
+    rng = np.random.default_rng(0)
+    chosen = np.stack([rng.choice(a.layer_experts, K, replace=False) for _ in range(t)])  # [T, K]
+    distinct = np.unique(chosen)
+    if a.experts > distinct.size:
+        raise SystemExit(f"the {t} rows chose {distinct.size} distinct experts: --experts {a.experts} is more")
+    taken = np.isin(chosen, distinct[: a.experts]).reshape(-1)  # every pair of the CPU's experts
+    row[ho.IDS : ho.IDS + t * K] = chosen.reshape(-1)
+    row[ho.IDS + lay.pairs : ho.IDS + lay.pairs + t * K] = taken
+    row[ho.HDR_TAKE] = int(taken.sum())
+    row[ho.HDR_ROWS] = t
+    cm._boxf[0, ho.IDS + 2 * lay.pairs : ho.IDS + 2 * lay.pairs + t * K] = 0.1
+    cm.box[0, lay.x : lay.x + t * D].view(torch.float32).copy_(torch.randn(t * D))
     ce = cm.layers[0]
-    ids, w = np.arange(c), np.full(c, 0.1, np.float32)
-    x, y = np.random.default_rng(0).standard_normal(D).astype(np.float32), np.zeros(D, np.float32)
+    ids, tok = chosen.reshape(-1)[taken], np.flatnonzero(taken) // K
+    w = np.full(ids.size, 0.1, np.float32)
+    x, y = np.random.default_rng(0).standard_normal((t, D)).astype(np.float32), np.zeros((t, D), np.float32)
 
     def serve() -> None:
         row[ho.HDR_REQ] += 1
         cm._serve(0)
 
-    def kernels() -> None:  # the request's experts and their weighted sum, outside the mailbox
-        ce.mix_into(ids, w, x, y)
+    def kernels() -> None:  # the request's experts and their weighted sums, outside the mailbox
+        ce.mix_rows(ids, tok, w, x, y)
 
     res = {
         "what": __doc__.split("\n\n")[0],
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
         "kernels": list(ce.kernels),
-        "experts_in_request": c,
+        "experts_in_request": a.experts,
+        "rows": t,
+        "pairs_in_request": int(taken.sum()),
         "us_serve": _us(serve, a.reps),
         "us_kernels_alone": _us(kernels, a.reps),
     }

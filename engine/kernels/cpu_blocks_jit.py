@@ -17,6 +17,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 ROWS_PER_TASK = 16  # weight rows per parallel task
+# a batched step's rows are rounded to 8 bits in a parallel loop from this many on (fewer: on one thread, as a
+# parallel region's start and end cost about what rounding 2-3 rows does)
+PARALLEL_ROWS = 4
 PREFETCH = 1024  # bytes ahead of the block being read
 
 # codes of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl) and of MXFP4 (e2m1 values times 2)
@@ -1120,7 +1123,11 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, box, boxf, 
     xq = np.empty((n_tok, d), np.int8)
     xd = np.empty((n_tok, d // 32), np.float32)
     xs = np.empty((n_tok, d // 16), np.int32)
-    quantize(x, xq, xd, xs)
+    if n_tok >= PARALLEL_ROWS:  # a batched step's rows side by side
+        for r in nb.prange(n_tok):
+            quantize(x[r : r + 1], xq[r : r + 1], xd[r : r + 1], xs[r : r + 1])
+    else:
+        quantize(x, xq, xd, xs)
     in_ir = _in_ir(kinds[0]) and _in_ir(kinds[1]) and _in_ir(kinds[2])
     h = np.empty((nt, f), np.float32)
     hu = np.empty((nt, f) if in_ir else (0, 0), np.float32)
@@ -1168,7 +1175,11 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, box, boxf, 
     hq = np.empty((nt, f), np.int8)
     hd = np.empty((nt, f // 32), np.float32)
     hs = np.empty((nt, f // 16), np.int32)
-    quantize(h, hq, hd, hs)
+    if nt >= 2 * PARALLEL_ROWS:
+        for r in nb.prange(nt):
+            quantize(h[r : r + 1], hq[r : r + 1], hd[r : r + 1], hs[r : r + 1])
+    else:
+        quantize(h, hq, hd, hs)
     for t in nb.prange((d + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         if in_ir:  # each pair's rows of the task in one IR loop; the pairs added in the same order as below
             n0 = t * ROWS_PER_TASK

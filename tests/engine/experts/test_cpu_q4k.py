@@ -95,6 +95,32 @@ def test_rows_of_a_step_match_each_token_alone(layer, layer_q6k_down, down: str)
         k.mix_rows(ids, tok + 1, w, x, out)
 
 
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q8_0])
+def test_a_step_of_eight_rows_matches_each_row_alone(layer, qt: QT) -> None:
+    """Eight rows of three experts each (24 pairs): the rows' and the experts' hidden rows are rounded to 8 bits in
+    parallel loops there, on one thread for a single row; the bits are the same."""
+    raws = (
+        layer[0]
+        if qt == QT.Q4_K
+        else [_store(F, D, 5, qt)[0], _store(F, D, 6, qt)[0], _store(D, F, 7, qt)[0]]
+    )
+    qts = [
+        QTensor(torch.from_numpy(r), qt, s)
+        for r, s in zip(raws, [(E, F, D), (E, F, D), (E, D, F)], strict=True)
+    ]
+    kernels = CpuExperts.in_place_kernels(*qts, "silu")
+    rng = np.random.default_rng(11)
+    ids = np.concatenate([rng.choice(E, 3, replace=False) for _ in range(8)])
+    tok, w = np.repeat(np.arange(8), 3), rng.uniform(0.1, 0.5, 24).astype(np.float32)
+    x = rng.standard_normal((8, D)).astype(np.float32)
+    out = np.full((8, D), np.nan, np.float32)
+    kernels.mix_rows(ids, tok, w, x, out)
+    for t in range(8):
+        alone = np.full(D, np.nan, np.float32)
+        kernels.mix(ids[tok == t], w[tok == t], x[t], alone)
+        assert np.array_equal(out[t], alone)
+
+
 def test_no_experts_gives_zeros_and_bad_input_says_what(layer) -> None:
     raws, _ = layer
     k = cpu_q4k.Q4KExperts(*raws, d=D, f=F)
