@@ -62,7 +62,9 @@ def main() -> None:
     chosen = np.stack([rng.choice(a.layer_experts, K, replace=False) for _ in range(t)])  # [T, K]
     distinct = np.unique(chosen)
     if a.experts > distinct.size:
-        raise SystemExit(f"the {t} rows chose {distinct.size} distinct experts: --experts {a.experts} is more")
+        raise SystemExit(
+            f"the {t} rows chose {distinct.size} distinct experts: --experts {a.experts} is more"
+        )
     taken = np.isin(chosen, distinct[: a.experts]).reshape(-1)  # every pair of the CPU's experts
     row[ho.IDS : ho.IDS + t * K] = chosen.reshape(-1)
     row[ho.IDS + lay.pairs : ho.IDS + lay.pairs + t * K] = taken
