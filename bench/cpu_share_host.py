@@ -1,12 +1,16 @@
 """What the host adds around its experts when it answers a decode step's request (`--cpu-experts`): one mailbox
 request of c Qwen3-30B-A3B experts (gate/up 768x2048, down 2048x768, random Q4_K) answered by
-`CpuMisses._serve`, against the same pairs computed and summed outside the mailbox (`CpuExperts.mix_rows`).
+`CpuMisses.serve_posts` (one call without the GIL, or request by request from Python with
+STRATA_CPU_STEP_SERVE=0), against the same pairs computed and summed outside the mailbox (`CpuExperts.mix_rows`).
 Runs on a CPU-only machine (the mailbox is then plain memory): the host side does the same work either way.
 
 A batched step (`--rows T`, e.g. 8 clients): T rows each choosing K of `--layer-experts` experts at random (seeded),
 the CPU taking every pair of `--experts` of the distinct experts chosen.
 
-python bench/cpu_share_host.py [--threads N] [--experts 2] [--rows 1] [--layer-experts 8] [--out F.json]"""
+A step of several layers (`--layers L`): L mailboxes, each with the same request, answered by one `serve_posts`
+(us_serve is then a request's share).
+
+python bench/cpu_share_host.py [--threads N] [--experts 2] [--rows 1] [--layer-experts 8] [--layers 1] [--out F]"""
 
 import argparse
 import os
@@ -50,12 +54,16 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=2, help="experts in the request (the CPU's c of 8)")
     ap.add_argument("--rows", type=int, default=1, help="rows of the step (decode rows of that many slots)")
     ap.add_argument("--layer-experts", type=int, default=8, help="experts of the layer (Qwen3-30B-A3B: 128)")
+    ap.add_argument("--layers", type=int, default=1, help="layers a step posts (each the same request)")
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    cache = ExpertCache({0: _layer(a.layer_experts)}, torch.device("cpu"), {0: 0})
+    one = _layer(a.layer_experts)
+    cache = ExpertCache(
+        {i: one for i in range(a.layers)}, torch.device("cpu"), {i: 0 for i in range(a.layers)}
+    )
     cm = CpuMisses(cache, 1.0, K, "silu", ratio=1.0)
     row, lay, t = cm._box[0], cm.layout, a.rows
     rng = np.random.default_rng(0)
@@ -77,9 +85,14 @@ def main() -> None:
     w = np.full(ids.size, 0.1, np.float32)
     x, y = np.random.default_rng(0).standard_normal((t, D)).astype(np.float32), np.zeros((t, D), np.float32)
 
-    def serve() -> None:
-        row[ho.HDR_REQ] += 1
-        cm._serve(0)
+    cm._box[1:] = row  # every layer's mailbox the same request
+    posts = list(range(a.layers))
+
+    def serve() -> (
+        None
+    ):  # a replayed step's posts, all made: the server's path (STRATA_CPU_STEP_SERVE picks it)
+        cm._box[:, ho.HDR_REQ] += 1
+        cm.serve_posts(posts)
 
     def kernels() -> None:  # the request's experts and their weighted sums, outside the mailbox
         ce.mix_rows(ids, tok, w, x, y)
@@ -92,8 +105,10 @@ def main() -> None:
         "experts_in_request": a.experts,
         "rows": t,
         "pairs_in_request": int(taken.sum()),
-        "us_serve": _us(serve, a.reps),
+        "layers": a.layers,
+        "us_serve": _us(serve, a.reps) / a.layers,
         "us_kernels_alone": _us(kernels, a.reps),
+        "step_server": cm._fast is not None,
     }
     res["us_host_beyond_kernels"] = res["us_serve"] - res["us_kernels_alone"]
     emit(res, a.out)

@@ -218,6 +218,8 @@ ENVIRONMENT: dict[str, str] = {
     "STRATA_BATCHED_GEMV": "0: each decode row of a step gets its own GEMV launches, not the batched ones (runtime_switches)",
     "STRATA_STEP_OVERLAP": "0: --parallel reads each step's tokens before the next step starts (runtime_switches)",
     "STRATA_PDL": "0: the decode kernels launch one after another, not early (sm_90+; runtime_switches)",
+    "STRATA_CPU_STEP_SERVE": "0: the CPU answers a decode step's expert requests one by one from Python, not in one "
+    "call without the GIL (runtime_switches)",
     "STRATA_ROUTE_RECORD": "N: record the first N tokens' routing (profile --trace sets it; runtime_switches)",
     "STRATA_STAGE_TOKEN": "the shared secret of a hand-started stage link (engine/link/keys.py)",
     "STRATA_STAGE_SECRET_KEY": "a worker's own key, from its node agent (engine/link/keys.py)",
@@ -244,6 +246,9 @@ class RuntimeSwitches:
     batched_gemv: bool = True  # engine/kernels/gemv.py rows_config; 0: each row of a step its own programs
     step_overlap: bool = True  # engine/pipeline/batch.py: a step's tokens read while the next step runs (GPU)
     pdl: bool = True  # engine/kernels/launch.py: kernels launched early (sm_90 and later); 0: one by one
+    cpu_step_serve: bool = (
+        True  # engine/experts/cpu_misses.py: a step's CPU requests in one call without the GIL
+    )
 
 
 # --cpu-weights-mib's automatic budget: a quarter of the RAM, at most 8 GiB (a small default model fits whole; a big
@@ -263,7 +268,7 @@ def int8_activations(env: Mapping[str, str] | None = None) -> bool:
 
 def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
     """STRATA_ACTIVATIONS, STRATA_NORM_ROUTE, STRATA_PROMPT_GRAPHS, STRATA_GEMV_TUNED, STRATA_ROWS_GEMM,
-    STRATA_FLASH_PREFILL, STRATA_BATCHED_GEMV, STRATA_STEP_OVERLAP, STRATA_PDL and the routing trace's two, read now (a switch set while the process runs takes effect at the next read)."""
+    STRATA_FLASH_PREFILL, STRATA_BATCHED_GEMV, STRATA_STEP_OVERLAP, STRATA_PDL, STRATA_CPU_STEP_SERVE and the routing trace's two, read now (a switch set while the process runs takes effect at the next read)."""
     e = os.environ if env is None else env
     return RuntimeSwitches(
         activations="int8" if int8_activations(e) else "float",
@@ -277,6 +282,7 @@ def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
         batched_gemv=e.get("STRATA_BATCHED_GEMV", "1") != "0",
         step_overlap=e.get("STRATA_STEP_OVERLAP", "1") != "0",
         pdl=e.get("STRATA_PDL", "1") != "0",
+        cpu_step_serve=e.get("STRATA_CPU_STEP_SERVE", "1") != "0",
     )
 
 

@@ -16,7 +16,12 @@ The host side runs on the thread that launches the step, not on a thread of its 
 (or a layer's launches are queued) that thread has nothing else to do, and the CPU kernels then use its thread
 team. A second thread would bring a second team, and with more OpenMP threads than cores libgomp stops spinning
 between parallel regions, so that each kernel call woke sleeping threads (on an H200's 16-core host, torch's
-kernels: 270-380 us an expert from a second thread, 150-160 us from the launching one)."""
+kernels: 270-380 us an expert from a second thread, 150-160 us from the launching one).
+
+Where every held layer is read in place, a replayed step's requests are answered by one call of
+engine.experts.cpu_q4k.StepServer: it polls, computes and answers them all in Numba without holding the GIL, so
+the process's other threads (the HTTP server's, a second stage's) run meanwhile and no Python runs between a post
+and its answer (STRATA_CPU_STEP_SERVE=0: request by request from Python)."""
 
 import logging
 import time
@@ -30,8 +35,11 @@ import torch
 
 from engine.experts.cache import MAX_STEP_ROWS
 from engine.experts.cpu_experts import CpuExperts
+from engine.experts.cpu_q4k import ST_AT, ST_BAD, ST_BAD_ROW, ST_CYCLES, ST_PAIRS, StepServer
 from engine.experts.share_tuner import ShareTuner, nested_turn
 from engine.kernels import cpu_handoff as ho
+from engine.kernels.cpu_blocks import box_pairs, check_pairs
+from installer.engine_options import runtime_switches
 
 if TYPE_CHECKING:
     from engine.experts.cache import ExpertCache
@@ -133,6 +141,21 @@ class CpuMisses:
                 scratch[self._at[1]] = 1  # one pair taken (expert 0, weight 0): the whole path runs once
                 ce.serve_box(scratch, scratch.view(np.float32), self._at, k, k, np.zeros((1, d), np.float32),
                              np.zeros((1, d), np.float32))  # fmt: skip
+        self._fast = self._step_server()
+
+    def _step_server(self) -> StepServer | None:
+        """A step's requests answered in one call without the GIL, where every held layer is read in place (else,
+        or with STRATA_CPU_STEP_SERVE=0, request by request from Python)."""
+        kernels = [self.layers[li].q4k for li in self._layer_of]
+        if not kernels or any(kn is None for kn in kernels) or not runtime_switches().cpu_step_serve:
+            return None
+        lay = self.layout
+        fast = StepServer(kernels, (lay.pairs, lay.x, lay.answer, lay.y, self.k, self.max_rows, ho.HDR_REQ,
+                                    ho.HDR_TAKE, ho.HDR_ROWS, ho.IDS), self.layers[self._layer_of[0]].f, self.d)  # fmt: skip
+        t0 = time.perf_counter()
+        fast.serve(self._box, self._done, np.zeros(0, np.int64), 0)  # compiled once per process
+        log.debug("the CPU's step server compiled in %.1f s", time.perf_counter() - t0)
+        return fast
 
     # -- the device side, from the decode step --------------------------------------------------------------------
 
@@ -180,7 +203,10 @@ class CpuMisses:
         r = self.rows[li]
         eager = self.cache.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
         if eager:
-            self._serve_when_posted(r)
+            if self._fast is not None:
+                self._serve_fast([r])
+            else:
+                self._serve_when_posted(r)
         ho.collect(out, self.claim[r, : out.shape[0] * self.k], self.cnt[r : r + 1], self.box[r], self.layout)
         if eager:
             self.check()
@@ -199,9 +225,59 @@ class CpuMisses:
         """After a captured step is replayed: answer its requests (`posts`, recorded at its capture), in order."""
         if not posts:
             return
-        for r in posts:
-            self._serve_when_posted(r)
+        if self._fast is not None:
+            self._serve_fast(posts)
+        else:
+            for r in posts:
+                self._serve_when_posted(r)
         self.check()
+
+    def _serve_fast(self, posts: Sequence[int]) -> None:
+        """Answer `posts` in order through the step server (no GIL while it polls and computes)."""
+        fast, arr = self._fast, np.asarray(posts, dtype=np.int64)
+        assert fast is not None
+        st = fast.state
+        pairs0, cycles0 = int(st[ST_PAIRS]), int(st[ST_CYCLES])
+        seen, since, i = time.perf_counter(), time.monotonic(), 0
+        while i < arr.size:
+            st[ST_AT] = i  # the post a failure leaves unanswered (the kernel loop moves it on)
+            try:
+                i = fast.serve(self._box, self._done, arr, i)
+            except (
+                BaseException
+            ) as e:  # a kernel raised: its request is answered with zeros, check() raises it
+                at = int(st[ST_AT])
+                self.error = e
+                self._answer_zeros(int(arr[at]))
+                i = at + 1
+                continue
+            if st[ST_BAD]:
+                r = int(st[ST_BAD_ROW])
+                t = min(max(int(self._box[r, ho.HDR_ROWS]), 1), self.max_rows)
+                try:
+                    ce = self.layers[self._layer_of[r]].q4k
+                    check_pairs(int(st[ST_BAD]), *box_pairs(self._box[r], self._at, t * self.k, self.k),
+                                ce.n_experts if ce is not None else 0, t)  # fmt: skip
+                except ValueError as e:
+                    self.error = e
+                st[ST_BAD] = 0
+            if i < arr.size and time.monotonic() - since > _IDLE_S:
+                raise RuntimeError(f"the GPU did not post layer {self._layer_of[int(arr[i])]}'s experts for the CPU "
+                                   f"within {_IDLE_S:.0f} s")  # fmt: skip
+        first = next(iter(self.rows.values()), -1)  # the first held layer's row (drop may change it)
+        if arr[0] == first:
+            self._tune(seen, int(self._box[first, ho.HDR_ROWS]))
+        self.served[0] += arr.size
+        self.served[1] += int(st[ST_PAIRS]) - pairs0
+        self.served[2] += (int(st[ST_CYCLES]) - cycles0) / fast.hz
+
+    def _answer_zeros(self, r: int) -> None:
+        """Answer mailbox row r's request with zero sums (its kernel failed: the device must not wait)."""
+        row = self._box[r]
+        seq = int(row[ho.HDR_REQ])
+        self._y[r][:] = 0.0
+        row[self.answer] = seq
+        self._done[r] = seq
 
     def drop(self, li: int) -> None:
         """Layer li's experts compute what the CPU's kernels do not (biases, a family's own activation): its

@@ -19,6 +19,7 @@ Numba compiles the kernels on first use (~5 s; cached on disk afterwards). Witho
 and F16C, `available()` says why and engine/experts/cpu_experts.py falls back to torch's kernel on a repacked copy."""
 
 import logging
+import time
 
 import numpy as np
 
@@ -33,9 +34,13 @@ ROWS_PER_TASK = 16  # output rows per parallel task: enough work per task to hid
 # One request at a time in the process: the stages of a split each answer their own card's requests, and Numba's
 # fallback thread pool (workqueue, where neither OpenMP nor TBB is found) aborts on concurrent parallel launches.
 _LOCK = cpu_blocks.LOCK
+# StepServer.state: pairs computed, the kernels' cycles, the post in progress, the last failing kernel's error code
+# and its mailbox row
+ST_PAIRS, ST_CYCLES, ST_AT, ST_BAD, ST_BAD_ROW = 0, 1, 2, 3, 4
 
 
 available = cpu_blocks.available  # Numba, and a CPU with AVX2 and F16C: the same probe as the dense kernels
+_NO_KINDS = np.zeros(3, np.int64)
 
 
 def _kernels():
@@ -88,6 +93,11 @@ class Q4KExperts:
                                 tok, w, np.ascontiguousarray(x, dtype=np.float32), out)  # fmt: skip
         cpu_blocks.check_pairs(bad, ids, tok, self.n_experts, x.shape[0])
 
+    def step_args(self) -> tuple:
+        """What StepServer takes of these kernels: (Q4_K kernels, gate, up, down blocks, down in Q6_K, kinds, row
+        bytes; the last two the block kernels' only)."""
+        return True, self._g, self._u, self._d, self.down_q6k, _NO_KINDS, _NO_KINDS[:2]
+
     def serve_box(self, box: np.ndarray, boxf: np.ndarray, at: tuple[int, int, int], n: int, k: int,
                   x: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
         """A decode step's request in a mailbox row, answered in one kernel call (cpu_blocks.BlockExperts.serve_box
@@ -97,3 +107,41 @@ class Q4KExperts:
                                 *cpu_blocks.NO_PAIRS, x, out)  # fmt: skip
         if bad:
             cpu_blocks.check_pairs(bad, *cpu_blocks.box_pairs(box, at, n, k), self.n_experts, x.shape[0])
+
+
+class StepServer:
+    """A decode step's mailbox requests (engine/experts/cpu_misses.py) answered in one Numba call that holds no GIL:
+    the polling, every request's kernels and the answers, so the process's other threads (the HTTP server, a
+    second stage) run meanwhile, and a request costs no Python between the device's post and the host's answer.
+    `kernels`: each mailbox row's layer's (Q4KExperts or cpu_blocks.BlockExperts), all of one width."""
+
+    def __init__(self, kernels: "list[Q4KExperts | cpu_blocks.BlockExperts]", lay: tuple[int, ...], f: int,
+                 d: int) -> None:  # fmt: skip
+        j = _kernels()
+        args = [k.step_args() for k in kernels]
+        self._jit = j
+        self.lay = np.array(lay, np.int64)
+        self.q4k = np.array([a[0] for a in args], np.bool_)
+        self.gates, self.ups, self.downs = (j.typed_arrays([a[i] for a in args]) for i in (1, 2, 3))
+        self.q6k = np.array([a[4] for a in args], np.bool_)
+        self.kinds = np.stack([a[5] for a in args]).astype(np.int64)
+        self.row_bytes = np.stack([np.asarray(a[6], np.int64) for a in args])
+        self.f, self.d, self.f16 = f, d, j.BLOCKS_F16
+        self.state = np.zeros(5, np.int64)
+        # the cycle counter's rate, for the time spent in the kernels
+        c0, t0 = j.read_cycles(), time.perf_counter()
+        time.sleep(0.005)
+        self.hz = (j.read_cycles() - c0) / (time.perf_counter() - t0)
+        # with Numba's own thread pool (no OpenMP or TBB) parallel calls from two threads abort: one at a time, and
+        # short turns then (another stage's thread takes the lock between them)
+        self._one_at_a_time = j.one_at_a_time()
+        self.spin_s = 0.0002 if self._one_at_a_time else 0.05
+
+    def serve(self, box: np.ndarray, done: np.ndarray, posts: np.ndarray, first: int) -> int:
+        """Answer posts[first:] (cpu_q4k_jit.serve_step) -> the index of the first not answered (len(posts): all)."""
+        args = (box, done, posts, first, int(self.spin_s * self.hz), self.lay, self.q4k, self.gates, self.ups,
+                self.downs, self.q6k, self.kinds, self.row_bytes, self.f, self.d, self.f16, self.state)  # fmt: skip
+        if self._one_at_a_time:
+            with _LOCK:
+                return self._jit.serve_step(*args)
+        return self._jit.serve_step(*args)

@@ -1,5 +1,6 @@
 """The Numba kernels of engine/experts/cpu_q4k.py, imported only where Numba is installed and the CPU has AVX2
-(that module says why not otherwise). Compiled on first use and cached on disk."""
+(that module says why not otherwise). Compiled on first use and cached on disk; serve_step, which answers a decode
+step's mailbox requests with these kernels or the block kernels, is compiled once per process (not cached)."""
 
 import numba as nb
 import numpy as np
@@ -7,8 +8,21 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from numba.typed import List as TypedList
 
-from engine.experts.cpu_q4k import BLOCK_BYTES, Q6K_BYTES, QK, ROWS_PER_TASK
+from engine.experts.cpu_q4k import (
+    BLOCK_BYTES,
+    Q6K_BYTES,
+    QK,
+    ROWS_PER_TASK,
+    ST_AT,
+    ST_BAD,
+    ST_BAD_ROW,
+    ST_CYCLES,
+    ST_PAIRS,
+)
+from engine.kernels.cpu_blocks_jit import F16 as BLOCKS_F16  # noqa: F401  (StepServer passes it to serve_step)
+from engine.kernels.cpu_blocks_jit import mix as blocks_mix
 
 PARALLEL_ROWS = 4  # as in engine/kernels/cpu_blocks_jit.py
 
@@ -300,3 +314,135 @@ def mix(gate, up, down, down_q6k, f, d, box, boxf, at_ids, at_take, at_w, n_box,
                 r = (u64(ids[j]) * u64(d) + u64(n)) * rb2
                 out[tok[j], n] += ws[j] * row_dot(down, r, f // QK, hq[j], hd[j], hs[j], hs16[j], down_q6k)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A decode step's mailbox requests answered in one call that holds no GIL (engine/experts/cpu_misses.py)
+
+
+def _item_ptr(context, builder, aryty, ary, idx):
+    a = context.make_array(aryty)(context, builder, ary)
+    return cgutils.get_item_pointer(context, builder, aryty, a, [idx])
+
+
+@intrinsic
+def load_acquire(typingctx, arr, idx):
+    """arr[idx] (int32) read with acquire order: neither hoisted out of a polling loop nor passed by a later read
+    (the device writes the mailbox while the host polls it)."""
+    sig = types.int32(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(
+            _item_ptr(context, builder, signature.args[0], args[0], args[1]), "acquire", 4
+        )
+
+    return sig, codegen
+
+
+@intrinsic
+def store_release(typingctx, arr, idx, val):
+    """arr[idx] = val (int32) with release order: every write before it is seen first (the sums before the answer)."""
+    sig = types.void(arr, idx, val)
+
+    def codegen(context, builder, signature, args):
+        v = context.cast(builder, args[2], signature.args[2], types.int32)
+        builder.store_atomic(
+            v, _item_ptr(context, builder, signature.args[0], args[0], args[1]), "release", 4
+        )
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def cycles(typingctx):
+    """The CPU's cycle counter (for the time spent in the kernels; cpu_misses converts it)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.call(_fn(builder, "llvm.readcyclecounter", i64, []), [])
+
+    return types.int64(), codegen
+
+
+@intrinsic
+def spin_pause(typingctx):
+    """x86's pause: a polling loop's hint to the core (and its other hardware thread)."""
+
+    def codegen(context, builder, signature, args):
+        builder.call(_fn(builder, "llvm.x86.sse2.pause", ir.VoidType(), []), [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+# not cached: it calls the parallel kernels, and a cached caller of them crashed when it was loaded (see mix)
+@nb.njit(nogil=True)
+def serve_step(
+    box, done, posts, first, spin_cycles, lay, q4k, gates, ups, downs, q6k, kinds, row_bytes, f, d, f16, state
+):
+    """Answer mailbox rows posts[first:] in order, each once the device has raised its request number: its taken
+    pairs (read from the row) computed by the row's layer's kernels into the row's sums, then its answer number,
+    last. box: the mailboxes, int32 [rows, words] (pinned: the device reads and writes them); done int32 [rows]: the
+    last request number answered per row; lay int64: (pairs a row holds, first word of the inputs, the answer, the
+    sums, slots a row k, most rows a step, request, taken count, rows, ids); per mailbox row: q4k (the Q4_K kernels,
+    else the block kernels), the expert blocks gates/ups/downs (typed lists of flat uint8 arrays), q6k, kinds and
+    row_bytes (the block kernels'). -> the index of the first post not answered: len(posts) once all are, less
+    where the device has not raised a number within `spin_cycles` (the caller checks the time and calls again).
+    A kernel that fails (an id out of range) answers with zeros and leaves its code in state."""
+    pm, x_at, ans_at, y_at, k, most = lay[0], lay[1], lay[2], lay[3], lay[4], lay[5]
+    req_at, take_at, rows_at, ids_at = lay[6], lay[7], lay[8], lay[9]
+    words = box.shape[1]
+    flat = box.reshape(-1)
+    boxf = box.view(np.float32)
+    none_i, none_w = np.zeros(0, np.int64), np.zeros(0, np.float32)
+    for i in range(first, posts.shape[0]):
+        r = posts[i]
+        c0 = cycles()
+        while load_acquire(flat, r * words + req_at) == done[r]:
+            if cycles() - c0 > spin_cycles:
+                return i
+            spin_pause()
+        seq = box[r, req_at]
+        t = min(max(box[r, rows_at], 1), most)
+        state[ST_AT] = i
+        c0 = cycles()
+        row, rowf = box[r], boxf[r]
+        x = rowf[x_at : x_at + t * d].reshape((t, d))
+        y = rowf[y_at : y_at + t * d].reshape((t, d))
+        if q4k[r]:
+            bad = mix(gates[r], ups[r], downs[r], q6k[r], f, d, row, rowf, ids_at, ids_at + pm, ids_at + 2 * pm,
+                      t * k, k, none_i, none_i, none_w, x, y)  # fmt: skip
+        else:
+            bad = blocks_mix(gates[r], ups[r], downs[r], kinds[r], row_bytes[r, 0], row_bytes[r, 1], f, d, row,
+                             rowf, ids_at, ids_at + pm, ids_at + 2 * pm, t * k, k, none_i, none_i, none_w, x, y,
+                             f16)  # fmt: skip
+        if bad:
+            y[:] = 0.0
+            state[ST_BAD], state[ST_BAD_ROW] = bad, r
+        state[ST_CYCLES] += cycles() - c0
+        state[ST_PAIRS] += box[r, take_at]
+        store_release(flat, r * words + ans_at, seq)
+        done[r] = seq
+    return posts.shape[0]
+
+
+@nb.njit(cache=True)
+def read_cycles():
+    return cycles()
+
+
+def one_at_a_time() -> bool:
+    """Whether parallel kernels must not be called from two threads at once: Numba's own thread pool (no OpenMP or
+    TBB found) aborts then. Asked after a parallel kernel has run (the layer is chosen at the first)."""
+    try:
+        return nb.threading_layer() == "workqueue"
+    except ValueError:  # no parallel kernel has run yet: assume the worst
+        return True
+
+
+def typed_arrays(arrays):
+    """A Numba typed list of these arrays (serve_step's per-row blocks)."""
+    out = TypedList()
+    for a in arrays:
+        out.append(a)
+    return out

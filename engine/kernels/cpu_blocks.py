@@ -225,6 +225,10 @@ class BlockExperts:
                         ids, tok, w, np.ascontiguousarray(x, dtype=np.float32), out, j.F16)  # fmt: skip
         check_pairs(bad, ids, tok, self.n_experts, x.shape[0])
 
+    def step_args(self) -> tuple:
+        """What engine.experts.cpu_q4k.StepServer takes of these kernels (its Q4KExperts.step_args's order)."""
+        return False, self._g, self._u, self._d, False, self._kinds, np.array(self._rb, np.int64)
+
     def serve_box(self, box: np.ndarray, boxf: np.ndarray, at: tuple[int, int, int], n: int, k: int,
                   x: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
         """A decode step's request in a mailbox row (engine/experts/cpu_misses.py), answered in one kernel call:

@@ -557,9 +557,14 @@ def _expert_ref(ew: "object", e: int, x: torch.Tensor) -> torch.Tensor:
     return dn @ (torch.nn.functional.silu(g @ x64) * (u @ x64))
 
 
-def test_cpu_share_of_misses_goes_through_the_mailbox(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("step_server", [True, False])
+def test_cpu_share_of_misses_goes_through_the_mailbox(
+    monkeypatch: pytest.MonkeyPatch, step_server: bool
+) -> None:
     """--cpu-experts: the post launch gives the CPU round(ratio * misses) of the missed slots it holds, writes them
-    to the mailbox and raises its number; the host answers with their weighted sum; collect adds it."""
+    to the mailbox and raises its number; the host answers with their weighted sum (through the step server, or
+    request by request from Python with STRATA_CPU_STEP_SERVE=0); collect adds it."""
+    monkeypatch.setenv("STRATA_CPU_STEP_SERVE", "1" if step_server else "0")
     from engine.experts.cache import ExpertCache
     from engine.experts.cpu_misses import CpuMisses
     from engine.kernels import cpu_handoff as ho
@@ -598,13 +603,17 @@ def test_cpu_share_of_misses_goes_through_the_mailbox(monkeypatch: pytest.Monkey
     assert cm.post(0, ids.repeat(17, 1), w.repeat(17, 1), x.repeat(17, 1)) is None  # over 16 rows: the GPU's
     # a failing CPU kernel is answered with zeros (the device is never left waiting), and the caller hears
     cm.set_ratio(1.0)
-    ce = cm.layers[0]
-    working = ce.serve_box
+    assert (cm._fast is not None) == step_server  # every held layer is read in place
+    failing = cm._fast if cm._fast is not None else cm.layers[0]
+    working = failing.serve if cm._fast is not None else failing.serve_box
 
     def broken(*args: object) -> None:
         raise MemoryError("no room")
 
-    ce.serve_box = broken  # type: ignore[method-assign]
+    if cm._fast is not None:
+        cm._fast.serve = broken  # type: ignore[method-assign]
+    else:
+        failing.serve_box = broken  # type: ignore[method-assign]
     cm.post(0, ids, w, x)
     out = torch.zeros(1, d)
     with pytest.raises(RuntimeError, match=r"computing experts on the CPU failed.*no room"):
@@ -613,7 +622,10 @@ def test_cpu_share_of_misses_goes_through_the_mailbox(monkeypatch: pytest.Monkey
     assert cm.box[0, cm.answer].item() == cm.box[0, ho.HDR_REQ].item()  # answered all the same
     # a request the host never answered: the device gives up (marked -1 in the mailbox, shortened here), the
     # caller hears, and the next step is answered normally
-    ce.serve_box = working  # type: ignore[method-assign]
+    if cm._fast is not None:
+        cm._fast.serve = working  # type: ignore[method-assign]
+    else:
+        failing.serve_box = working  # type: ignore[method-assign]
     monkeypatch.setattr(ho, "WAIT_LIMIT", 5)
     cm.post(0, ids, w, x)
     # the device's side only

@@ -207,6 +207,77 @@ def test_a_mailbox_request_is_answered_as_the_pairs_alone(
             ce.serve_box(box, boxf, at, t * k, k, x, y)
 
 
+def test_the_step_server_answers_each_post_as_it_comes_without_the_gil(layer) -> None:
+    """StepServer (the mailbox path of engine/experts/cpu_misses.py): a "device" thread posts each layer's request
+    in turn and waits for its answer, as a decode step's launches do; one serve call answers them all, each with
+    the bits of the request answered alone (serve_box), a Q4_K layer and a Q8_0 one (the block kernels) alike.
+    The poster is a Python thread: it can post only while the server's polling holds no GIL (the server would
+    otherwise spin out its whole budget, set to 30 s here, before anyone posted)."""
+    import threading
+    import time
+
+    q8 = [_store(F, D, 5, QT.Q8_0)[0], _store(F, D, 6, QT.Q8_0)[0], _store(D, F, 7, QT.Q8_0)[0]]
+    kernels = []
+    for raws, qt in ((layer[0], QT.Q4_K), (q8, QT.Q8_0)):
+        qts = [QTensor(torch.from_numpy(r), qt, sh) for r, sh in zip(raws, [(E, F, D), (E, F, D), (E, D, F)], strict=True)]  # fmt: skip
+        kernels.append(CpuExperts.in_place_kernels(*qts, "silu"))
+    k, most = 2, 3
+    pm = most * k
+    x_at, ans_at = 32, 32 + most * D
+    y_at = ans_at + 16
+    words = y_at + most * D
+    REQ, TAKE, ROWS, IDS = 0, 2, 4, 8
+    rng = np.random.default_rng(5)
+    posts, want = [], []  # each step's two requests, made (and answered alone) before the server starts
+    for _ in range(3):
+        for r in range(2):
+            t = int(rng.integers(1, most + 1))
+            row = np.zeros(words, np.int32)
+            row[IDS : IDS + t * k] = rng.integers(0, E, t * k)
+            taken = rng.integers(0, 2, t * k)
+            taken[0] = 1
+            row[IDS + pm : IDS + pm + t * k] = taken
+            rowf = row.view(np.float32)
+            rowf[IDS + 2 * pm : IDS + 2 * pm + t * k] = rng.uniform(0.1, 0.5, t * k)
+            rowf[x_at : x_at + t * D] = rng.standard_normal(t * D)
+            row[ROWS], row[TAKE] = t, int(taken.sum())
+            y = np.zeros((t, D), np.float32)
+            kernels[r].serve_box(row, rowf, (IDS, IDS + pm, IDS + 2 * pm), t * k, k, rowf[x_at : x_at + t * D].reshape(t, D), y)  # fmt: skip
+            posts.append(row)
+            want.append(y)
+    server = cpu_q4k.StepServer(kernels, (pm, x_at, ans_at, y_at, k, most, REQ, TAKE, ROWS, IDS), F, D)
+    server.spin_s = 30.0
+    box, done = np.zeros((2, words), np.int32), np.zeros(2, np.int32)
+    boxf = box.view(np.float32)
+    got, failed = [], []
+
+    def device() -> None:
+        try:
+            for step in range(1, 4):
+                for r in range(2):
+                    time.sleep(0.01)  # the layers before this one
+                    row = posts[2 * (step - 1) + r]
+                    box[r, 1:] = row[1:]
+                    box[r, REQ] = step  # posted, last
+                    until = time.monotonic() + 20
+                    while box[r, ans_at] != step:
+                        assert time.monotonic() < until, "no answer"
+                    t = int(row[ROWS])
+                    got.append(boxf[r, y_at : y_at + t * D].reshape(t, D).copy())
+        except BaseException as e:
+            failed.append(e)
+
+    poster = threading.Thread(target=device)
+    t0 = time.monotonic()
+    poster.start()
+    for _ in range(3):
+        assert server.serve(box, done, np.array([0, 1]), 0) == 2
+    poster.join(timeout=30)
+    assert not failed and time.monotonic() - t0 < 20  # 30 s of spinning a post had the GIL been held
+    assert len(got) == 6 and all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    assert done.tolist() == [3, 3] and server.state[cpu_q4k.ST_PAIRS] == sum(int(r[TAKE]) for r in posts)
+
+
 def test_cpu_misses_by_default_takes_the_layers_read_in_place_only() -> None:
     """--cpu-experts left out: the CPU computes every host-RAM expert of the Q4_K layers (no copy) and nothing of
     the others, which would need a repacked copy; given a fraction, it takes both kinds."""
