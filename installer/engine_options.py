@@ -246,9 +246,8 @@ class RuntimeSwitches:
     batched_gemv: bool = True  # engine/kernels/gemv.py rows_config; 0: each row of a step its own programs
     step_overlap: bool = True  # engine/pipeline/batch.py: a step's tokens read while the next step runs (GPU)
     pdl: bool = True  # engine/kernels/launch.py: kernels launched early (sm_90 and later); 0: one by one
-    cpu_step_serve: bool = (
-        True  # engine/experts/cpu_misses.py: a step's CPU requests in one call without the GIL
-    )
+    # engine/experts/cpu_misses.py: a step's CPU requests in one call without the GIL; 0: one by one from Python
+    cpu_step_serve: bool = True
 
 
 # --cpu-weights-mib's automatic budget: a quarter of the RAM, at most 8 GiB (a small default model fits whole; a big
