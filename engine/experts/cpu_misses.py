@@ -154,7 +154,10 @@ class CpuMisses:
                                     ho.HDR_TAKE, ho.HDR_ROWS, ho.IDS), self.layers[self._layer_of[0]].f, self.d)  # fmt: skip
         t0 = time.perf_counter()
         fast.serve(self._box, self._done, np.zeros(0, np.int64), 0)  # compiled once per process
-        log.debug("the CPU's step server compiled in %.1f s", time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        (log.info if took > 2 else log.debug)(
+            "the CPU's step server compiled in %.1f s (once per process)", took
+        )
         return fast
 
     # -- the device side, from the decode step --------------------------------------------------------------------

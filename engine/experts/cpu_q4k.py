@@ -135,6 +135,7 @@ class StepServer:
         # with Numba's own thread pool (no OpenMP or TBB) parallel calls from two threads abort: one at a time, and
         # short turns then (another stage's thread takes the lock between them)
         self._one_at_a_time = j.one_at_a_time()
+        self._step = j.serve_step(not self.q4k.all())  # the block kernels' branch only where a layer needs it
         self.spin_s = 0.0002 if self._one_at_a_time else 0.05
 
     def serve(self, box: np.ndarray, done: np.ndarray, posts: np.ndarray, first: int) -> int:
@@ -143,5 +144,5 @@ class StepServer:
                 self.downs, self.q6k, self.kinds, self.row_bytes, self.f, self.d, self.f16, self.state)  # fmt: skip
         if self._one_at_a_time:
             with _LOCK:
-                return self._jit.serve_step(*args)
-        return self._jit.serve_step(*args)
+                return self._step(*args)
+        return self._step(*args)

@@ -2,6 +2,9 @@
 (that module says why not otherwise). Compiled on first use and cached on disk; serve_step, which answers a decode
 step's mailbox requests with these kernels or the block kernels, is compiled once per process (not cached)."""
 
+import functools
+import types as types_module
+
 import numba as nb
 import numpy as np
 from llvmlite import ir
@@ -375,9 +378,7 @@ def spin_pause(typingctx):
     return types.void(), codegen
 
 
-# not cached: it calls the parallel kernels, and a cached caller of them crashed when it was loaded (see mix)
-@nb.njit(nogil=True)
-def serve_step(
+def _serve_step(
     box, done, posts, first, spin_cycles, lay, q4k, gates, ups, downs, q6k, kinds, row_bytes, f, d, f16, state
 ):
     """Answer mailbox rows posts[first:] in order, each once the device has raised its request number: its taken
@@ -409,13 +410,13 @@ def serve_step(
         row, rowf = box[r], boxf[r]
         x = rowf[x_at : x_at + t * d].reshape((t, d))
         y = rowf[y_at : y_at + t * d].reshape((t, d))
-        if q4k[r]:
-            bad = mix(gates[r], ups[r], downs[r], q6k[r], f, d, row, rowf, ids_at, ids_at + pm, ids_at + 2 * pm,
-                      t * k, k, none_i, none_i, none_w, x, y)  # fmt: skip
-        else:
+        if BLOCKS and not q4k[r]:  # a global constant: the branch is compiled only where a layer needs it
             bad = blocks_mix(gates[r], ups[r], downs[r], kinds[r], row_bytes[r, 0], row_bytes[r, 1], f, d, row,
                              rowf, ids_at, ids_at + pm, ids_at + 2 * pm, t * k, k, none_i, none_i, none_w, x, y,
                              f16)  # fmt: skip
+        else:
+            bad = mix(gates[r], ups[r], downs[r], q6k[r], f, d, row, rowf, ids_at, ids_at + pm, ids_at + 2 * pm,
+                      t * k, k, none_i, none_i, none_w, x, y)  # fmt: skip
         if bad:
             y[:] = 0.0
             state[ST_BAD], state[ST_BAD_ROW] = bad, r
@@ -424,6 +425,19 @@ def serve_step(
         store_release(flat, r * words + ans_at, seq)
         done[r] = seq
     return posts.shape[0]
+
+
+BLOCKS = (
+    True  # _serve_step's block-kernel branch (compiled only where a layer needs it: linking it takes seconds)
+)
+
+
+@functools.cache
+def serve_step(blocks: bool):
+    """_serve_step compiled once per process (not cached: it calls the parallel kernels, and a cached caller of
+    them crashed when it was loaded, see mix), with the block kernels' branch only where `blocks`."""
+    fn = types_module.FunctionType(_serve_step.__code__, {**globals(), "BLOCKS": blocks}, "serve_step")
+    return nb.njit(nogil=True)(fn)
 
 
 @nb.njit(cache=True)
