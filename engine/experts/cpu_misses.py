@@ -246,9 +246,8 @@ class CpuMisses:
             st[ST_AT] = i  # the post a failure leaves unanswered (the kernel loop moves it on)
             try:
                 i = fast.serve(self._box, self._done, arr, i)
-            except (
-                BaseException
-            ) as e:  # a kernel raised: its request is answered with zeros, check() raises it
+            except BaseException as e:
+                # a kernel raised: its request is answered with zeros (the device must not wait), check() raises it
                 at = int(st[ST_AT])
                 self.error = e
                 self._answer_zeros(int(arr[at]))
@@ -275,8 +274,13 @@ class CpuMisses:
         self.served[2] += (int(st[ST_CYCLES]) - cycles0) / fast.hz
 
     def _answer_zeros(self, r: int) -> None:
-        """Answer mailbox row r's request with zero sums (its kernel failed: the device must not wait)."""
-        row = self._box[r]
+        """Answer mailbox row r's request with zero sums, once the device has posted it (its kernel failed, or the
+        call failed before it: the device must not wait)."""
+        row, since = self._box[r], time.monotonic()
+        while row[ho.HDR_REQ] == self._done[r]:
+            if time.monotonic() - since > _IDLE_S:
+                raise RuntimeError(f"the GPU did not post layer {self._layer_of[r]}'s experts for the CPU within "
+                                   f"{_IDLE_S:.0f} s")  # fmt: skip
         seq = int(row[ho.HDR_REQ])
         self._y[r][:] = 0.0
         row[self.answer] = seq
