@@ -119,7 +119,6 @@ class StepServer:
                  d: int) -> None:  # fmt: skip
         j = _kernels()
         args = [k.step_args() for k in kernels]
-        self._jit = j
         self.lay = np.array(lay, np.int64)
         self.q4k = np.array([a[0] for a in args], np.bool_)
         self.gates, self.ups, self.downs = (j.typed_arrays([a[i] for a in args]) for i in (1, 2, 3))
