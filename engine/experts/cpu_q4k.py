@@ -35,8 +35,10 @@ ROWS_PER_TASK = 16  # output rows per parallel task: enough work per task to hid
 # fallback thread pool (workqueue, where neither OpenMP nor TBB is found) aborts on concurrent parallel launches.
 _LOCK = cpu_blocks.LOCK
 # StepServer.state: pairs computed, the kernels' cycles, the post in progress, the last failing kernel's error code
-# and its mailbox row
-ST_PAIRS, ST_CYCLES, ST_AT, ST_BAD, ST_BAD_ROW = 0, 1, 2, 3, 4
+# and its mailbox row, whether the server holds the lock word
+ST_PAIRS, ST_CYCLES, ST_AT, ST_BAD, ST_BAD_ROW, ST_HELD = 0, 1, 2, 3, 4, 5
+# the process's step servers run one request's kernels at a time (a lock word they take inside Numba)
+_STEP_LOCK = np.zeros(1, np.int64)
 
 
 available = cpu_blocks.available  # Numba, and a CPU with AVX2 and F16C: the same probe as the dense kernels
@@ -126,7 +128,7 @@ class StepServer:
         self.kinds = np.stack([a[5] for a in args]).astype(np.int64)
         self.row_bytes = np.stack([np.asarray(a[6], np.int64) for a in args])
         self.f, self.d, self.f16 = f, d, j.BLOCKS_F16
-        self.state = np.zeros(5, np.int64)
+        self.state = np.zeros(6, np.int64)
         # the cycle counter's rate, for the time spent in the kernels
         c0, t0 = j.read_cycles(), time.perf_counter()
         time.sleep(0.005)
@@ -140,8 +142,15 @@ class StepServer:
     def serve(self, box: np.ndarray, done: np.ndarray, posts: np.ndarray, first: int) -> int:
         """Answer posts[first:] (cpu_q4k_jit.serve_step) -> the index of the first not answered (len(posts): all)."""
         args = (box, done, posts, first, int(self.spin_s * self.hz), self.lay, self.q4k, self.gates, self.ups,
-                self.downs, self.q6k, self.kinds, self.row_bytes, self.f, self.d, self.f16, self.state)  # fmt: skip
-        if self._one_at_a_time:
-            with _LOCK:
-                return self._step(*args)
-        return self._step(*args)
+                self.downs, self.q6k, self.kinds, self.row_bytes, self.f, self.d, self.f16, self.state,
+                _STEP_LOCK)  # fmt: skip
+        try:
+            if self._one_at_a_time:
+                with _LOCK:
+                    return self._step(*args)
+            return self._step(*args)
+        except BaseException:
+            if self.state[ST_HELD]:  # a kernel raised while this server held the lock word: let it go
+                self.state[ST_HELD] = 0
+                _STEP_LOCK[0] = 0
+            raise

@@ -22,6 +22,7 @@ from engine.experts.cpu_q4k import (
     ST_BAD,
     ST_BAD_ROW,
     ST_CYCLES,
+    ST_HELD,
     ST_PAIRS,
 )
 from engine.kernels.cpu_blocks_jit import F16 as BLOCKS_F16  # noqa: F401  (StepServer passes it to serve_step)
@@ -344,15 +345,29 @@ def load_acquire(typingctx, arr, idx):
 
 @intrinsic
 def store_release(typingctx, arr, idx, val):
-    """arr[idx] = val (int32) with release order: every write before it is seen first (the sums before the answer)."""
+    """arr[idx] = val (an integer array) with release order: every write before it is seen first (the sums before
+    the answer, a kernel's output before its lock is let go)."""
     sig = types.void(arr, idx, val)
 
     def codegen(context, builder, signature, args):
-        v = context.cast(builder, args[2], signature.args[2], types.int32)
-        builder.store_atomic(
-            v, _item_ptr(context, builder, signature.args[0], args[0], args[1]), "release", 4
-        )
+        dt = signature.args[0].dtype
+        v = context.cast(builder, args[2], signature.args[2], dt)
+        ptr = _item_ptr(context, builder, signature.args[0], args[0], args[1])
+        builder.store_atomic(v, ptr, "release", dt.bitwidth // 8)
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def try_lock(typingctx, arr, idx):
+    """Take the lock arr[idx] (int64: 0 free, 1 taken) if it is free, with acquire order -> whether it was taken."""
+    sig = types.boolean(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        ptr = _item_ptr(context, builder, signature.args[0], args[0], args[1])
+        res = builder.cmpxchg(ptr, ir.Constant(i64, 0), ir.Constant(i64, 1), "acquire", "monotonic")
+        return builder.extract_value(res, 1)
 
     return sig, codegen
 
@@ -379,7 +394,24 @@ def spin_pause(typingctx):
 
 
 def _serve_step(
-    box, done, posts, first, spin_cycles, lay, q4k, gates, ups, downs, q6k, kinds, row_bytes, f, d, f16, state
+    box,
+    done,
+    posts,
+    first,
+    spin_cycles,
+    lay,
+    q4k,
+    gates,
+    ups,
+    downs,
+    q6k,
+    kinds,
+    row_bytes,
+    f,
+    d,
+    f16,
+    state,
+    lock,
 ):
     """Answer mailbox rows posts[first:] in order, each once the device has raised its request number: its taken
     pairs (read from the row) computed by the row's layer's kernels into the row's sums, then its answer number,
@@ -389,7 +421,9 @@ def _serve_step(
     else the block kernels), the expert blocks gates/ups/downs (typed lists of flat uint8 arrays), q6k, kinds and
     row_bytes (the block kernels'). -> the index of the first post not answered: len(posts) once all are, less
     where the device has not raised a number within `spin_cycles` (the caller checks the time and calls again).
-    A kernel that fails (an id out of range) answers with zeros and leaves its code in state."""
+    A kernel that fails (an id out of range) answers with zeros and leaves its code in state. lock (int64 [1],
+    shared by the process's servers): held while a request's kernels run, as the kernels' Python callers hold
+    engine.kernels.cpu_blocks.LOCK, so that two stages' servers do not run two thread teams at once."""
     pm, x_at, ans_at, y_at, k, most = lay[0], lay[1], lay[2], lay[3], lay[4], lay[5]
     req_at, take_at, rows_at, ids_at = lay[6], lay[7], lay[8], lay[9]
     words = box.shape[1]
@@ -406,6 +440,10 @@ def _serve_step(
         seq = box[r, req_at]
         t = min(max(box[r, rows_at], 1), most)
         state[ST_AT] = i
+        # one request's kernels at a time in the process (another stage's server waits here)
+        while not try_lock(lock, 0):
+            spin_pause()
+        state[ST_HELD] = 1
         c0 = cycles()
         row, rowf = box[r], boxf[r]
         x = rowf[x_at : x_at + t * d].reshape((t, d))
@@ -421,6 +459,8 @@ def _serve_step(
             y[:] = 0.0
             state[ST_BAD], state[ST_BAD_ROW] = bad, r
         state[ST_CYCLES] += cycles() - c0
+        state[ST_HELD] = 0
+        store_release(lock, 0, 0)
         state[ST_PAIRS] += box[r, take_at]
         store_release(flat, r * words + ans_at, seq)
         done[r] = seq

@@ -207,12 +207,14 @@ def test_a_mailbox_request_is_answered_as_the_pairs_alone(
             ce.serve_box(box, boxf, at, t * k, k, x, y)
 
 
-def test_the_step_server_answers_each_post_as_it_comes_without_the_gil(layer) -> None:
+@pytest.mark.parametrize("servers", [1, 2])
+def test_the_step_server_answers_each_post_as_it_comes_without_the_gil(layer, servers: int) -> None:
     """StepServer (the mailbox path of engine/experts/cpu_misses.py): a "device" thread posts each layer's request
     in turn and waits for its answer, as a decode step's launches do; one serve call answers them all, each with
     the bits of the request answered alone (serve_box), a Q4_K layer and a Q8_0 one (the block kernels) alike.
     The poster is a Python thread: it can post only while the server's polling holds no GIL (the server would
-    otherwise spin out its whole budget, set to 30 s here, before anyone posted)."""
+    otherwise spin out its whole budget, set to 30 s here, before anyone posted). Two servers (two stages' cards)
+    serve from two threads at once, taking turns for the kernels through their shared lock word."""
     import threading
     import time
 
@@ -245,37 +247,54 @@ def test_the_step_server_answers_each_post_as_it_comes_without_the_gil(layer) ->
             kernels[r].serve_box(row, rowf, (IDS, IDS + pm, IDS + 2 * pm), t * k, k, rowf[x_at : x_at + t * D].reshape(t, D), y)  # fmt: skip
             posts.append(row)
             want.append(y)
-    server = cpu_q4k.StepServer(kernels, (pm, x_at, ans_at, y_at, k, most, REQ, TAKE, ROWS, IDS), F, D)
-    server.spin_s = 30.0
-    box, done = np.zeros((2, words), np.int32), np.zeros(2, np.int32)
-    boxf = box.view(np.float32)
-    got, failed = [], []
+    results, errors = [], []
 
-    def device() -> None:
+    def one() -> None:  # a server with its own mailboxes and device, serving from this thread
         try:
-            for step in range(1, 4):
-                for r in range(2):
-                    time.sleep(0.01)  # the layers before this one
-                    row = posts[2 * (step - 1) + r]
-                    box[r, 1:] = row[1:]
-                    box[r, REQ] = step  # posted, last
-                    until = time.monotonic() + 20
-                    while box[r, ans_at] != step:
-                        assert time.monotonic() < until, "no answer"
-                    t = int(row[ROWS])
-                    got.append(boxf[r, y_at : y_at + t * D].reshape(t, D).copy())
-        except BaseException as e:
-            failed.append(e)
+            server = cpu_q4k.StepServer(
+                kernels, (pm, x_at, ans_at, y_at, k, most, REQ, TAKE, ROWS, IDS), F, D
+            )
+            server.spin_s = 30.0
+            box, done = np.zeros((2, words), np.int32), np.zeros(2, np.int32)
+            boxf = box.view(np.float32)
+            got: list[np.ndarray] = []
 
-    poster = threading.Thread(target=device)
+            def device() -> None:
+                try:
+                    for step in range(1, 4):
+                        for r in range(2):
+                            time.sleep(0.01)  # the layers before this one
+                            row = posts[2 * (step - 1) + r]
+                            box[r, 1:] = row[1:]
+                            box[r, REQ] = step  # posted, last
+                            until = time.monotonic() + 20
+                            while box[r, ans_at] != step:
+                                assert time.monotonic() < until, "no answer"
+                            t = int(row[ROWS])
+                            got.append(boxf[r, y_at : y_at + t * D].reshape(t, D).copy())
+                except BaseException as e:
+                    errors.append(e)
+
+            poster = threading.Thread(target=device)
+            poster.start()
+            for _ in range(3):
+                assert server.serve(box, done, np.array([0, 1]), 0) == 2
+            poster.join(timeout=30)
+            results.append((got, done.tolist(), int(server.state[cpu_q4k.ST_PAIRS])))
+        except BaseException as e:
+            errors.append(e)
+
     t0 = time.monotonic()
-    poster.start()
-    for _ in range(3):
-        assert server.serve(box, done, np.array([0, 1]), 0) == 2
-    poster.join(timeout=30)
-    assert not failed and time.monotonic() - t0 < 20  # 30 s of spinning a post had the GIL been held
-    assert len(got) == 6 and all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
-    assert done.tolist() == [3, 3] and server.state[cpu_q4k.ST_PAIRS] == sum(int(r[TAKE]) for r in posts)
+    serving = [threading.Thread(target=one) for _ in range(servers)]
+    for th in serving:
+        th.start()
+    for th in serving:
+        th.join(timeout=60)
+    assert not errors and len(results) == servers
+    assert time.monotonic() - t0 < 20  # 30 s of spinning a post had the GIL been held
+    for got, done, pairs in results:
+        assert len(got) == 6 and all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+        assert done == [3, 3] and pairs == sum(int(r[TAKE]) for r in posts)
 
 
 def test_cpu_misses_by_default_takes_the_layers_read_in_place_only() -> None:
