@@ -313,11 +313,11 @@ class CpuExperts:
         if self.q4k is not None:
             self.q4k.serve_box(box, boxf, at, n, k, x, out)
             return
-        take = np.flatnonzero(box[at[1] : at[1] + n])
-        if not take.size:
+        ids, tok, w = cpu_blocks.box_pairs(box, boxf, at, n, k)
+        if not ids.size:
             out[:] = 0.0
             return
-        self.mix_rows(box[at[0] : at[0] + n][take], take // k, boxf[at[2] : at[2] + n][take], x, out)
+        self.mix_rows(ids, tok, w, x, out)
 
     def mix_into(self, ids: np.ndarray, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
         """One token, numpy in and out (the decode hand-off's mailbox): ids int [n] held experts, w float32 [n],

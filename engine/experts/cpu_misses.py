@@ -257,15 +257,13 @@ class CpuMisses:
                 r = int(st[ST_BAD_ROW])
                 t = min(max(int(self._box[r, ho.HDR_ROWS]), 1), self.max_rows)
                 try:
-                    ce = self.layers[self._layer_of[r]].q4k
-                    check_pairs(int(st[ST_BAD]), *box_pairs(self._box[r], self._at, t * self.k, self.k),
-                                ce.n_experts if ce is not None else 0, t)  # fmt: skip
+                    ids, tok, _ = box_pairs(self._box[r], self._boxf[r], self._at, t * self.k, self.k)
+                    check_pairs(int(st[ST_BAD]), ids, tok, self.layers[self._layer_of[r]].n_experts, t)
                 except ValueError as e:
                     self.error = e
                 st[ST_BAD] = 0
             if i < arr.size and time.monotonic() - since > _IDLE_S:
-                raise RuntimeError(f"the GPU did not post layer {self._layer_of[int(arr[i])]}'s experts for the CPU "
-                                   f"within {_IDLE_S:.0f} s")  # fmt: skip
+                raise self._not_posted(int(arr[i]))
         first = next(iter(self.rows.values()), -1)  # the first held layer's row (drop may change it)
         if arr[0] == first:
             self._tune(seen, int(self._box[first, ho.HDR_ROWS]))
@@ -273,14 +271,17 @@ class CpuMisses:
         self.served[1] += int(st[ST_PAIRS]) - pairs0
         self.served[2] += (int(st[ST_CYCLES]) - cycles0) / fast.hz
 
+    def _not_posted(self, r: int) -> RuntimeError:
+        return RuntimeError(f"the GPU did not post layer {self._layer_of[r]}'s experts for the CPU within "
+                            f"{_IDLE_S:.0f} s")  # fmt: skip
+
     def _answer_zeros(self, r: int) -> None:
         """Answer mailbox row r's request with zero sums, once the device has posted it (its kernel failed, or the
         call failed before it: the device must not wait)."""
         row, since = self._box[r], time.monotonic()
         while row[ho.HDR_REQ] == self._done[r]:
             if time.monotonic() - since > _IDLE_S:
-                raise RuntimeError(f"the GPU did not post layer {self._layer_of[r]}'s experts for the CPU within "
-                                   f"{_IDLE_S:.0f} s")  # fmt: skip
+                raise self._not_posted(r)
         seq = int(row[ho.HDR_REQ])
         self._y[r][:] = 0.0
         row[self.answer] = seq
@@ -318,8 +319,7 @@ class CpuMisses:
         while req[r] == self._done[r]:
             spins += 1
             if spins & 1023 == 0 and time.monotonic() - since > _IDLE_S:
-                raise RuntimeError(f"the GPU did not post layer {self._layer_of[r]}'s experts for the CPU within "
-                                   f"{_IDLE_S:.0f} s")  # fmt: skip
+                raise self._not_posted(r)
         first = r == next(iter(self.rows.values()))
         seen = time.perf_counter() if first else 0.0
         self._serve(r)

@@ -108,7 +108,9 @@ class Q4KExperts:
             bad = self._jit.mix(self._g, self._u, self._d, self.down_q6k, self.f, self.d, box, boxf, *at, n, k,
                                 *cpu_blocks.NO_PAIRS, x, out)  # fmt: skip
         if bad:
-            cpu_blocks.check_pairs(bad, *cpu_blocks.box_pairs(box, at, n, k), self.n_experts, x.shape[0])
+            cpu_blocks.check_pairs(
+                bad, *cpu_blocks.box_pairs(box, boxf, at, n, k)[:2], self.n_experts, x.shape[0]
+            )
 
 
 class StepServer:

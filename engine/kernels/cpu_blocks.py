@@ -164,10 +164,13 @@ def pair_arrays(ids: np.ndarray, tok: np.ndarray, w: np.ndarray) -> tuple[np.nda
     return np.asarray(ids, dtype=np.int64), np.asarray(tok, dtype=np.int64), np.asarray(w, dtype=np.float32)
 
 
-def box_pairs(box: np.ndarray, at: tuple[int, int, int], n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """A mailbox row's taken pairs as (expert ids, token rows), for an error message."""
+def box_pairs(
+    box: np.ndarray, boxf: np.ndarray, at: tuple[int, int, int], n: int, k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A mailbox row's taken pairs as (expert ids, token rows, weights), read by numpy (the kernels read them
+    themselves: this is for the kernels that do not, and for error messages)."""
     take = np.flatnonzero(box[at[1] : at[1] + n])
-    return box[at[0] : at[0] + n][take], take // k
+    return box[at[0] : at[0] + n][take], take // k, boxf[at[2] : at[2] + n][take]
 
 
 def check_pairs(bad: int, ids: np.ndarray, tok: np.ndarray, n_experts: int, n_tok: int) -> None:
@@ -239,4 +242,4 @@ class BlockExperts:
             bad = j.mix(self._g, self._u, self._d, self._kinds, self._rb[0], self._rb[1], self.f, self.d, box, boxf,
                         *at, n, k, *NO_PAIRS, x, out, j.F16)  # fmt: skip
         if bad:
-            check_pairs(bad, *box_pairs(box, at, n, k), self.n_experts, x.shape[0])
+            check_pairs(bad, *box_pairs(box, boxf, at, n, k)[:2], self.n_experts, x.shape[0])
