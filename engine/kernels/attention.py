@@ -400,19 +400,20 @@ def _decode_attn_kernel(
     vs_ptr,  # [ctx, HKV]
     pos_ptr,  # [T] int64
     base_ptr,  # [T] int64: where each row's sequence starts in the caches (BASE)
-    o_ptr,  # [T, H, Dv] (SPLITS == 1) or partials [T, H, SPLITS, Dv] float32
-    ml_ptr,  # [T, H, SPLITS, 2] float32 running max and sum (SPLITS > 1)
-    q8_ptr,  # float32 [T, H * Dv]: the output rounded to 8 bits too, in quantize_q8's layout (Q8, SPLITS == 1)
+    o_ptr,  # [T, H, Dv] (not SPLIT) or partials [T, H, splits, Dv] float32
+    ml_ptr,  # [T, H, splits, 2] float32 running max and sum (SPLIT)
+    q8_ptr,  # float32 [T, H * Dv]: the output rounded to 8 bits too, in quantize_q8's layout (Q8, not SPLIT)
     H,
     HKV,
     Dk,
     Dv,
     span,
     chunk,  # positions per split
+    splits,  # programs along the span (1: no split, the output written whole)
     window,  # 0: none
     scale,
     softcap,  # 0: none
-    SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # splits > 1 (a runtime count: each span bucket's own would be a compile of its own)
     G: tl.constexpr,  # query heads per key head
     GP: tl.constexpr,  # G padded to a tl.dot-able power of two (>= 16)
     BLOCK_S: tl.constexpr,
@@ -474,14 +475,14 @@ def _decode_attn_kernel(
                                       Dv, qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
                                       True, SOFTCAP, ASM, V_WORDS)  # fmt: skip
     om = gm[:, None] & (dv[None, :] < Dv)
-    if SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(o_ptr + (t * H + heads)[:, None] * Dv + dv[None, :], out.to(o_ptr.dtype.element_ty), mask=om)
         if Q8:  # each head's slice of the row, for the output projection's 8-bit GEMV: no rounding launch
             codes, scales = _q8_slices(q8_ptr, t, heads, H, Dv)
             store_q8_rows(out, codes, scales, gm, Dv, GP, BLOCK_DV)
     else:
-        row = (t * H + heads) * SPLITS + sp  # [GP]
+        row = (t * H + heads) * splits + sp  # [GP]
         tl.store(o_ptr + row[:, None] * Dv + dv[None, :], acc, mask=om)
         tl.store(ml_ptr + row * 2, m_i, mask=gm)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=gm)
@@ -498,13 +499,14 @@ def _q8_slices(q8_ptr, t, heads, H, Dv):
 
 @triton.jit
 def _merge_kernel(
-    part_ptr,  # [T*H, SPLITS, Dv] float32
+    part_ptr,  # [T*H, SPLITS, Dv] float32 (SPLITS: a runtime count)
     ml_ptr,  # [T*H, SPLITS, 2]
     o_ptr,  # [T*H, Dv]
     q8_ptr,  # as in _decode_attn_kernel (Q8)
     H,
     Dv,
-    SPLITS: tl.constexpr,
+    SPLITS,
+    SPLITS_P2: tl.constexpr,  # SPLITS rounded up to a power of two (tl.arange's)
     BLOCK_DV: tl.constexpr,  # the values of a head one program merges (a head's slice: program_id(1))
     Q8: tl.constexpr = False,
     PDL: tl.constexpr = False,  # launched early (engine/kernels/launch.py)
@@ -512,14 +514,16 @@ def _merge_kernel(
     pdl_enter(PDL)
     r = tl.program_id(0)
     d0 = tl.program_id(1) * BLOCK_DV
-    s = tl.arange(0, SPLITS)
+    s = tl.arange(0, SPLITS_P2)
+    sm = s < SPLITS
     dv = d0 + tl.arange(0, BLOCK_DV)
-    m = tl.load(ml_ptr + (r * SPLITS + s) * 2)
-    lsum = tl.load(ml_ptr + (r * SPLITS + s) * 2 + 1)
+    m = tl.load(ml_ptr + (r * SPLITS + s) * 2, mask=sm, other=float("-inf"))
+    lsum = tl.load(ml_ptr + (r * SPLITS + s) * 2 + 1, mask=sm, other=0.0)
     mx = tl.max(m, axis=0)
     # base-2 maxima (_attend_block); splits wholly past the position weigh nothing
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx))
-    part = tl.load(part_ptr + (r * SPLITS + s)[:, None] * Dv + dv[None, :], mask=dv[None, :] < Dv, other=0.0)
+    pm = sm[:, None] & (dv[None, :] < Dv)
+    part = tl.load(part_ptr + (r * SPLITS + s)[:, None] * Dv + dv[None, :], mask=pm, other=0.0)
     out = tl.sum(part * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
     tl.store(o_ptr + r * Dv + dv, out.to(o_ptr.dtype.element_ty), mask=dv < Dv)
     if Q8:
@@ -549,9 +553,9 @@ class DecodeTune:
 
 
 # Measured on an H200 at a depth of 32,768 (48 layers' caches, bench/results/decode-attention-32k-h200.json): two
-# programs per multiprocessor with the splits rounded down to a power of two (64 splits of one row's span; rounding
-# up had made 128, whose programs read too little each), 128-position blocks for int8 codes, and the merge spread
-# over 32-value slices of a head: 28.6 -> 24.1 us a layer for bf16, 30.6 -> 25.8 for int8, 37.6 -> 34.3 for q4_0.
+# programs per multiprocessor (a power-of-two split count rounded up had made 128 programs a row's span, which read
+# too little each), 128-position blocks for int8 codes, and the merge spread over 32-value slices of a head: 28.6
+# -> 24.1 us a layer for bf16, 30.6 -> 25.8 for int8, 37.6 -> 34.3 for q4_0. Splits are whole blocks (_split_chunk).
 DEFAULT_TUNE = DecodeTune()
 
 
@@ -562,13 +566,16 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _splits(t: int, hkv: int, span: int, device: torch.device, per_sm: int = 2) -> int:
-    """Splits of the span: enough programs for `per_sm` a multiprocessor, each at least SPLIT_MIN positions; a
-    power of two (the merge reduces over them), rounded down."""
+def _split_chunk(t: int, hkv: int, span: int, block_s: int, device: torch.device, per_sm: int = 2) -> int:
+    """Positions per split of the span: enough programs for `per_sm` a multiprocessor, each at least SPLIT_MIN
+    positions, and a whole number of `block_s` blocks, so that no program ends on a nearly empty masked block (the
+    span's 256-position bucket over 64 splits had made 516 positions a program at 32K: 4 blocks of 128 and one of
+    4, a fifth round trip for every program)."""
     if span <= SPLIT_FROM:
-        return 1
+        return span
     want = max(1, min(per_sm * _multiprocessors(device) // (t * hkv), span // SPLIT_MIN))
-    return 1 << (want.bit_length() - 1)
+    blocks = triton.cdiv(span, block_s)
+    return triton.cdiv(blocks, want) * block_s
 
 
 def decode_attention(
@@ -598,16 +605,20 @@ def decode_attention(
     hkv = k_cache.shape[1]
     quant, _, dvv = cache_layout(k_cache, k_scale, v_cache)
     g = h // hkv
+    block_s = 64 if max(dk, dvv) <= 128 else 32  # large heads: smaller blocks fit in shared memory
+    split_block = block_s  # the split launch's block
+    if tune.block_s is not None:
+        split_block = tune.block_s
+    elif quant == INT8 and max(dk, dvv) <= 128:  # a byte a value: twice the positions in a tile's bytes
+        split_block = 128
     if chunk is None:
-        splits = _splits(t, hkv, span, q.device, tune.per_sm)
-    else:
-        splits = triton.next_power_of_2(triton.cdiv(span, chunk))
-    chunk = triton.cdiv(span, splits)
+        chunk = _split_chunk(t, hkv, span, split_block, q.device, tune.per_sm)
+    splits = triton.cdiv(span, chunk)
     out = torch.empty(t, h, dvv, dtype=q.dtype, device=q.device)
     common = dict(
         G=g,
         GP=max(16, triton.next_power_of_2(g)),
-        BLOCK_S=64 if max(dk, dvv) <= 128 else 32,  # large heads: smaller blocks fit in shared memory
+        BLOCK_S=block_s,
         BLOCK_DK=triton.next_power_of_2(dk),
         BLOCK_DV=triton.next_power_of_2(dvv),
         IEEE=q.dtype == torch.float32,
@@ -626,26 +637,24 @@ def decode_attention(
     qo = q8_out if q8_out is not None else out
     if splits == 1:
         _decode_attn_kernel[(t * hkv, 1)](
-            q, k_cache, v_cache, ks, vs, pos, bp, out, out, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
-            SPLITS=1, Q8=q8, **common, **pdl_args(q.device),
+            q, k_cache, v_cache, ks, vs, pos, bp, out, out, qo, h, hkv, dk, dvv, span, chunk, 1, window, scale,
+            softcap, SPLIT=False, Q8=q8, **common, **pdl_args(q.device),
         )  # fmt: skip
         return out.view(t, h * dvv)
     part = torch.empty(t * h, splits, dvv, dtype=torch.float32, device=q.device)
     ml = torch.empty(t * h, splits, 2, dtype=torch.float32, device=q.device)
     launch = dict(num_warps=tune.warps)
-    if tune.block_s is not None:
-        common["BLOCK_S"] = tune.block_s
-    elif quant == INT8 and max(dk, dvv) <= 128:  # a byte a value: twice the positions in a tile's bytes
-        common["BLOCK_S"] = 128
+    common["BLOCK_S"] = split_block
     if tune.stages is not None:
         launch["num_stages"] = tune.stages
     _decode_attn_kernel[(t * hkv, splits)](
-        q, k_cache, v_cache, ks, vs, pos, bp, part, ml, qo, h, hkv, dk, dvv, span, chunk, window, scale, softcap,
-        SPLITS=splits, **common, **launch, **pdl_args(q.device),
+        q, k_cache, v_cache, ks, vs, pos, bp, part, ml, qo, h, hkv, dk, dvv, span, chunk, splits, window, scale,
+        softcap, SPLIT=True, **common, **launch, **pdl_args(q.device),
     )  # fmt: skip
     mb = common["BLOCK_DV"] if tune.merge_block is None else min(tune.merge_block, common["BLOCK_DV"])
     mb = max(mb, 32) if q8 else mb  # the 8-bit form's scale covers 32 values
     _merge_kernel[(t * h, triton.cdiv(dvv, mb))](
-        part, ml, out, qo, h, dvv, SPLITS=splits, BLOCK_DV=mb, Q8=q8, **pdl_args(q.device)
-    )
+        part, ml, out, qo, h, dvv, splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_DV=mb, Q8=q8,
+        **pdl_args(q.device),
+    )  # fmt: skip
     return out.view(t, h * dvv)

@@ -412,13 +412,17 @@ def test_dequantize_rows(qtype: str, k: int) -> None:
 
 def test_decode_attention_default_split() -> None:
     """The default split of a long span (many programs, then the merge) against the plain attention."""
-    from engine.kernels.attention import _splits, decode_attention
+    from engine.kernels.attention import _split_chunk, decode_attention
     from engine.layers.attention import attention, causal_mask
 
-    assert _splits(1, 4, 256, torch.device("cpu")) == 1  # short spans: one launch
-    assert _splits(1, 4, 4096, torch.device("cpu")) == 32  # 32 programs a key head, 128 positions each
-    assert _splits(3, 4, 8192, torch.device("cpu")) == 8  # 10 wanted: rounded down to a power of two
-    t, h, hkv, d, span = 1, 8, 2, 64, 700
+    cpu = torch.device("cpu")  # counted as 64 multiprocessors
+    assert _split_chunk(1, 4, 256, 64, cpu) == 256  # short spans: one launch
+    assert _split_chunk(1, 4, 4096, 64, cpu) == 128  # 32 programs a key head, 128 positions each
+    assert _split_chunk(3, 4, 8192, 64, cpu) == 832  # 10 wanted: 13 whole blocks each, 10 programs
+    # a 32K bucket (258 blocks of 128) over the 32 programs wanted: 9 whole blocks each, 29 programs, the last
+    # one's short, and none ends on a nearly empty block
+    assert _split_chunk(1, 4, 33024, 128, cpu) == 9 * 128
+    t, h, hkv, d, span = 1, 8, 2, 64, 900  # 5 splits of 3 blocks: a merge over a count no power of two
     kc, vc = torch.randn(span, hkv, d), torch.randn(span, hkv, d)
     pos = torch.tensor([span - 1])
     q = torch.randn(t, h, d)
