@@ -1314,6 +1314,25 @@ def attend_rows(q, k, v, pos, window, scale, softcap, out):
 
 
 @nb.njit(nogil=True, cache=True)
+def rms_norm(x, w, eps, out):
+    """Rows of x [R, D] (float32) over their root mean square into out, times w [D] (float32; none where w is
+    empty): the squares summed in float64, then torch's two roundings (x * rsqrt(mean + eps), then * w)."""
+    rows, d = x.shape
+    for r in range(rows):
+        acc = 0.0
+        for i in range(d):
+            v = np.float64(x[r, i])
+            acc += v * v
+        inv = np.float32(1.0 / np.sqrt(np.float32(acc / d) + np.float32(eps)))
+        if w.shape[0] == 0:
+            for i in range(d):
+                out[r, i] = x[r, i] * inv
+        else:
+            for i in range(d):
+                out[r, i] = (x[r, i] * inv) * w[i]
+
+
+@nb.njit(nogil=True, cache=True)
 def rotate(x, cos, sin, dim, neox, out):
     """RoPE of x [T, H, D] (float32) into out: the first `dim` features of each head rotated by cos, sin [T,
     dim/2] (its halves with neox, adjacent pairs without), the rest copied. The same float32 products and sums,

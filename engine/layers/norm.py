@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
+from engine.kernels import cpu_blocks
 
 
 def _fused():  # the Triton kernel where it can run (CUDA with Triton), else None
@@ -19,6 +20,12 @@ def rms_norm(
         fused = _fused()
         if fused is not None:
             return fused.rms_norm(x, weight, eps, out_dtype)
+    if not x.is_cuda and (weight is None or not weight.is_cuda) and cpu_blocks.available()[0]:
+        # every CPU row through the one kernel, whatever its dtype and layout, so a row's bits are the same alone
+        # and in a step of several (whose rows may be slices)
+        w = None if weight is None else weight.float().contiguous()
+        y = cpu_blocks.rms_norm(x.float().contiguous(), w, eps)
+        return y if out_dtype == torch.float32 else y.to(out_dtype)
     xf = x.float()
     if weight is not None and weight.dtype == torch.float32:
         # one ATen call, the same float32 operations (bit-equal over 300 random shapes and scales): 9 us for a
