@@ -272,6 +272,13 @@ def main() -> None:
         help="the engine's --expert-policy",
     )
     ap.add_argument(
+        "--expert-prefetch",
+        choices=("off", "router"),
+        default="off",
+        help="the engine's --expert-prefetch (with STRATA_ROUTE_TRACE, STRATA_PREFETCH_TRACE=ACC predicts from the "
+        "trace at that accuracy)",
+    )
+    ap.add_argument(
         "--profile-from-trace",
         action="store_true",
         help="with STRATA_ROUTE_TRACE: fill the cache from the usage counts of the trace's second half (a profile "
@@ -340,6 +347,7 @@ def main() -> None:
             slots=a.expert_slots,
             miss_path=a.expert_misses,
             eviction=a.expert_policy,
+            prefetch=a.expert_prefetch,
             profile=profile,
             layer_miss_cost=None if a.layer_miss_cost == "hottest" else float(a.layer_miss_cost),
             cpu_share=a.cpu_experts,
@@ -357,6 +365,8 @@ def main() -> None:
         "expert_slots": a.expert_slots,
         "expert_misses": a.expert_misses,
         "expert_policy": a.expert_policy,
+        "expert_prefetch": a.expert_prefetch,
+        "prefetch_trace_accuracy": os.environ.get("STRATA_PREFETCH_TRACE") or None,
         "route_trace": Path(os.environ["STRATA_ROUTE_TRACE"]).name
         if os.environ.get("STRATA_ROUTE_TRACE")
         else None,

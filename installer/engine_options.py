@@ -115,6 +115,7 @@ class EngineOptions:
     vram_budget_mib: int | None = None
     expert_misses: str = "copy"
     expert_policy: str = "profile"
+    expert_prefetch: str = "off"
     cpu_experts: float | None = None
     cpu_ratio: float | None = None
     profile: str | None = None
@@ -220,6 +221,8 @@ ENVIRONMENT: dict[str, str] = {
     "STRATA_PDL": "0: the decode kernels launch one after another, not early (sm_90+; runtime_switches)",
     "STRATA_CPU_STEP_SERVE": "0: the CPU answers a decode step's expert requests one by one from Python, not in one "
     "call without the GIL (runtime_switches)",
+    "STRATA_PREFETCH_TRACE": "ACC: with --expert-prefetch router and a replayed trace, predict the next layer's "
+    "experts from the trace, each right with probability ACC (benchmarks; runtime_switches)",
     "STRATA_ROUTE_RECORD": "N: record the first N tokens' routing (profile --trace sets it; runtime_switches)",
     "STRATA_STAGE_TOKEN": "the shared secret of a hand-started stage link (engine/link/keys.py)",
     "STRATA_STAGE_SECRET_KEY": "a worker's own key, from its node agent (engine/link/keys.py)",
@@ -248,6 +251,8 @@ class RuntimeSwitches:
     pdl: bool = True  # engine/kernels/launch.py: kernels launched early (sm_90 and later); 0: one by one
     # engine/experts/cpu_misses.py: a step's CPU requests in one call without the GIL; 0: one by one from Python
     cpu_step_serve: bool = True
+    # engine/experts/prefetch.py: with a replayed trace, predictions of this accuracy in place of the router's
+    prefetch_trace: float | None = None
 
 
 # --cpu-weights-mib's automatic budget: a quarter of the RAM, at most 8 GiB (a small default model fits whole; a big
@@ -267,7 +272,8 @@ def int8_activations(env: Mapping[str, str] | None = None) -> bool:
 
 def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
     """STRATA_ACTIVATIONS, STRATA_NORM_ROUTE, STRATA_PROMPT_GRAPHS, STRATA_GEMV_TUNED, STRATA_ROWS_GEMM,
-    STRATA_FLASH_PREFILL, STRATA_BATCHED_GEMV, STRATA_STEP_OVERLAP, STRATA_PDL, STRATA_CPU_STEP_SERVE and the routing trace's two, read now (a switch set while the process runs takes effect at the next read)."""
+    STRATA_FLASH_PREFILL, STRATA_BATCHED_GEMV, STRATA_STEP_OVERLAP, STRATA_PDL, STRATA_CPU_STEP_SERVE, STRATA_PREFETCH_TRACE
+    and the routing trace's two, read now (a switch set while the process runs takes effect at the next read)."""
     e = os.environ if env is None else env
     return RuntimeSwitches(
         activations="int8" if int8_activations(e) else "float",
@@ -282,7 +288,20 @@ def runtime_switches(env: Mapping[str, str] | None = None) -> RuntimeSwitches:
         step_overlap=e.get("STRATA_STEP_OVERLAP", "1") != "0",
         pdl=e.get("STRATA_PDL", "1") != "0",
         cpu_step_serve=e.get("STRATA_CPU_STEP_SERVE", "1") != "0",
+        prefetch_trace=_env_fraction("STRATA_PREFETCH_TRACE", e.get("STRATA_PREFETCH_TRACE", "")),
     )
+
+
+def _env_fraction(name: str, value: str) -> float | None:
+    if not value:
+        return None
+    try:
+        f = float(value)
+    except ValueError:
+        f = -1.0
+    if not 0.0 <= f <= 1.0:
+        raise OptionsError(f"{name} is {value!r}: set it to a fraction between 0 and 1, or unset it")
+    return f
 
 
 def _env_count(name: str, value: str) -> int:
@@ -499,6 +518,14 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
         "filled at start and kept; the default), lru (each miss of a decode step takes the slot used "
         "least recently, on the card, inside the step) or lfu (the slot with the lowest use count, decaying each "
         "step)",
+    )
+    e.add_argument(
+        "--expert-prefetch",
+        choices=("off", "router"),
+        help="router: while a layer computes, the next MoE layer's router predicts its experts from this layer's "
+        "input and the predicted ones left in host RAM are copied into VRAM early, on a side stream (two staging "
+        "areas of VRAM come out of the experts' budget); off: each layer copies its own misses when it reaches "
+        "them (the default)",
     )
     e.add_argument(
         "--cpu-experts",

@@ -76,14 +76,14 @@ class CachedExperts:
                 cache.cpu_misses = None
 
     def hand_off(
-        self, ids: torch.Tensor, w: torch.Tensor, x32: torch.Tensor
+        self, ids: torch.Tensor, w: torch.Tensor, x32: torch.Tensor, tables: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """A decode step's missed experts that the CPU takes (--cpu-experts; x32 the experts' float32 input
         [T, D]): (claim [T * k], 1 where the CPU computes the pair's expert, or None where it takes none of this
         layer's; the weights the GPU's sum uses, the CPU's pairs zeroed). `take_back` adds the CPU's sums to the
-        output."""
+        output. `tables`: the layer's with the prefetched experts in VRAM (hits, not the CPU's to take)."""
         cpu = self.cache.cpu_misses
-        posted = cpu.post(self.layer, ids, w, x32) if cpu is not None else None
+        posted = cpu.post(self.layer, ids, w, x32, tables) if cpu is not None else None
         return (None, w) if posted is None else posted
 
     def take_back(self, out: torch.Tensor, claim: torch.Tensor | None) -> torch.Tensor:
@@ -133,12 +133,17 @@ class CachedExperts:
 
 
 def expert_tables(
-    cache: "ExpertCache", layer: int, ids: torch.Tensor, claim: torch.Tensor | None = None
+    cache: "ExpertCache",
+    layer: int,
+    ids: torch.Tensor,
+    claim: torch.Tensor | None = None,
+    tables: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gate, up and down address tables a decode step's expert kernels read, and the ids to read them with:
     the cache's own tables and the experts' ids, or (with `--expert-misses copy`) per-slot tables with the missed
-    experts staged in VRAM, read with the identity. `claim` [k]: slots the CPU computes (not staged)."""
-    staged = cache.staged_tables(layer, ids, claim)
+    experts staged in VRAM, read with the identity. `claim` [k]: slots the CPU computes (not staged); `tables`:
+    the layer's with the prefetched experts in VRAM (engine/experts/prefetch.py)."""
+    staged = cache.staged_tables(layer, ids, claim, tables)
     if staged is not None:
         tabs, sid = staged
         return tabs[0], tabs[1], tabs[2], sid

@@ -20,6 +20,7 @@ from engine.layers.qtensor import QTensor
 
 if TYPE_CHECKING:
     from engine.experts.cpu_misses import CpuMisses
+    from engine.experts.prefetch import Prefetch
     from engine.kernels.expert_lru import DeviceLru
     from engine.kernels.stage_copy import Stager
 
@@ -166,6 +167,7 @@ class ExpertCache:
         )
         self.stager: Stager | None = None
         self.cpu_misses: CpuMisses | None = None  # --cpu-experts: the CPU's share of decode misses
+        self.prefetch: Prefetch | None = None  # --expert-prefetch: next layers' misses staged early
         self.prompt_area: list[torch.Tensor] | None = None  # prompt chunks' staged experts, per projection
         self._held: int | None = None  # the layer whose staged experts the next prompt chunks share
         self._held_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -254,13 +256,18 @@ class ExpertCache:
         le.resident.copy_(torch.tensor([c >= 0 for c in le.slot_of]))
 
     def staged_tables(
-        self, li: int, ids: torch.Tensor, claim: torch.Tensor | None = None
+        self,
+        li: int,
+        ids: torch.Tensor,
+        claim: torch.Tensor | None = None,
+        tables: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a decode step of layer li that has experts in host memory: with `--expert-policy lru/lfu`, admit
         its misses into the layer's slots; else, with `--expert-misses copy`, stage the step's missed experts in
         VRAM, each once however many rows chose it. -> (tables [3, S], the ids [T, k] to read them with: per
         selection with the identity, or per expert with the step's ids); None where the kernels read the cache's
-        own tables. `claim` [T * k]: selections the CPU computes (neither copied nor admitted)."""
+        own tables. `claim` [T * k]: selections the CPU computes (neither copied nor admitted). `tables`: the
+        layer's tables with experts the prefetch staged in VRAM (engine/experts/prefetch.py), instead of its own."""
         le = self.layers[li]
         if le.lru is not None and ids.numel() <= self.identity.numel():
             return le.lru.admit(ids, claim), self.identity[: ids.numel()].view(ids.shape)
@@ -271,7 +278,8 @@ class ExpertCache:
                 self.device, self.stage_slots, self.stage_stride, self.n_expert
             )
         assert le.tables is not None and le.nbytes is not None
-        return self.stager.stage(ids, le.tables, le.host_tables, le.nbytes, claim), ids
+        tabs = le.tables if tables is None else tables
+        return self.stager.stage(ids, tabs, le.host_tables, le.nbytes, claim), ids
 
     def prompt_tables(self, li: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The gate, up and down tables a prompt chunk's grouped kernels read for layer li. Where the layer has

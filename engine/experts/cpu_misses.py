@@ -178,12 +178,12 @@ class CpuMisses:
         )
 
     def post(
-        self, li: int, ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor
+        self, li: int, ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor, tables: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer li of a decode step of T rows: ids, w [T, k], the experts' float32 input x [T, D] (device). Returns
         the claim int32 [T * k] (1: the CPU computes that pair's expert; the GPU neither copies it nor weighs it)
         and the weights [T, k] with the CPU's pairs zeroed; None where the CPU holds none of this layer's experts
-        or T is over `max_rows`."""
+        or T is over `max_rows`. `tables`: the layer's, with experts the prefetch staged in VRAM (hits here)."""
         r = self.rows.get(li)
         t = ids.shape[0]
         if r is None or t > self.max_rows:
@@ -195,7 +195,8 @@ class CpuMisses:
         claim, wg = self.claim[r, :p], self.wg[r, :p]
         if self._recorded is not None and torch.cuda.is_current_stream_capturing():
             self._recorded.append(r)
-        ho.post(ids, w.float().contiguous(), x.contiguous(), self.cpu_of[r], le.tables[0], le.host_tables[0],
+        tab = le.tables[0] if tables is None else tables[0]
+        ho.post(ids, w.float().contiguous(), x.contiguous(), self.cpu_of[r], tab, le.host_tables[0],
                 self.quota, claim, wg, self.cnt[r : r + 1], self.taken, self.box[r], self.layout)  # fmt: skip
         return claim, wg.view(t, -1)
 

@@ -9,6 +9,7 @@ import torch
 
 from engine.experts.cache import MAX_STEP_ROWS, ExpertCache
 from engine.experts.capacity import LAYER_MISS_COST, plan_capacity
+from engine.experts.prefetch import AREAS, PREFETCH_MODES, PrefetchError
 from engine.kernels import int8_activations
 from installer.engine_options import D as OPTION_DEFAULTS
 
@@ -54,6 +55,20 @@ class ExpertPolicy:
     # what a layer that misses costs beyond its missed experts, in missed experts' worth (capacity.py); None: fill
     # the profile's hottest (layer, expert) pairs whatever the layer
     layer_miss_cost: float | None = LAYER_MISS_COST
+    # --expert-prefetch: "router" stages the next MoE layer's predicted misses while a layer computes
+    # (engine/experts/prefetch.py; its two areas come out of the budget), "off"
+    prefetch: str = "off"
+
+
+def check_prefetch(policy: ExpertPolicy) -> None:
+    """--expert-prefetch's value, and the flags it works with (PrefetchError says which to change)."""
+    if policy.prefetch not in PREFETCH_MODES:
+        raise PrefetchError(f"--expert-prefetch {policy.prefetch!r}: use one of {', '.join(PREFETCH_MODES)}")
+    if policy.prefetch != "off" and (policy.miss_path != "copy" or policy.eviction != "profile"):
+        raise PrefetchError(
+            f"--expert-prefetch {policy.prefetch} stages predicted misses beside a step's own copies: use it with "
+            "--expert-misses copy and --expert-policy profile (the defaults)"
+        )
 
 
 def expert_budget(device: torch.device, policy: ExpertPolicy) -> int:
@@ -98,6 +113,8 @@ def build_expert_cache(model: PlacedModel, policy: ExpertPolicy) -> ExpertCache:
             slot_bytes = 3 * -(-stride // 8) * 8  # a slot of kernels.stage_copy.Stager's area
             stage_slots = decode_stage_slots(model.cfg.n_expert_used, policy.rows, slot_bytes, budget)
             budget -= stage_slots * slot_bytes
+            if policy.prefetch != "off":  # the prefetch's two areas of as many slots (prefetch.AREAS)
+                budget -= AREAS * stage_slots * slot_bytes
     # a recency cache (lru, lfu) fills by heat alone: its hits come from reuse the profile's counts do not show
     capacity = plan_capacity(
         per_expert, n_expert, budget, policy.profile, max_pairs=policy.slots, top_k=model.cfg.n_expert_used,
@@ -122,6 +139,7 @@ def build_expert_cache(model: PlacedModel, policy: ExpertPolicy) -> ExpertCache:
         raise ValueError(f"--expert-misses {policy.miss_path!r}: use one of {', '.join(MISS_PATHS)}")
     if policy.eviction not in EVICTIONS:
         raise ValueError(f"--expert-policy {policy.eviction!r}: use one of {', '.join(EVICTIONS)}")
+    check_prefetch(policy)
     cache = ExpertCache(
         experts,
         model.device,

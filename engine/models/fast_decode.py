@@ -170,13 +170,15 @@ def layer(
     experts = model.moe[i]
     assert isinstance(experts, CachedExperts)
     cpu = model.expert_cache.cpu_misses  # --cpu-experts: reads the float32 input on the host
+    pf = model.expert_cache.prefetch  # --expert-prefetch: the next layer's experts from the float32 input
     if done is not None and le.router.qtype == QT.F32 and le.router.raw.is_contiguous():
         # the norm and the router's logits in one launch (the top-k too, where the tuning file says so); the
         # float copies only where a later op reads them
         shexp = lw.shexp_gate is not None
         x, x32, xq, w, ids = norm_route(
             h, lw.ffn_norm, c.rms_eps, le.router.raw.view(torch.float32), c.n_expert_used, c.expert_weights_norm,
-            own, done[0], dt if shexp or not q8 else None, lw.shexp_gate_inp is not None or cpu is not None, q8,
+            own, done[0], dt if shexp or not q8 else None,
+            lw.shexp_gate_inp is not None or cpu is not None or pf is not None, q8,
         )  # fmt: skip
     else:
         if q8:
@@ -187,11 +189,14 @@ def layer(
         w, ids = route_and_count(x32, le.router, c.n_expert_used, c.expert_weights_norm, own)  # [T, k]
     if trace is not None and counts is not None:
         w, ids = trace.apply(i, w, ids, counts)
+    tin = pf.tables(i) if pf is not None else None  # the tables with the experts prefetched for this layer
     claim = None
     if cpu is not None and x32 is not None:  # the CPU's slots: not copied, and no weight in the GPU's sum
-        claim, w = experts.hand_off(ids, w, x32)
+        claim, w = experts.hand_off(ids, w, x32, tin)
     # gate, up, down tables; the ids they take
-    gt, ut, dnt, sid = expert_tables(model.expert_cache, i, ids, claim)
+    gt, ut, dnt, sid = expert_tables(model.expert_cache, i, ids, claim, tin)
+    if pf is not None and x32 is not None:  # PCIe's next work, after this layer's own copies
+        pf.issue(i, x32)
     xin = x if xq is None else xq
     assert xin is not None
     hid = moe_gemv(gt, g.qtype, g.raw.shape[-1], sid, xin, f, d, c.n_expert_used, up_table=ut, act=c.activation,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from engine.experts import replay
+from engine.experts import prefetch, replay
 from engine.experts.policy import ExpertPolicy, build_expert_cache
 from engine.gguf.model_config import ModelConfig
 from engine.gguf.reader import GGUFFile
@@ -55,9 +55,15 @@ def prepare(model: DecoderLM, experts: ExpertPolicy | None = None, cuda_graphs: 
     `experts`), a routing trace where STRATA_ROUTE_TRACE or STRATA_ROUTE_RECORD asks for one, then the decode
     step's CUDA graphs and, where the family allows them, the prompt chunks' graphs
     (STRATA_PROMPT_GRAPHS=0: chunks run eagerly, for comparisons). On the CPU nothing is applied."""
+    policy = experts or ExpertPolicy()
     if model.needs_expert_cache:
-        model.attach_experts(build_expert_cache(model, experts or ExpertPolicy()))
+        model.attach_experts(build_expert_cache(model, policy))
     model.route_trace = replay.attach(model)  # before the graphs: their steps replay (or record) it too
+    if model.expert_cache is not None and policy.prefetch != "off" and getattr(model, "fast", False):
+        # the fused decode layer issues and takes the prefetches (engine/models/fast_decode.py)
+        model.expert_cache.prefetch = prefetch.attach(
+            model, policy.prefetch, runtime_switches().prefetch_trace
+        )
     if cuda_graphs and model.device.type == "cuda":
         model.graphs = DecodeGraphs(model)
         model.graphs.counts = model.expert_counts  # put back after the warm-up runs of a capture

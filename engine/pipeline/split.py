@@ -78,6 +78,7 @@ class SplitOptions:
     expert_policy: str = (
         "profile"  # --expert-policy profile|lru|lfu: which experts stay in VRAM as decode goes
     )
+    expert_prefetch: str = "off"  # --expert-prefetch off|router (engine/experts/prefetch.py)
     cpu_share: float | None = None  # --cpu-experts F (None: auto, engine/experts/policy.py)
     cpu_ratio: float | None = None  # --cpu-ratio R: the CPU's share of a step's misses (None: the default)
     cpu_weights_mib: int | None = None  # --cpu-weights-mib: float copies of CPU layers' weights (None: auto)
@@ -435,6 +436,7 @@ def _policies(
                 profile=prof,
                 miss_path=opts.expert_misses,
                 eviction=opts.expert_policy,
+                prefetch=opts.expert_prefetch,
                 cpu_share=opts.cpu_share,
                 cpu_ratio=opts.cpu_ratio,
                 rows=sequences,

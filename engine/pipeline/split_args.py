@@ -36,6 +36,7 @@ def options_from_args(args: EngineOptions) -> SplitOptions:
         cpu_weights_mib=args.cpu_weights_mib,
         expert_misses=args.expert_misses,
         expert_policy=args.expert_policy,
+        expert_prefetch=args.expert_prefetch,
         cpu_share=share,
         cpu_ratio=ratio,
         device=args.device,

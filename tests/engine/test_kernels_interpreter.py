@@ -645,6 +645,73 @@ def test_cpu_share_of_misses_goes_through_the_mailbox(
     assert cm.box[0, cm.answer].item() == cm.box[0, ho.HDR_REQ].item()
 
 
+def test_prefetched_experts_are_read_from_their_area_and_not_copied_or_claimed_again() -> None:
+    """--expert-prefetch: the experts predicted for layer 1 are staged into the prefetch's area while layer 0 runs;
+    layer 1's staging then copies only what the prediction missed, its prefetched experts read from the
+    prefetch's area, and the CPU's share of the misses (--cpu-experts) counts them as hits. A wrong prediction
+    costs a copy and nothing else."""
+    from engine.experts.cache import ExpertCache
+    from engine.experts.cpu_misses import CpuMisses
+    from engine.experts.prefetch import Prefetch
+
+    e_n, f, d, k = 8, 256, 256, 4
+    layers = {0: _moe_layer(e_n, f, d), 1: _moe_layer(e_n, f, d)}
+    cache = ExpertCache(layers, torch.device("cpu"), {0: 2, 1: 2})  # type: ignore[arg-type]
+    le = cache.layers[1]
+    assert le.slot_of[:3] == [0, 1, -1] and le.tables is not None and le.host_tables is not None
+
+    def predict(li: int, x32: torch.Tensor) -> torch.Tensor:
+        assert li == 0 and x32.shape == (1, d)
+        return torch.tensor([[3, 5, 1, 7]])  # 3, 5, 7 left in host RAM, 1 in VRAM
+
+    pf = Prefetch(cache, predict, {0: 1}, k, "test")
+    pf.issue(0, torch.randn(1, d))
+    pf.issue(1, torch.randn(1, d))  # the last MoE layer has no next one to predict
+    assert set(pf.pending) == {1}
+    tin = pf.tables(1)
+    assert tin is not None and pf.tables(1) is None  # taken once
+    area = pf.stagers[pf.parity[1]].area
+
+    def in_area(a: int, t: torch.Tensor) -> bool:
+        return t.data_ptr() <= a < t.data_ptr() + t.numel()
+
+    def bytes_at(a: int, t: torch.Tensor, n: int) -> torch.Tensor:
+        off = a - t.data_ptr()
+        return t.view(-1)[off : off + n]
+
+    projs = (le.gate, le.up, le.down)
+    for p, pr in enumerate(projs):
+        n = pr.host.raw[0].numel()
+        for e in (3, 5, 7):
+            assert in_area(int(tin[p, e]), area)
+            assert torch.equal(bytes_at(int(tin[p, e]), area, n), pr.host.raw[e].reshape(-1))
+        assert int(tin[p, 1]) == int(le.tables[p, 1]) and int(tin[p, 2]) == int(le.host_tables[p, 2])
+    # the step chooses 3 and 7 (predicted), 2 (not predicted, in host RAM) and 0 (in VRAM)
+    ids = torch.tensor([[3, 2, 0, 7]])
+    staged = cache.staged_tables(1, ids, tables=tin)
+    assert staged is not None
+    out, _ = staged
+    main = cache.stager
+    assert main is not None
+    for p, pr in enumerate(projs):
+        n = pr.host.raw[0].numel()
+        for e in (3, 7):
+            assert int(out[p, e]) == int(tin[p, e])  # read from the prefetch's area, not copied again
+        assert in_area(int(out[p, 2]), main.area)
+        assert torch.equal(bytes_at(int(out[p, 2]), main.area, n), pr.host.raw[2].reshape(-1))
+        assert int(out[p, 0]) == int(le.tables[p, 0])
+    assert int(main.area[:, 1:].abs().sum()) == 0  # one miss copied by the step (expert 2, the first slot)
+    # the CPU's share: the prefetched experts are hits, so of this step's one miss (2) it takes round(0.5) = 0 or 1
+    cm = CpuMisses(cache, 1.0, k, "silu", ratio=1.0)
+    w = torch.full((1, k), 0.25)
+    claim, _ = cm.post(1, ids, w, torch.randn(1, d), tin)  # type: ignore[misc]
+    assert claim.tolist() == [0, 1, 0, 0]  # only expert 2
+    cm.collect(1, torch.zeros(1, d))
+    claim, _ = cm.post(1, ids, w, torch.randn(1, d))  # type: ignore[misc]
+    assert claim.tolist() == [1, 1, 0, 1]  # without the prefetch: every miss
+    cm.collect(1, torch.zeros(1, d))
+
+
 def test_cpu_share_of_a_batched_step_takes_whole_experts() -> None:
     """A decode step of several rows: the quota counts the step's distinct missed experts, and the CPU takes an
     expert for every row that chose it (its blocks read once); each row gets its own sum back."""
