@@ -130,6 +130,33 @@ class Weight:
         return out if flat2 else out.reshape(*x.shape[:-1], self.n_out)
 
 
+def in_one_call(weights: "list[Weight]", rows: int) -> bool:
+    """Whether matmul_many takes these weights' products with `rows` decode rows in one call: two or three weights
+    of the same input width, each of a kind the IR loops read in place."""
+    kinds = _jit().IN_IR
+    return (
+        2 <= len(weights) <= 3
+        and rows <= 8
+        and len({w.k for w in weights}) == 1
+        and all(w.kind in kinds for w in weights)
+    )
+
+
+def matmul_many(weights: "list[Weight]", x: torch.Tensor) -> list[torch.Tensor]:
+    """x [T, k] (T <= 8) times each weight (in_one_call's) -> float32 [T, n_out] each, in one parallel region with x
+    quantized once; the same sums, to the bit, as each weight's own matmul."""
+    j = _jit()
+    x2 = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    outs = [torch.empty(x2.shape[0], w.n_out) for w in weights]
+    ws = list(weights) + [weights[0]] * (3 - len(weights))
+    ns = [w.n_out for w in weights] + [0] * (3 - len(weights))
+    os_ = [o.numpy() for o in outs] + [outs[0].numpy()] * (3 - len(weights))
+    with LOCK:
+        j.matmul3(ws[0].flat, ws[1].flat, ws[2].flat, ws[0].kind, ws[1].kind, ws[2].kind, ns[0], ns[1], ns[2],
+                  ws[0].row_bytes, ws[1].row_bytes, ws[2].row_bytes, weights[0].k, x2.numpy(), *os_)  # fmt: skip
+    return outs
+
+
 def dequantize(raw: torch.Tensor, qtype: QT, n_out: int, k: int, bf16: bool = False) -> torch.Tensor:
     """W's rows as float32 [n_out, k], or bfloat16 (rounded to nearest even) with `bf16`."""
     j = _jit()
@@ -158,6 +185,8 @@ def warm_up() -> None:
     t0 = time.perf_counter()
     raw = torch.zeros(1, GGML_QUANT_SIZES[QT.Q8_0][1], dtype=torch.uint8)
     matmul(raw, QT.Q8_0, 1, 32, torch.zeros(1, 32))
+    one_w = Weight(raw, QT.Q8_0, 1, 32)
+    matmul_many([one_w, one_w], torch.zeros(1, 32))  # q/k/v and gate/up of decode rows
     dequantize(raw, QT.Q8_0, 1, 32, bf16_gemm())
     one = np.zeros((1, 1, 32), np.float32)  # a decode step's attention (engine/kernels/cpu_attention.py)
     attend_rows(one, one, one, np.zeros(1, np.int64), 0, 1.0, 0.0, np.empty_like(one))

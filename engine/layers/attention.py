@@ -9,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine import kernels
 from engine.kernels import cpu_attention
 from engine.layers.kv_cache import KVCache
-from engine.layers.qtensor import QTensor
+from engine.layers.qtensor import QTensor, linear_many
 from installer.engine_options import runtime_switches
 
 # Steps of more rows than this attend through the flash prompt kernel on CUDA; decode-sized steps have their own
@@ -36,10 +36,8 @@ def project_qkv(
     v_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, D] -> queries, keys, values [T, H*Dh] with their biases where the family has them."""
-    out = []
-    for w, b in ((q, q_bias), (k, k_bias), (v, v_bias)):
-        y = w.linear(x)
-        out.append(y if b is None else y + b.to(y.dtype))
+    ys = linear_many([q, k, v], x)  # decode rows on the CPU: one kernel call for the three
+    out = [y if b is None else y + b.to(y.dtype) for y, b in zip(ys, (q_bias, k_bias, v_bias), strict=True)]
     return out[0], out[1], out[2]
 
 

@@ -150,7 +150,7 @@ class QTensor:
             return y.reshape(*x.shape[:-1], n_out)
         if residual is not None:
             return residual + self.linear(x).float()
-        if not x.is_cuda and self.dense is None and len(self.shape) == 2 and self._cpu_blocks():
+        if self.takes_cpu_blocks(x):
             return self._cpu_linear(x)
         if self.dense is not None and self.dense.dtype == x.dtype:
             return x @ self.dense.T
@@ -182,13 +182,21 @@ class QTensor:
         """Whether CPU matmuls of this weight read it where it lies: the block kernels, or F32 (a float view)."""
         return self.qtype == QT.F32 or self._cpu_blocks()
 
+    def cpu_weight(self) -> "cpu_blocks.Weight":
+        """This 2-D weight as the CPU's block kernels take it (worked out once)."""
+        if self.cpu is None:
+            self.cpu = cpu_blocks.Weight(self.raw, self.qtype, self.shape[0], self.shape[1])
+        return self.cpu
+
+    def takes_cpu_blocks(self, x: torch.Tensor) -> bool:
+        """Whether linear(x) runs on the CPU's block kernels (decode rows: in place)."""
+        return not x.is_cuda and self.dense is None and len(self.shape) == 2 and self._cpu_blocks()
+
     def _cpu_linear(self, x: torch.Tensor) -> torch.Tensor:
         n_out, n_in = self.shape
         rows = x.numel() // n_in
         if rows <= _CPU_BLOCK_ROWS:
-            if self.cpu is None:
-                self.cpu = cpu_blocks.Weight(self.raw, self.qtype, n_out, n_in)
-            y = self.cpu.matmul(x)
+            y = self.cpu_weight().matmul(x)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
         step = max(1, _TILE_ELEMS // n_in)
         # bfloat16 tiles where the cores multiply them natively: Gemma 3 270M's 64-token prompt on 2 cores ~1.5x
@@ -203,3 +211,15 @@ class QTensor:
         ]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y.to(x.dtype)
+
+
+def linear_many(weights: "list[QTensor]", x: torch.Tensor) -> list[torch.Tensor]:
+    """[w.linear(x) for w in weights], the same values: where every weight takes decode rows on the CPU's block
+    kernels with the same input width (q, k and v; gate and up), in one call (cpu_blocks.matmul_many), x quantized
+    once and one parallel region for all."""
+    if x.dim() == 2 and x.shape[0] <= _CPU_BLOCK_ROWS and all(w.takes_cpu_blocks(x) for w in weights):
+        cws = [w.cpu_weight() for w in weights]
+        if cpu_blocks.in_one_call(cws, x.shape[0]):
+            ys = cpu_blocks.matmul_many(cws, x)
+            return ys if x.dtype == torch.float32 else [y.to(x.dtype) for y in ys]
+    return [w.linear(x) for w in weights]

@@ -17,7 +17,7 @@ from engine.layers.attention import cached_attention, project_qkv
 from engine.layers.kv_cache import KVCache, KVCacheError
 from engine.layers.moe import ACTIVATIONS, ExpertMath, ExpertWeights, count_experts, route_and_count
 from engine.layers.norm import rms_norm
-from engine.layers.qtensor import QTensor
+from engine.layers.qtensor import QTensor, linear_many
 from engine.layers.rope import Rope
 from engine.models import fast_decode
 from engine.models.family_base import (
@@ -420,7 +420,8 @@ class DecoderLM(FamilyLM):
         act = ACTIVATIONS[c.activation]
         if lw.experts is None:
             assert lw.ffn_gate is not None and lw.ffn_up is not None and lw.ffn_down is not None
-            return lw.ffn_down.linear(act(lw.ffn_gate.linear(x)) * lw.ffn_up.linear(x))
+            g, u = linear_many([lw.ffn_gate, lw.ffn_up], x)  # decode rows on the CPU: one kernel call
+            return lw.ffn_down.linear(act(g) * u)
         counts = self.expert_counts[i] if self.expert_counts is not None else None
         real = self.counted_rows  # a prompt chunk padded to a captured size: its pad rows do not count
         trace = self.route_trace

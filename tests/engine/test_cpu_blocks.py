@@ -81,6 +81,32 @@ def test_cpu_linear_reads_blocks_with_int8_activations_and_keeps_no_float_copy(
     assert not w.in_blocks_on_cpu()
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_several_weights_in_one_call_give_each_ones_own_products_to_the_bit(rows: int) -> None:
+    """q, k and v (other block types, other heights) and gate and up (two weights) multiplied in one call
+    (cpu_blocks.matmul_many, one parallel region, the input quantized once): each output is that weight's own
+    matmul, bit for bit, and linear_many gives each weight's linear; other input widths or more rows are not
+    taken in one call."""
+    from engine.layers.qtensor import linear_many
+
+    def weight(qt: QT, n: int, k: int, seed: int) -> QTensor:
+        return QTensor(torch.from_numpy(random_blocks(qt, n, k, seed=seed)), qt, (n, k))
+
+    x = torch.randn(rows, 512)
+    qkv = [weight(QT.Q5_0, 512, 512, 1), weight(QT.Q4_K, 64, 512, 2), weight(QT.Q8_0, 64, 512, 3)]
+    gate_up = [weight(QT.Q6_K, 640, 512, 4), weight(QT.Q6_K, 640, 512, 5)]
+    for group in (qkv, gate_up):
+        ws = [w.cpu_weight() for w in group]
+        assert cpu_blocks.in_one_call(ws, rows)
+        for got, w in zip(cpu_blocks.matmul_many(ws, x), ws, strict=True):
+            assert torch.equal(got, w.matmul(x))
+        for got, w in zip(linear_many(group, x), group, strict=True):
+            assert torch.equal(got, w.linear(x))
+    odd = [weight(QT.Q5_0, 64, 512, 6), weight(QT.Q5_0, 64, 256, 7)]  # other input widths: each its own call
+    assert not cpu_blocks.in_one_call([w.cpu_weight() for w in odd], rows)
+    assert not cpu_blocks.in_one_call([w.cpu_weight() for w in qkv], 9)  # a prompt chunk: float tiles
+
+
 def test_a_tiny_model_on_the_cpu_keeps_its_greedy_tokens_with_int8_activations(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
