@@ -126,20 +126,15 @@ class Weight:
             x2 = x2.to(torch.float32).contiguous()
         out = torch.empty(x2.shape[0], self.n_out)
         with LOCK:
-            j.matmul(self.flat, self.kind, self.n_out, self.k, self.row_bytes, x2.numpy(), out.numpy(), j.F16)
+            o, f, kd, rb = out.numpy(), self.flat, self.kind, self.row_bytes  # one weight: the others' rows 0
+            j.matmul(f, f, f, kd, kd, kd, self.n_out, 0, 0, rb, rb, rb, self.k, x2.numpy(), o, o, o, j.F16)
         return out if flat2 else out.reshape(*x.shape[:-1], self.n_out)
 
 
 def in_one_call(weights: "list[Weight]", rows: int) -> bool:
     """Whether matmul_many takes these weights' products with `rows` decode rows in one call: two or three weights
-    of the same input width, each of a kind the IR loops read in place."""
-    kinds = _jit().IN_IR
-    return (
-        2 <= len(weights) <= 3
-        and rows <= 8
-        and len({w.k for w in weights}) == 1
-        and all(w.kind in kinds for w in weights)
-    )
+    of the same input width."""
+    return 2 <= len(weights) <= 3 and rows <= 8 and len({w.k for w in weights}) == 1
 
 
 def matmul_many(weights: "list[Weight]", x: torch.Tensor) -> list[torch.Tensor]:
@@ -152,8 +147,8 @@ def matmul_many(weights: "list[Weight]", x: torch.Tensor) -> list[torch.Tensor]:
     ns = [w.n_out for w in weights] + [0] * (3 - len(weights))
     os_ = [o.numpy() for o in outs] + [outs[0].numpy()] * (3 - len(weights))
     with LOCK:
-        j.matmul3(ws[0].flat, ws[1].flat, ws[2].flat, ws[0].kind, ws[1].kind, ws[2].kind, ns[0], ns[1], ns[2],
-                  ws[0].row_bytes, ws[1].row_bytes, ws[2].row_bytes, weights[0].k, x2.numpy(), *os_)  # fmt: skip
+        j.matmul(ws[0].flat, ws[1].flat, ws[2].flat, ws[0].kind, ws[1].kind, ws[2].kind, ns[0], ns[1], ns[2],
+                 ws[0].row_bytes, ws[1].row_bytes, ws[2].row_bytes, weights[0].k, x2.numpy(), *os_, j.F16)  # fmt: skip
     return outs
 
 
@@ -185,8 +180,6 @@ def warm_up() -> None:
     t0 = time.perf_counter()
     raw = torch.zeros(1, GGML_QUANT_SIZES[QT.Q8_0][1], dtype=torch.uint8)
     matmul(raw, QT.Q8_0, 1, 32, torch.zeros(1, 32))
-    one_w = Weight(raw, QT.Q8_0, 1, 32)
-    matmul_many([one_w, one_w], torch.zeros(1, 32))  # q/k/v and gate/up of decode rows
     dequantize(raw, QT.Q8_0, 1, 32, bf16_gemm())
     one = np.zeros((1, 1, 32), np.float32)  # a decode step's attention (engine/kernels/cpu_attention.py)
     attend_rows(one, one, one, np.zeros(1, np.int64), 0, 1.0, 0.0, np.empty_like(one))

@@ -953,10 +953,6 @@ def _unpacked(kind):
     )
 
 
-# _in_ir's kinds, for Python's side (cpu_blocks.in_one_call): a call of a compiled function costs ~1 us
-IN_IR = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4_ID, Q4_K, Q5_K, Q6_K, IQ4_XS)
-
-
 @nb.njit(inline="always")
 def _in_ir(kind):
     """Whether row32/rows32 read `kind` (ROW32's and ROWK's types, and IQ4_XS)."""
@@ -1004,26 +1000,34 @@ def codes_dot(q, sc, mn, k, x, xd, xs):
 # No reassociation or contraction: with them LLVM shares a product between the inputs of rows32 and a row's sums
 # then differ by an ulp alone and in a step of several.
 @nb.njit(parallel=True, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"}, nogil=True, cache=True)
-def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
-    """out[T, n_out] = x @ W.T for x float32 [T, k]: W's rows of `row_bytes` bytes of `kind` blocks in w (uint8,
-    flat); x is quantized first (one call: the per-call cost counts at decode). Most types are read in place: up
-    to 8 rows (decode steps) by the IR loops, a task's weight rows at once for up to 4 inputs at once
-    (rows32), more (bench/cpu_block_types.py, 2 cores, 64 rows of 896 x 4864: Q4_K 9.5 ms in place against
-    13.9 unpacked, Q6_K 12.4 against 13.4) by row_dot for each row; the other IQ types, Q2_K and Q3_K are
-    unpacked into codes once for all T rows."""
+def matmul(w0, w1, w2, kind0, kind1, kind2, n0, n1, n2, rb0, rb1, rb2, k, x, o0, o1, o2, f16):
+    """o_j[T, n_j] = x @ W_j.T for x float32 [T, k] and up to three weights W_j of the same input width (n_j = 0:
+    none; q, k and v, or gate and up, in one parallel region): W_j's rows of `rb_j` bytes of `kind_j` blocks in w_j
+    (uint8, flat); x is quantized once, first (one call: the per-call cost counts at decode; a weight's sums are
+    the same bits alone and beside others). Most types are read in place: up to 8 rows (decode steps) by the IR
+    loops, a task's weight rows at once for up to 4 inputs at once (rows32), more (bench/cpu_block_types.py, 2
+    cores, 64 rows of 896 x 4864: Q4_K 9.5 ms in place against 13.9 unpacked, Q6_K 12.4 against 13.4) by row_dot
+    for each row; the other IQ types, Q2_K and Q3_K are unpacked into codes once for all T rows."""
     t_rows = x.shape[0]
     xq = np.empty((t_rows, k), np.int8)
     xd = np.empty((t_rows, k // 32), np.float32)
     xs = np.empty((t_rows, k // 16), np.int32)
     quantize(x, xq, xd, xs)
     groups = k // 16
-    tasks = (n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    in_place = not _unpacked(kind)
-    for t in nb.prange(tasks):
+    t0 = (n0 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    t1 = (n1 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    t2 = (n2 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for t in nb.prange(t0 + t1 + t2):
+        if t < t0:
+            w, kind, n_out, row_bytes, out, first = w0, kind0, n0, rb0, o0, t * ROWS_PER_TASK
+        elif t < t0 + t1:
+            w, kind, n_out, row_bytes, out, first = w1, kind1, n1, rb1, o1, (t - t0) * ROWS_PER_TASK
+        else:
+            w, kind, n_out, row_bytes, out, first = w2, kind2, n2, rb2, o2, (t - t0 - t1) * ROWS_PER_TASK
+        in_place = not _unpacked(kind)
         q = np.empty(k if not in_place else 32, np.int8)
         sc = np.empty(groups, np.float32)
         mn = np.empty(groups, np.float32)
-        first = t * ROWS_PER_TASK
         # a decode step's product: the task's rows in one call, each weight block read once for up to 4 inputs
         if in_place and t_rows <= 8 and _in_ir(kind):
             n_rows = min(n_out, first + ROWS_PER_TASK) - first
@@ -1041,35 +1045,6 @@ def matmul(w, kind, n_out, k, row_bytes, x, out, f16):
             unpack_row(w, kind, o, k, q, sc, mn, f16)
             for r in range(t_rows):
                 out[r, n] = codes_dot(q, sc, mn, k, xq[r], xd[r], xs[r])
-
-
-@nb.njit(parallel=True, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"}, nogil=True, cache=True)
-def matmul3(w0, w1, w2, kind0, kind1, kind2, n0, n1, n2, rb0, rb1, rb2, k, x, o0, o1, o2):
-    """Up to three weights' products with the same decode rows x (float32 [T <= 8, k]) in one parallel region, x
-    quantized once: q, k and v, or gate and up (n2 = 0). Each row's sums are matmul's, to the bit (the same rows32
-    body on the same quantized input); the kinds must be ones the IR loops read in place (_in_ir). Two or three
-    calls had cost a parallel region's start and the input's quantization each: ~20 us a layer's q/k/v and ~16
-    its gate and up on Qwen2.5-0.5B on 2 cores (docs/performance.md, "CPU")."""
-    t_rows = x.shape[0]
-    xq = np.empty((t_rows, k), np.int8)
-    xd = np.empty((t_rows, k // 32), np.float32)
-    xs = np.empty((t_rows, k // 16), np.int32)
-    quantize(x, xq, xd, xs)
-    t0 = (n0 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    t1 = (n1 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    t2 = (n2 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for t in nb.prange(t0 + t1 + t2):
-        if t < t0:
-            w, kind, n_out, row_bytes, out, first = w0, kind0, n0, rb0, o0, t * ROWS_PER_TASK
-        elif t < t0 + t1:
-            w, kind, n_out, row_bytes, out, first = w1, kind1, n1, rb1, o1, (t - t0) * ROWS_PER_TASK
-        else:
-            w, kind, n_out, row_bytes, out, first = w2, kind2, n2, rb2, o2, (t - t0 - t1) * ROWS_PER_TASK
-        n_rows = min(n_out, first + ROWS_PER_TASK) - first
-        for r0 in range(0, t_rows, 4):
-            rows32(w, np.int64(first) * row_bytes, np.int64(row_bytes), np.int64(n_rows), np.int64(k // 32),
-                   xq[r0:], xd[r0:], xs[r0:], np.int64(min(4, t_rows - r0)), np.int64(kind), out,
-                   np.int64(n_out), np.int64(r0 * n_out + first))  # fmt: skip
 
 
 @nb.njit(fastmath=True)
