@@ -182,17 +182,11 @@ def next_layers(layers: list[int]) -> dict[int, int]:
 
 def attach(model: Any, mode: str, accuracy: float | None) -> Prefetch | None:
     """Set up `mode`'s prefetch on `model`'s expert cache (None where it has nothing to prefetch: off, no cache, or
-    every expert in VRAM). `accuracy`: STRATA_PREFETCH_TRACE's, with a replayed trace."""
-    if mode not in PREFETCH_MODES:
-        raise PrefetchError(f"--expert-prefetch {mode!r}: use one of {', '.join(PREFETCH_MODES)}")
+    every expert in VRAM). `accuracy`: STRATA_PREFETCH_TRACE's, with a replayed trace. The mode and the flags it
+    needs were checked where the cache was built (policy.check_prefetch)."""
     cache = getattr(model, "expert_cache", None)
     if mode == "off" or cache is None or not cache.streams_prompts:
         return None
-    if cache.miss_path != "copy" or any(le.lru is not None for le in cache.layers.values()):
-        raise PrefetchError(
-            "--expert-prefetch router stages predicted misses beside the step's own copies: use it with "
-            "--expert-misses copy and --expert-policy profile (the defaults)"
-        )
     nxt = next_layers(list(cache.layers))
     if not nxt:
         return None
