@@ -85,7 +85,6 @@ class TracePredictor:
         table = trace_predictions(route.ids.cpu().numpy(), n_expert, accuracy)
         self.table = torch.from_numpy(table).to(route.ids.device)  # int64 [N, L, k]
         self.col, self.k, self.counts, self.nxt = route.col, route.k, counts, nxt
-        self.accuracy = accuracy
 
     def __call__(self, li: int, x32: torch.Tensor) -> torch.Tensor:
         nx = self.nxt[li]
@@ -130,8 +129,8 @@ class Prefetch:
             kernels.stage_copy.Stager(dev, slots, cache.stage_stride, cache.n_expert) for _ in range(AREAS)
         ]
         self.parity = {nx: j % AREAS for j, nx in enumerate(sorted(cache.layers))}
-        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         cuda = dev.type == "cuda"
+        self.stream = torch.cuda.Stream(dev) if cuda else None
         self.forks = {li: torch.cuda.Event() for li in nxt} if cuda else {}
         self.joins = {nx: torch.cuda.Event() for nx in nxt.values()} if cuda else {}
         self.first = min(cache.layers)
