@@ -120,21 +120,23 @@ VNNI = bool(_F.get("avxvnni") or (_F.get("avx512vnni") and _F.get("avx512vl")))
 MASKS = bool(_F.get("avx512bw") and _F.get("avx512vl"))
 
 
-def _lanes(builder, codes, x, signed):
+def _lanes(builder, codes, x, signed, acc=None):
     """codes . x (both <32 x i8>) as 8 int32 lanes, each the sum of 4 neighbouring products. Unsigned codes go
     straight into pmaddubsw; signed ones as |codes| times x with the codes' signs (psignb). With VNNI one vpdpbusd
     does pmaddubsw's and pmaddwd's work: the same lanes (no code here makes pmaddubsw's 16-bit pair sums
     saturate: |code| <= 128 and |x| <= 127), one instruction a block fewer: Q5_0 products 5% faster on an AMD
-    Zen 4."""
+    Zen 4. `acc` (<8 x i32>, unsigned codes only): lanes to add (vpdpbusd's own accumulator)."""
     if signed:
         sign = _fn(builder, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8])
         codes, x = builder.call(sign, [codes, codes]), builder.call(sign, [x, codes])
     if VNNI:
         dot = _fn(builder, "llvm.x86.avx512.vpdpbusd.256", v8i32, [v8i32, v8i32, v8i32])
-        return builder.call(dot, [_splat(v8i32, 0), builder.bitcast(codes, v8i32), builder.bitcast(x, v8i32)])
+        start = _splat(v8i32, 0) if acc is None else acc
+        return builder.call(dot, [start, builder.bitcast(codes, v8i32), builder.bitcast(x, v8i32)])
     maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
     maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
-    return builder.call(maddwd, [builder.call(maddubs, [codes, x]), _splat(v16i16, 1)])
+    lanes = builder.call(maddwd, [builder.call(maddubs, [codes, x]), _splat(v16i16, 1)])
+    return lanes if acc is None else builder.add(lanes, acc)
 
 
 def _pair_sums(builder, codes, x, signed):
@@ -193,6 +195,10 @@ def _row32_loop(b, wp, xs, o, n, spec):
     besides: "d" a half scale (Q8_0, Q4_0, Q5_0, IQ4_NL), "e8m0" MXFP4's scale byte, "dm" d * code + m (Q4_1,
     Q5_1))."""
     block_bytes, codes_at, signed, kind = spec
+    offset = None
+    if len(xs[0]) > 3 and spec in OFFSET:  # unsigned codes, the offset's products from the inputs' quad sums
+        codes_at, offset = OFFSET[spec]
+        signed = False
     f32, v8f32, half = ir.FloatType(), ir.VectorType(ir.FloatType(), 8), ir.HalfType()
     # two sums an input (the next block's work need not wait for the last one's add), for every input alike: a row
     # gives the same sums, to the bit, alone and in a step of several
@@ -201,7 +207,13 @@ def _row32_loop(b, wp, xs, o, n, spec):
     fma = _fn(b, "llvm.fma.v8f32", v8f32, [v8f32, v8f32, v8f32])
 
     def lanes_of(codes, r, i):  # block i's codes . input r's 32 values of it, as 8 float lanes
-        return b.sitofp(_lanes(b, codes, _load(b, xs[r][0], b.mul(i, ir.Constant(i64, 32))), signed), v8f32)
+        acc = None
+        if offset is not None:  # -16 x (or -8 x) each quad's sum: the lanes of (code - offset) . x, exactly
+            acc = _load(b, xs[r][3], b.mul(i, ir.Constant(i64, 8)), v8i32)
+            if offset == 8:
+                acc = b.ashr(acc, _splat(v8i32, 1))
+        x = _load(b, xs[r][0], b.mul(i, ir.Constant(i64, 32)))
+        return b.sitofp(_lanes(b, codes, x, signed, acc), v8f32)
 
     def block(i, slot):
         p = b.add(o, b.mul(i, ir.Constant(i64, block_bytes)))
@@ -215,7 +227,7 @@ def _row32_loop(b, wp, xs, o, n, spec):
             d = b.fpext(b.load(b.bitcast(b.gep(wp, [p]), half.as_pointer()), align=1), f32)
         if kind == "dm":
             m = b.fpext(b.load(b.bitcast(b.gep(wp, [b.add(p, ir.Constant(i64, 2))]), half.as_pointer()), align=1), f32)  # fmt: skip
-        for r, (_, xdp, xsp) in enumerate(xs):
+        for r, (_, xdp, xsp, *_) in enumerate(xs):
             xd_i = b.load(b.gep(xdp, [i]))
             acc = accs[r][slot]
             scale = _broadcast(b, b.fmul(d, xd_i), v8f32)
@@ -237,7 +249,7 @@ def _row32_loop(b, wp, xs, o, n, spec):
             at = b.bitcast(b.gep(wp, [b.add(p0, ir.Constant(i64, j * block_bytes))]), i16.as_pointer())
             bits = b.insert_element(bits, b.load(at, align=1), ir.Constant(i32, j))
         d8 = b.fpext(b.bitcast(bits, ir.VectorType(half, 8)), v8f32)
-        xd8s = [b.load(b.bitcast(b.gep(xdp, [i0]), v8f32.as_pointer()), align=4) for _, xdp, _ in xs]
+        xd8s = [b.load(b.bitcast(b.gep(xdp, [i0]), v8f32.as_pointer()), align=4) for _, xdp, *_ in xs]
         scales = [b.fmul(d8, xd8) for xd8 in xd8s]
         for j in range(8):
             codes = codes_at(b, wp, b.add(p0, ir.Constant(i64, j * block_bytes)))
@@ -339,7 +351,7 @@ def _rowk_loop(b, wp, xs, o, nblocks, kind):
             # ulp alone and in a step of several)
             wsc8 = b.fmul(sc8, _broadcast(b, f16_at(p, 0), v8f32))
             wmn8 = b.fmul(mn8, _broadcast(b, f16_at(p, 2), v8f32))
-        for r, (_, xdp, xsp) in enumerate(xs):
+        for r, (_, xdp, xsp, *_) in enumerate(xs):
             xd8 = b.load(b.bitcast(b.gep(xdp, [b.mul(sb, ir.Constant(i64, 8))]), v8f32.as_pointer()), align=4)
             xs16 = b.load(b.bitcast(b.gep(xsp, [b.mul(sb, ir.Constant(i64, 16))]), ir.VectorType(i32, 16).as_pointer()), align=4)  # fmt: skip
             if kind == Q6_K:
@@ -366,7 +378,7 @@ def _rowk_loop(b, wp, xs, o, nblocks, kind):
                 codes = _q5k(b, wp, p, jc)
             else:
                 codes = _nibbles32(b, wp, at(p, 16 + 32 * (j // 2)), ir.Constant(i64, 4 * (j % 2)))
-            for r, (xp, _, _) in enumerate(xs):
+            for r, (xp, *_) in enumerate(xs):
                 prods = b.call(maddubs, [codes, _load(b, xp, b.add(x0, ir.Constant(i64, 32 * j)))])
                 lanes = b.call(maddwd, [prods, pair if kind == Q6_K else _splat(v16i16, 1)])
                 acc = accs[r][j % 2]
@@ -415,12 +427,13 @@ def _rowxs_loop(b, wp, xs, o, nblocks):
         runs = _iq4xs_runs(b, wp, p)
         i0 = b.mul(sb, ir.Constant(i64, 8))
         scales = [
-            b.fmul(runs, b.load(b.bitcast(b.gep(xdp, [i0]), v8f32.as_pointer()), align=4)) for _, xdp, _ in xs
+            b.fmul(runs, b.load(b.bitcast(b.gep(xdp, [i0]), v8f32.as_pointer()), align=4))
+            for _, xdp, *_ in xs
         ]
         for j in range(8):
             codes = _pshufb(b, IQ4, _nibbles16(b, wp, b.add(p, ir.Constant(i64, 8 + 16 * j))))
             at = b.mul(b.add(i0, ir.Constant(i64, j)), ir.Constant(i64, 32))
-            for r, (xp, _, _) in enumerate(xs):
+            for r, (xp, *_) in enumerate(xs):
                 lanes = b.sitofp(_lanes(b, codes, _load(b, xp, at), True), v8f32)
                 acc = accs[r][j % 2]
                 b.store(b.call(fma, [lanes, _lane(b, scales[r], j), b.load(acc)]), acc)
@@ -464,9 +477,10 @@ INPUTS = (1, 2, 3, 4)
 
 
 @intrinsic(prefer_literal=True)
-def rows32(typingctx, w, o, row_bytes, nrows, nblocks, x, xd, xs, nx, kind, out, ostride, oo):
+def rows32(typingctx, w, o, row_bytes, nrows, nblocks, x, xd, xs, xc, nx, kind, out, ostride, oo):
     """row32 for `nrows` consecutive weight rows (the first at byte o, row_bytes apart) and `nx` (one of INPUTS)
-    quantized input rows (x int8 [>= nx, k], xd [>= nx, k/32], xs [>= nx, k/16], each C-contiguous): input j's products go to out's flat data from element oo + j * ostride. The rows' loop is in
+    quantized input rows (x int8 [>= nx, k], xd [>= nx, k/32], xs [>= nx, k/16], xc [>= nx, k/4] (quad_sums), each
+    C-contiguous): input j's products go to out's flat data from element oo + j * ostride. The rows' loop is in
     the IR, so that a short row (a 640-wide head's 20 blocks) does not pay a call, the type's dispatch and its
     setup each (they had cost ~40 ns a row, 40% of such a product), and each weight block is read and made into
     codes once for all the inputs (a step of 4 rows of Qwen2.5-0.5B: its products 87.8 -> 43.8 ms on 2 cores).
@@ -478,26 +492,29 @@ def rows32(typingctx, w, o, row_bytes, nrows, nblocks, x, xd, xs, nx, kind, out,
         counts = (nx.literal_value,)
     else:
         counts = INPUTS
-    sig = types.none(w, o, row_bytes, nrows, nblocks, x, xd, xs, nx, kind, out, ostride, oo)
+    sig = types.none(w, o, row_bytes, nrows, nblocks, x, xd, xs, xc, nx, kind, out, ostride, oo)
 
     def codegen(context, builder, signature, args):
         b = builder
-        wp, xp, xdp, xsp, op = (_data(context, b, signature.args[i], args[i]) for i in (0, 5, 6, 7, 10))
+        wp, xp, xdp, xsp, xcp, op = (
+            _data(context, b, signature.args[i], args[i]) for i in (0, 5, 6, 7, 8, 11)
+        )
         nb_ = args[4]
         k = b.mul(nb_, ir.Constant(i64, 32))
         inputs = [(b.gep(xp, [b.mul(k, ir.Constant(i64, j))]), b.gep(xdp, [b.mul(nb_, ir.Constant(i64, j))]),
-                   b.gep(xsp, [b.mul(nb_, ir.Constant(i64, 2 * j))])) for j in range(max(counts))]  # fmt: skip
+                   b.gep(xsp, [b.mul(nb_, ir.Constant(i64, 2 * j))]), b.gep(xcp, [b.mul(nb_, ir.Constant(i64, 8 * j))]))
+                  for j in range(max(counts))]  # fmt: skip
         for kid in (*ROW32, *ROWK, IQ4_XS):
-            with b.if_then(b.icmp_signed("==", args[9], ir.Constant(args[9].type, kid))):
+            with b.if_then(b.icmp_signed("==", args[10], ir.Constant(args[10].type, kid))):
                 for n_in in counts:
-                    with b.if_then(b.icmp_signed("==", args[8], ir.Constant(args[8].type, n_in))):
+                    with b.if_then(b.icmp_signed("==", args[9], ir.Constant(args[9].type, n_in))):
                         with cgutils.for_range(b, args[3]) as loop:
                             r = loop.index
                             dots = _row_loop(
                                 b, wp, inputs[:n_in], b.add(args[1], b.mul(r, args[2])), nb_, kid
                             )
                             for j, dot in enumerate(dots):
-                                at = b.add(b.add(args[12], b.mul(args[11], ir.Constant(i64, j))), r)
+                                at = b.add(b.add(args[13], b.mul(args[12], ir.Constant(i64, j))), r)
                                 b.store(dot, b.gep(op, [at]))
         return context.get_dummy_value()
 
@@ -571,6 +588,10 @@ ROW32 = {  # the 32-value block types read by row32: (block bytes, codes, signed
     IQ4_NL: (18, _at(2, lambda b, wp, p: _pshufb(b, IQ4, _nibbles16(b, wp, p))), True, "d"),
     MXFP4_ID: (17, _at(1, lambda b, wp, p: _pshufb(b, MXFP4, _nibbles16(b, wp, p))), True, "e8m0"),
 }
+# Q5_0 and Q4_0 read as unsigned codes (0-31, 0-15) where the inputs come with their quads' sums times -16
+# (quad_sums): a block's lanes then start from those (times -8 for Q4_0), the same integers as the signed codes'
+# products, without the two sign instructions a block (rows32, the decode steps' products)
+OFFSET = {ROW32[Q5_0]: (_at(2, _q5_codes), 16), ROW32[Q4_0]: (_at(2, _nibbles16), 8)}
 
 
 def _nibbles32(b, wp, p, shift):
@@ -967,6 +988,18 @@ def quantize(x, xq, xd, xs):
                 xs[r, 2 * b + h] = t
 
 
+@nb.njit(fastmath=True, nogil=True, cache=True)
+def quad_sums(xq, xc):
+    """xq int8 [T, K] -> xc int32 [T, K/4]: each 4 values' sum times -16, the lanes Q5_0's unsigned codes start
+    from (OFFSET): (code - 16) . x = code . x - 16 x per quad, in the integers."""
+    for r in range(xc.shape[0]):  # none where no weight of the call takes them
+        for j in range(xq.shape[1] // 4):
+            t = np.int32(0)
+            for i in range(4):
+                t += np.int32(xq[r, 4 * j + i])
+            xc[r, j] = -16 * t
+
+
 @nb.njit(inline="always")
 def _unpacked(kind):
     """Whether rows of `kind` are unpacked into codes once per product (cpu_blocks.UNPACKED), not read in place."""
@@ -981,6 +1014,12 @@ def _unpacked(kind):
         or kind == IQ1_S
         or kind == IQ1_M
     )
+
+
+@nb.njit(inline="always")
+def _offset(kind):
+    """Whether rows32 reads `kind` as unsigned codes from the inputs' quad sums (OFFSET)."""
+    return kind == Q5_0 or kind == Q4_0
 
 
 @nb.njit(inline="always")
@@ -1043,6 +1082,8 @@ def matmul(w0, w1, w2, kind0, kind1, kind2, n0, n1, n2, rb0, rb1, rb2, k, x, o0,
     xd = np.empty((t_rows, k // 32), np.float32)
     xs = np.empty((t_rows, k // 16), np.int32)
     quantize(x, xq, xd, xs)
+    xc = np.empty((t_rows if _offset(kind0) or _offset(kind1) or _offset(kind2) else 0, k // 4), np.int32)
+    quad_sums(xq, xc)
     groups = k // 16
     t0 = (n0 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     t1 = (n1 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
@@ -1063,7 +1104,7 @@ def matmul(w0, w1, w2, kind0, kind1, kind2, n0, n1, n2, rb0, rb1, rb2, k, x, o0,
             n_rows = min(n_out, first + ROWS_PER_TASK) - first
             for r0 in range(0, t_rows, 4):
                 rows32(w, np.int64(first) * row_bytes, np.int64(row_bytes), np.int64(n_rows), np.int64(k // 32),
-                       xq[r0:], xd[r0:], xs[r0:], np.int64(min(4, t_rows - r0)), np.int64(kind), out,
+                       xq[r0:], xd[r0:], xs[r0:], xc[r0:], np.int64(min(4, t_rows - r0)), np.int64(kind), out,
                        np.int64(n_out), np.int64(r0 * n_out + first))  # fmt: skip
             continue
         for n in range(first, min(n_out, first + ROWS_PER_TASK)):
@@ -1166,6 +1207,8 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, box, boxf, 
             quantize(x[r : r + 1], xq[r : r + 1], xd[r : r + 1], xs[r : r + 1])
     else:
         quantize(x, xq, xd, xs)
+    xc = np.empty((n_tok if _offset(kinds[0]) or _offset(kinds[1]) else 0, d // 4), np.int32)
+    quad_sums(xq, xc)
     in_ir = _in_ir(kinds[0]) and _in_ir(kinds[1]) and _in_ir(kinds[2])
     h = np.empty((nt, f), np.float32)
     hu = np.empty((nt, f) if in_ir else (0, 0), np.float32)
@@ -1180,10 +1223,10 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, box, boxf, 
             for j in range(starts[g], starts[g + 1]):
                 i = tok[j]
                 at = np.int64(j * f + n0)
-                rows32(gate, o, np.int64(gate_row_bytes), n_rows, np.int64(d // 32), xq[i:], xd[i:], xs[i:], 1,
-                       np.int64(kinds[0]), h, np.int64(f), at)  # fmt: skip
-                rows32(up, o, np.int64(gate_row_bytes), n_rows, np.int64(d // 32), xq[i:], xd[i:], xs[i:], 1,
-                       np.int64(kinds[1]), hu, np.int64(f), at)  # fmt: skip
+                rows32(gate, o, np.int64(gate_row_bytes), n_rows, np.int64(d // 32), xq[i:], xd[i:], xs[i:],
+                       xc[i:], 1, np.int64(kinds[0]), h, np.int64(f), at)  # fmt: skip
+                rows32(up, o, np.int64(gate_row_bytes), n_rows, np.int64(d // 32), xq[i:], xd[i:], xs[i:],
+                       xc[i:], 1, np.int64(kinds[1]), hu, np.int64(f), at)  # fmt: skip
                 for n in range(n0, n0 + n_rows):
                     a = h[j, n]
                     h[j, n] = a / (np.float32(1.0) + np.exp(-a)) * hu[j, n]
@@ -1218,6 +1261,8 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, box, boxf, 
             quantize(h[r : r + 1], hq[r : r + 1], hd[r : r + 1], hs[r : r + 1])
     else:
         quantize(h, hq, hd, hs)
+    hc = np.empty((nt if _offset(kinds[2]) else 0, f // 4), np.int32)
+    quad_sums(hq, hc)
     for t in nb.prange((d + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         if in_ir:  # each pair's rows of the task in one IR loop; the pairs added in the same order as below
             n0 = t * ROWS_PER_TASK
@@ -1228,8 +1273,8 @@ def mix(gate, up, down, kinds, gate_row_bytes, down_row_bytes, f, d, box, boxf, 
                     out[i, n] = np.float32(0.0)
             for j in range(nt):
                 rows32(down, (np.int64(ids[j]) * d + n0) * down_row_bytes, np.int64(down_row_bytes),
-                       np.int64(n_rows), np.int64(f // 32), hq[j:], hd[j:], hs[j:], 1, np.int64(kinds[2]), dots,
-                       np.int64(0), np.int64(0))  # fmt: skip
+                       np.int64(n_rows), np.int64(f // 32), hq[j:], hd[j:], hs[j:], hc[j:], 1, np.int64(kinds[2]),
+                       dots, np.int64(0), np.int64(0))  # fmt: skip
                 for n in range(n0, n0 + n_rows):
                     out[tok[j], n] += ws[j] * dots[n - n0]
             continue
