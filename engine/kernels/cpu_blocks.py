@@ -87,6 +87,35 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int, neox
 _NO_WEIGHT = np.zeros(0, np.float32)
 
 
+def attend_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    consts: "tuple[np.ndarray, ...]",
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    dim: int,
+    neox: bool,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    pos: np.ndarray,
+    window: int,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """cpu_blocks_jit.attend_step: a CPU decode step's attention from its projections q [T, H*Dk], k, v (float32,
+    contiguous, written), `consts` the layer's (q, k, v biases, q, k norms) as float32 arrays (empty: none), into
+    the float32 cache kc, vc [S, Hkv, D] at positions pos (int64) -> [T, H*Dv]."""
+    t, dv = q.shape[0], vc.shape[2]
+    n_head = q.shape[1] // kc.shape[2]
+    out = np.empty((t, n_head, dv), np.float32)
+    _jit().attend_step(q.numpy(), k.numpy(), v.numpy(), *consts, np.float32(eps), cos.numpy(), sin.numpy(),
+                       int(dim), bool(neox), kc.numpy(), vc.numpy(), pos, int(window), np.float32(scale),
+                       np.float32(softcap), out)  # fmt: skip
+    return torch.from_numpy(out).view(t, n_head * dv)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """engine/layers/norm.py's RMS norm of float32 rows (x [..., D] contiguous, weight float32 [D] or None) in one
     kernel call (cpu_blocks_jit.rms_norm): torch's composite took ~10 us a decode row on 2 cores, ~50 a token."""

@@ -8,12 +8,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.experts.replay import TraceRoute
 from engine.gguf import names
 from engine.gguf.reader import GGUFFile
-from engine.layers.attention import cached_attention, project_qkv
+from engine.kernels import cpu_attention, cpu_blocks
+from engine.layers.attention import ROW_BY_ROW, cached_attention, project_qkv
 from engine.layers.kv_cache import KVCache, KVCacheError
 from engine.layers.moe import ACTIVATIONS, ExpertMath, ExpertWeights, count_experts, route_and_count
 from engine.layers.norm import rms_norm
@@ -107,6 +109,7 @@ class DecoderLM(FamilyLM):
     # engine.pipeline.loader.prepare before the CUDA graphs are made.
     traces_routes = True
     route_trace: TraceRoute | None = None
+    _cpu_consts: dict[int, tuple[np.ndarray, ...]] | None = None  # _cpu_attention's per-layer arrays
 
     def _before_layers(self, gf: GGUFFile) -> None:
         freq_factors = Weights(gf, torch.device("cpu")).opt_f(
@@ -221,6 +224,10 @@ class DecoderLM(FamilyLM):
         t = h.shape[0]
         if self.fast and t <= fast_decode.FAST_MAX_ROWS and h.is_cuda:
             return fast_decode.layer(self, i, h, cache, pos, span)
+        if not h.is_cuda and t <= ROW_BY_ROW and span == int(pos[-1]) + 1:
+            a = self._cpu_attention(i, h, pos, [(cache, 0, t)])
+            if a is not None:
+                return self.attn_out_ffn(i, h.float(), a)
         h, q, k, v = self.attn_in(i, h, pos)
         return self.attn_out_ffn(i, h, self.attn_core(i, q, k, v, cache, pos, span, masks))
 
@@ -344,7 +351,13 @@ class DecoderLM(FamilyLM):
         self, h: torch.Tensor, parts: Sequence[BatchPart], rows: "BatchRows", layers: range
     ) -> torch.Tensor:
         """hidden [R, D] of every part's rows (in order) -> after `layers` (a stage's, or the model's)."""
+        seqs = [(p.cache, a, b) for p, (a, b) in zip(parts, rows.cuts, strict=True)]
         for i in layers:
+            # a CPU step's decode rows: their attention in one kernel call a sequence
+            fused = None if h.is_cuda else self._cpu_attention(i, h, rows.pos, seqs)
+            if fused is not None:
+                h = self.attn_out_ffn(i, h.float(), fused)
+                continue
             h, q, k, v = self.attn_in(i, h, rows.pos)
             a = torch.cat(
                 [
@@ -380,6 +393,55 @@ class DecoderLM(FamilyLM):
         v = v.view(t, c.n_head_kv, c.head_dim_v)
         rope = self.rope_swa if c.is_swa(i) else self.rope
         return h, rope.apply_at(q, pos, lw.q_norm, c.rms_eps), rope.apply_at(k, pos, lw.k_norm, c.rms_eps), v
+
+    def _cpu_attention(
+        self, i: int, h: torch.Tensor, pos: torch.Tensor, parts: Sequence[tuple[KVCache, int, int]]
+    ) -> torch.Tensor | None:
+        """attn_in and attn_core of a CPU step's decode rows in one kernel call a sequence after the projections
+        (cpu_blocks.attend_step: the same kernels and operations, so the same bits; ~90 us a layer of torch
+        operations and calls on 2 cores before): rows [a, b) of h at positions pos attend in `parts`' caches.
+        None where that path does not apply (a cache other than float32, float copies of the weights, more than
+        ROW_BY_ROW rows a sequence, a row over cpu_attention's MAX_MACS, a span past a cache)."""
+        c, lw = self.cfg, self.layers[i]
+        if lw.qkv is not None or self.dtype != torch.float32 or not cpu_blocks.available()[0]:
+            return None
+        p = pos.numpy() if pos.dtype == torch.int64 else pos.to(torch.int64).numpy()
+        if c.n_head * (int(p.max()) + 1) * c.head_dim_k > cpu_attention.MAX_MACS:
+            return None
+        for cache, a, b in parts:
+            lk = cache.layers.get(i)
+            if (
+                lk is None
+                or b - a > ROW_BY_ROW
+                or cache.kv_type != "f32"
+                or int(p[b - 1]) >= cache.max_ctx
+                or not lk.k.is_contiguous()
+                or not lk.v.is_contiguous()
+            ):
+                return None
+        x = rms_norm(h.float(), lw.attn_norm, c.rms_eps, self.dtype)
+        q, k, v = linear_many([lw.q, lw.k, lw.v], x)
+        if not all(y.dtype == torch.float32 and y.is_contiguous() for y in (q, k, v)):
+            return None  # pragma: no cover - every CPU product gives fresh float32 rows
+        if self._cpu_consts is None:
+            self._cpu_consts = {}
+        consts = self._cpu_consts.get(i)
+        if consts is None:  # the layer's biases and norms as the kernel takes them, made once
+            consts = self._cpu_consts[i] = tuple(
+                t.detach().float().contiguous().numpy() if t is not None else np.zeros(0, np.float32)
+                for t in (lw.q_bias, lw.k_bias, lw.v_bias, lw.q_norm, lw.k_norm)
+            )
+        rope = self.rope_swa if c.is_swa(i) else self.rope
+        cos, sin = rope.cos_sin(pos)
+        window = c.sliding_window if c.is_swa(i) else 0
+        outs = [
+            cpu_blocks.attend_step(
+                q[a:b], k[a:b], v[a:b], consts, c.rms_eps, cos[a:b], sin[a:b], rope.cfg.dim, rope.cfg.neox,
+                cache.layers[i].k, cache.layers[i].v, p[a:b], window, c.attn_scale, c.attn_softcap,
+            )
+            for cache, a, b in parts
+        ]  # fmt: skip
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def attn_core(
         self,

@@ -82,3 +82,56 @@ def test_a_step_gives_each_row_its_one_token_steps_output_on_both_sides_of_the_k
         assert torch.equal(one[0], got[j]), p
         want = _reference(q[p], k, v, p, 0, 0.125, 0.0)
         assert torch.allclose(got[j].double(), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3", "qwen3moe"])
+def test_a_decode_steps_attention_in_one_call_gives_the_general_layers_logits(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, arch: str
+) -> None:  # type: ignore[no-untyped-def]
+    """DecoderLM._cpu_attention (biases, QK norms, RoPE, the KV write and the attention in one kernel call) against
+    the layer's torch operations: the same logits, to the bit, for one sequence's decode steps past gemma3's
+    window and for a step of several sequences (a verify window's rows among them)."""
+    from engine.models.decoder import DecoderLM
+    from engine.models.family_base import BatchPart
+    from engine.pipeline.loader import load_model
+    from engine.testing.tiny_models import write_tiny_model
+
+    m = load_model(
+        write_tiny_model(tmp_path / "m.gguf", arch, qtype="Q8_0", seed=5), device="cpu", dtype="f32"
+    ).model
+    fused = DecoderLM._cpu_attention
+    taken = []
+
+    def counted(*a, **k):  # type: ignore[no-untyped-def]
+        got = fused(*a, **k)
+        taken.append(got is not None)
+        return got
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        cache = m.new_cache(64, "f32")
+        m.forward(torch.arange(3, 9), cache, 0)
+        tok = torch.tensor([7])
+        for pos in range(6, 20):  # past gemma3's window of 8
+            logits = m.forward(tok, cache, pos)
+            out.append(logits)
+            tok = logits[-1:].argmax(-1)
+        caches = [m.new_cache(32, "f32") for _ in range(3)]
+        for j, c in enumerate(caches):
+            m.forward(torch.arange(4, 9 + j), c, 0)
+        parts = [
+            BatchPart(torch.tensor([11]), caches[0], 5),
+            BatchPart(torch.tensor([12, 13, 14]), caches[1], 6, logits=3),
+            BatchPart(torch.tensor([15]), caches[2], 7),
+        ]
+        out.append(m.forward_batch(parts))
+        return out
+
+    with torch.inference_mode():
+        monkeypatch.setattr(DecoderLM, "_cpu_attention", lambda *a, **k: None)
+        want = run()
+        monkeypatch.setattr(DecoderLM, "_cpu_attention", counted)
+        got = run()
+    assert taken and all(taken)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
