@@ -344,6 +344,8 @@ class BatchRunner:
                 self._leave(slot)
         if self.groups > 1:
             return self._step_group()
+        if self.overlap and getattr(self.model, "pipelines_groups", False):
+            return self._step_remote()
         prev, self._flight = self._flight, None
         parts, plan = self._plan()
         done: list[BatchStep] = []
@@ -356,6 +358,49 @@ class BatchRunner:
             else:
                 done += self._read(flight)
         return done
+
+    def _step_remote(self) -> list[BatchStep]:
+        """One group with a stage in another process and `overlap`: this step goes out (launch_batch: the local
+        stages, then the message), the previous step's tokens are read while the worker computes it, then its
+        answer is taken and the rest of the step queued, its own tokens read by the next call. The host's work on
+        each token hides behind the worker's compute, where `forward_batch` waited for the answer first. The step
+        is whole before this returns, so a slot its read frees is in no step still out."""
+        prev, self._flight = self._flight, None
+        parts, plan = self._plan()
+        done: list[BatchStep] = []
+        if not parts:
+            return self._read(prev) if prev is not None else done
+        t0 = time.perf_counter()
+        finish = self._send(parts, plan)
+        if finish is None:
+            return self._read(prev) if prev is not None else done
+        if prev is not None:
+            done += self._read(prev)
+        try:
+            logits = finish()
+        except Exception as e:
+            log.exception("a step of %d sequences failed", len(plan))
+            self._fail([(s, r) for s, r, _, _ in plan], e)
+            return done
+        f = self._launch(parts, plan, logits, t0)
+        if f is not None:
+            if f.deferrable:
+                self._flight = f
+            else:
+                done += self._read(f)
+        return done
+
+    def _send(
+        self, parts: list[BatchPart], plan: list[tuple[Slot, _Request, int, int]]
+    ) -> Callable[[], torch.Tensor] | None:
+        """launch_batch's first half of a step (its local stages run, its message goes out) -> the call that
+        finishes it, or None where it failed (its requests are told)."""
+        try:
+            return self.model.launch_batch(parts)  # type: ignore[attr-defined, no-any-return]
+        except Exception as e:
+            log.exception("a step of %d sequences failed", len(plan))
+            self._fail([(s, r) for s, r, _, _ in plan], e)
+            return None
 
     def _step_group(self) -> list[BatchStep]:
         """Read the turn's group's step (waiting for the worker's answer), then send that group's next step."""
@@ -375,12 +420,8 @@ class BatchRunner:
         parts, plan = self._plan(g)
         if parts:
             t0 = time.perf_counter()
-            try:
-                finish = self.model.launch_batch(parts)  # type: ignore[attr-defined]
-            except Exception as e:
-                log.exception("a step of %d sequences failed", len(plan))
-                self._fail([(s, r) for s, r, _, _ in plan], e)
-            else:
+            finish = self._send(parts, plan)
+            if finish is not None:
                 self._pending[g] = _Pending(finish, parts, plan, t0)
         return done
 

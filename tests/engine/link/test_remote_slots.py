@@ -178,6 +178,38 @@ def test_groups_of_slots_are_pipelined_through_the_worker(
         sm.close()
 
 
+def test_one_group_reads_a_steps_tokens_while_the_worker_computes_the_next(
+    model: Path, workers: dict[str, WorkerProc]
+) -> None:
+    """One group with overlap (a card's default): each step goes out before the previous step's tokens are read,
+    so the host's work on them hides behind the worker's compute; requests that end at different steps (their
+    slots' last rows wasted or not fed) and the ones that take their slots afterwards get their tokens alone."""
+    whole = load_model(model, "cpu", "f32")
+    lm = _load(model, 3, workers["last3"].port, parallel=3)
+    sm = lm.model  # type: ignore[attr-defined]
+    try:
+        client = sm.stages[1].client
+        br = BatchRunner(sm, lm.tokenizer, 256, "f32", slots=3, step_tokens=12, overlap=True)  # type: ignore[attr-defined]
+        assert br.groups == 1
+        out_while_read: list[int] = []
+        read = br._read
+
+        def spy(f):  # type: ignore[no-untyped-def]
+            out_while_read.append(len(client.in_flight))
+            return read(f)
+
+        br._read = spy  # type: ignore[method-assign]
+        reqs = [
+            GenerationRequest(p, max_tokens=2 + 3 * i, sampling=GREEDY, ignore_eos=True)
+            for i, p in enumerate(_prompts(6, seed=13))
+        ]
+        _each_as_alone(br, reqs, whole)
+        assert max(out_while_read) >= 1  # the next step's messages were out during the read
+        assert not br.in_flight and br.free == 3
+    finally:
+        sm.close()
+
+
 def test_a_worker_lost_with_groups_out_fails_their_requests_and_the_next_ones_serve(model: Path) -> None:
     """The worker dies while both groups' steps are out: each group's requests fail with the link's error when
     their step is read (none hangs, no answer of the old connection is taken for a new one), and requests after the
