@@ -344,10 +344,10 @@ class BatchRunner:
                 self._leave(slot)
         if self.groups > 1:
             return self._step_group()
-        if self.overlap and getattr(self.model, "pipelines_groups", False):
-            return self._step_remote()
         prev, self._flight = self._flight, None
         parts, plan = self._plan()
+        if parts and self._sends_first(parts):
+            return self._step_remote(prev, parts, plan)
         done: list[BatchStep] = []
         flight = self._launch(parts, plan) if parts else None
         if prev is not None:
@@ -359,17 +359,24 @@ class BatchRunner:
                 done += self._read(flight)
         return done
 
-    def _step_remote(self) -> list[BatchStep]:
-        """One group with a stage in another process and `overlap`: this step goes out (launch_batch: the local
-        stages, then the message), the previous step's tokens are read while the worker computes it, then its
-        answer is taken and the rest of the step queued, its own tokens read by the next call. The host's work on
-        each token hides behind the worker's compute, where `forward_batch` waited for the answer first. The step
-        is whole before this returns, so a slot its read frees is in no step still out."""
-        prev, self._flight = self._flight, None
-        parts, plan = self._plan()
+    def _sends_first(self, parts: list[BatchPart]) -> bool:
+        """Whether `_step_remote` takes this step: one group with a stage in another process, `overlap`, and decode
+        rows only (prompt chunks keep forward_batch's pieces pipelined over the link)."""
+        return (
+            self.overlap
+            and bool(getattr(self.model, "pipelines_groups", False))
+            and all(p.tokens.shape[0] == 1 and p.logits == 1 for p in parts)
+        )
+
+    def _step_remote(
+        self, prev: "_Flight | None", parts: list[BatchPart], plan: list[tuple[Slot, _Request, int, int]]
+    ) -> list[BatchStep]:
+        """A step of decode rows through a stage in another process, with `overlap`: it goes out (launch_batch: the
+        local stages, then the message), the previous step's tokens are read while the worker computes it, then
+        its answer is taken and the rest of the step queued, its own tokens read by the next call. The host's work
+        on each token hides behind the worker's compute, where `forward_batch` waited for the answer first. The
+        step is whole before this returns, so a slot its read frees is in no step still out."""
         done: list[BatchStep] = []
-        if not parts:
-            return self._read(prev) if prev is not None else done
         t0 = time.perf_counter()
         finish = self._send(parts, plan)
         if finish is None:
