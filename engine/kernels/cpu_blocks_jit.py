@@ -591,7 +591,9 @@ ROW32 = {  # the 32-value block types read by row32: (block bytes, codes, signed
 # Q5_0 and Q4_0 read as unsigned codes (0-31, 0-15) where the inputs come with their quads' sums times -16
 # (quad_sums): a block's lanes then start from those (times -8 for Q4_0), the same integers as the signed codes'
 # products, without the two sign instructions a block (rows32, the decode steps' products)
-OFFSET = {ROW32[Q5_0]: (_at(2, _q5_codes), 16), ROW32[Q4_0]: (_at(2, _nibbles16), 8)}
+UNSIGNED = {Q5_0: (_at(2, _q5_codes), 16), Q4_0: (_at(2, _nibbles16), 8)}  # kind -> (codes, offset)
+OFFSET = {ROW32[kind]: read for kind, read in UNSIGNED.items()}
+OFFSET_KINDS = tuple(UNSIGNED)  # what _offset tests, in the jitted code
 
 
 def _nibbles32(b, wp, p, shift):
@@ -1019,7 +1021,7 @@ def _unpacked(kind):
 @nb.njit(inline="always")
 def _offset(kind):
     """Whether rows32 reads `kind` as unsigned codes from the inputs' quad sums (OFFSET)."""
-    return kind == Q5_0 or kind == Q4_0
+    return kind in OFFSET_KINDS
 
 
 @nb.njit(inline="always")
