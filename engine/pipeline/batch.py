@@ -383,11 +383,8 @@ class BatchRunner:
             return self._read(prev) if prev is not None else done
         if prev is not None:
             done += self._read(prev)
-        try:
-            logits = finish()
-        except Exception as e:
-            log.exception("a step of %d sequences failed", len(plan))
-            self._fail([(s, r) for s, r, _, _ in plan], e)
+        logits = self._take(finish, plan)
+        if logits is None:
             return done
         f = self._launch(parts, plan, logits, t0)
         if f is not None:
@@ -409,18 +406,26 @@ class BatchRunner:
             self._fail([(s, r) for s, r, _, _ in plan], e)
             return None
 
+    def _take(
+        self, finish: Callable[[], torch.Tensor], plan: list[tuple[Slot, _Request, int, int]]
+    ) -> torch.Tensor | None:
+        """launch_batch's second half (the worker's answer, the stages after it) -> the step's logits, or None where
+        it failed (its requests are told)."""
+        try:
+            return finish()
+        except Exception as e:
+            log.exception("a step of %d sequences failed", len(plan))
+            self._fail([(s, r) for s, r, _, _ in plan], e)
+            return None
+
     def _step_group(self) -> list[BatchStep]:
         """Read the turn's group's step (waiting for the worker's answer), then send that group's next step."""
         g, done = self._turn, []
         self._turn = (g + 1) % self.groups
         pend = self._pending.pop(g, None)
         if pend is not None:
-            try:
-                logits = pend.finish()
-            except Exception as e:
-                log.exception("a step of %d sequences failed", len(pend.plan))
-                self._fail([(s, r) for s, r, _, _ in pend.plan], e)
-            else:
+            logits = self._take(pend.finish, pend.plan)
+            if logits is not None:
                 f = self._launch(pend.parts, pend.plan, logits, pend.t0)
                 if f is not None:
                     done += self._read(f)
