@@ -49,70 +49,98 @@ def _at(builder, base, off, ty):
     return builder.bitcast(builder.gep(base, [off]), ty.as_pointer())
 
 
-def _broadcast(builder, vec8, j):
-    """Element j of an <8 x i8> as an <16 x i16> of it."""
-    v = builder.zext(builder.extract_element(vec8, ir.Constant(i32, j)), i16)
-    vec = builder.insert_element(ir.Constant(v16i16, ir.Undefined), v, ir.Constant(i32, 0))
-    return builder.shuffle_vector(vec, ir.Constant(v16i16, ir.Undefined), ir.Constant(ir.VectorType(i32, 16), [0] * 16))  # fmt: skip
+def _q4k_block(builder, wp, oo, xp, xoo, sp, soo):
+    """One Q4_K block (bytes at oo of wp) . 256 int8 inputs (at xoo of xp; their int16 sums per 32 at soo of sp),
+    left unreduced: (8 int32 lanes of sum(sc * code * x), 4 int32 lanes of sum(m * sums), d, dmin)."""
+    f32, v2i32, v8i8, v8i16, v4i32 = (ir.FloatType(), ir.VectorType(i32, 2), ir.VectorType(i8, 8),
+                                      ir.VectorType(i16, 8), ir.VectorType(i32, 4))  # fmt: skip
+    maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
+    maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
+    maddwd128 = _fn(builder, "llvm.x86.sse2.pmadd.wd", v4i32, [v8i16, v8i16])
+
+    def at(off: int):
+        return builder.add(oo, ir.Constant(i64, off))
+
+    # d and dmin: two halves (F16C converts them)
+    dd = builder.fpext(builder.load(_at(builder, wp, oo, ir.VectorType(ir.HalfType(), 2)), align=1),
+                       ir.VectorType(f32, 2))  # fmt: skip
+    d, dmin = (builder.extract_element(dd, ir.Constant(i32, i)) for i in (0, 1))
+    # the 12 bytes of 6-bit scales and minimums, unpacked four at a time
+    u0, u1, u2 = (builder.load(_at(builder, wp, at(off), i32), align=1) for off in (4, 8, 12))
+    k1, k2, k3 = (ir.Constant(i32, m) for m in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
+
+    def top2(u):  # bits 6-7 of each byte, moved to bits 4-5
+        return builder.shl(builder.and_(builder.lshr(u, ir.Constant(i32, 6)), k3), ir.Constant(i32, 4))
+
+    sc_hi = builder.or_(builder.and_(u2, k2), top2(u0))
+    mn_hi = builder.or_(builder.and_(builder.lshr(u2, ir.Constant(i32, 4)), k2), top2(u1))
+
+    def bytes8(lo, hi):
+        v = builder.insert_element(ir.Constant(v2i32, ir.Undefined), lo, ir.Constant(i32, 0))
+        return builder.bitcast(builder.insert_element(v, hi, ir.Constant(i32, 1)), v8i8)
+
+    scales = bytes8(builder.and_(u0, k1), sc_hi)
+    mins = builder.zext(bytes8(builder.and_(u1, k1), mn_hi), v8i16)
+    sums = builder.load(_at(builder, builder.bitcast(sp, i8.as_pointer()), builder.mul(soo, ir.Constant(i64, 2)), v8i16), align=2)  # fmt: skip
+    summ = builder.call(maddwd128, [mins, sums])
+    sc16 = builder.zext(scales, v8i16)
+
+    def splat16(j: int):  # scale j in all 16 lanes: one shuffle of the widened scales
+        return builder.shuffle_vector(sc16, ir.Constant(v8i16, ir.Undefined), ir.Constant(ir.VectorType(i32, 16), [j] * 16))  # fmt: skip
+
+    low4, shift4 = ir.Constant(v32i8, [15] * 32), ir.Constant(v32i8, [4] * 32)
+    acc = ir.Constant(v8i32, None)
+    for c in range(4):  # 32 bytes: sub-block 2c in the low nibbles, 2c+1 in the high ones
+        q = _load32(builder, wp, at(16 + 32 * c))
+        xl = _load32(builder, xp, builder.add(xoo, ir.Constant(i64, 64 * c)))
+        xh = _load32(builder, xp, builder.add(xoo, ir.Constant(i64, 64 * c + 32)))
+        pl = builder.call(maddubs, [builder.and_(q, low4), xl])  # 16 x (q*x + q*x), no saturation
+        ph = builder.call(maddubs, [builder.lshr(q, shift4), xh])
+        acc = builder.add(acc, builder.call(maddwd, [pl, splat16(2 * c)]))
+        acc = builder.add(acc, builder.call(maddwd, [ph, splat16(2 * c + 1)]))
+    return acc, summ, d, dmin
 
 
 @intrinsic
-def block_dot(typingctx, w, o, xq, xo, xs, so):
-    """One Q4_K block . 256 quantized inputs, before the inputs' scale: d * sum(sc * code * xq) - dmin *
-    sum(m * xs). w: uint8 array with the block's 144 bytes at o; xq: int8 array with the inputs at xo; xs: int16
-    array with their sums per 32 at so."""
-    sig = types.float32(w, o, xq, xo, xs, so)
+def row_dot_q4k(typingctx, w, r0, n_blocks, xq, xd, xs):
+    """One row of Q4_K blocks (its bytes at r0 of w) . the quantized input (xq int8, xd float32 a scale per 256, xs
+    int16 sums per 32): the blocks' integer lanes scaled into float lanes that are summed once, at the row's end
+    (a horizontal sum a block cost as much as a block's products)."""
+    sig = types.float32(w, r0, n_blocks, xq, xd, xs)
 
     def codegen(context, builder, signature, args):
-        oo, xoo, soo = args[1], args[3], args[5]
-        wp, xp, sp = (cgutils.create_struct_proxy(signature.args[i])(context, builder, value=args[i]).data
-                      for i in (0, 2, 4))  # fmt: skip
-        f32, v2i32, v8i8, v8i16, v4i32 = (ir.FloatType(), ir.VectorType(i32, 2), ir.VectorType(i8, 8),
-                                          ir.VectorType(i16, 8), ir.VectorType(i32, 4))  # fmt: skip
-        maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
-        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
-        maddwd128 = _fn(builder, "llvm.x86.sse2.pmadd.wd", v4i32, [v8i16, v8i16])
+        r, nb_ = args[1], args[2]
+        wp, xp, dp, sp = (cgutils.create_struct_proxy(signature.args[i])(context, builder, value=args[i]).data
+                          for i in (0, 3, 4, 5))  # fmt: skip
+        f32 = ir.FloatType()
+        v8f32, v4f32 = ir.VectorType(f32, 8), ir.VectorType(f32, 4)
+        accf = cgutils.alloca_once_value(builder, ir.Constant(v8f32, None))
+        accm = cgutils.alloca_once_value(builder, ir.Constant(v4f32, None))
+        with cgutils.for_range(builder, nb_) as loop:
+            b = loop.index
+            o = builder.add(r, builder.mul(b, ir.Constant(i64, 144)))
+            acc, summ, d, dmin = _q4k_block(builder, wp, o, xp, builder.mul(b, ir.Constant(i64, QK)), sp,
+                                            builder.mul(b, ir.Constant(i64, 8)))  # fmt: skip
+            xdb = builder.load(builder.gep(dp, [b]))
 
-        def at(off: int):
-            return builder.add(oo, ir.Constant(i64, off))
+            def splat(v, ty, n):
+                vec = builder.insert_element(ir.Constant(ty, ir.Undefined), v, ir.Constant(i32, 0))
+                return builder.shuffle_vector(vec, ir.Constant(ty, ir.Undefined), ir.Constant(ir.VectorType(i32, n), [0] * n))  # fmt: skip
 
-        # d and dmin: two halves (F16C converts them)
-        dd = builder.fpext(builder.load(_at(builder, wp, oo, ir.VectorType(ir.HalfType(), 2)), align=1),
-                           ir.VectorType(f32, 2))  # fmt: skip
-        d, dmin = (builder.extract_element(dd, ir.Constant(i32, i)) for i in (0, 1))
-        # the 12 bytes of 6-bit scales and minimums, unpacked four at a time
-        u0, u1, u2 = (builder.load(_at(builder, wp, at(off), i32), align=1) for off in (4, 8, 12))
-        k1, k2, k3 = (ir.Constant(i32, m) for m in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
-
-        def top2(u):  # bits 6-7 of each byte, moved to bits 4-5
-            return builder.shl(builder.and_(builder.lshr(u, ir.Constant(i32, 6)), k3), ir.Constant(i32, 4))
-
-        sc_hi = builder.or_(builder.and_(u2, k2), top2(u0))
-        mn_hi = builder.or_(builder.and_(builder.lshr(u2, ir.Constant(i32, 4)), k2), top2(u1))
-
-        def bytes8(lo, hi):
-            v = builder.insert_element(ir.Constant(v2i32, ir.Undefined), lo, ir.Constant(i32, 0))
-            return builder.bitcast(builder.insert_element(v, hi, ir.Constant(i32, 1)), v8i8)
-
-        scales = bytes8(builder.and_(u0, k1), sc_hi)
-        mins = builder.zext(bytes8(builder.and_(u1, k1), mn_hi), v8i16)
-        sums = builder.load(_at(builder, builder.bitcast(sp, i8.as_pointer()), builder.mul(soo, ir.Constant(i64, 2)), v8i16), align=2)  # fmt: skip
-        summ = builder.call(_fn(builder, "llvm.vector.reduce.add.v4i32", i32, [v4i32]),
-                            [builder.call(maddwd128, [mins, sums])])  # fmt: skip
-        low4, shift4 = ir.Constant(v32i8, [15] * 32), ir.Constant(v32i8, [4] * 32)
-        acc = ir.Constant(v8i32, None)
-        for c in range(4):  # 32 bytes: sub-block 2c in the low nibbles, 2c+1 in the high ones
-            q = _load32(builder, wp, at(16 + 32 * c))
-            xl = _load32(builder, xp, builder.add(xoo, ir.Constant(i64, 64 * c)))
-            xh = _load32(builder, xp, builder.add(xoo, ir.Constant(i64, 64 * c + 32)))
-            pl = builder.call(maddubs, [builder.and_(q, low4), xl])  # 16 x (q*x + q*x), no saturation
-            ph = builder.call(maddubs, [builder.lshr(q, shift4), xh])
-            acc = builder.add(acc, builder.call(maddwd, [pl, _broadcast(builder, scales, 2 * c)]))
-            acc = builder.add(acc, builder.call(maddwd, [ph, _broadcast(builder, scales, 2 * c + 1)]))
-        sumi = builder.call(_fn(builder, "llvm.vector.reduce.add.v8i32", i32, [v8i32]), [acc])
-        return builder.fsub(
-            builder.fmul(d, builder.sitofp(sumi, f32)), builder.fmul(dmin, builder.sitofp(summ, f32))
+            s = splat(builder.fmul(d, xdb), v8f32, 8)
+            m = splat(builder.fmul(dmin, xdb), v4f32, 4)
+            builder.store(builder.fadd(builder.load(accf), builder.fmul(builder.sitofp(acc, v8f32), s)), accf)
+            builder.store(
+                builder.fadd(builder.load(accm), builder.fmul(builder.sitofp(summ, v4f32), m)), accm
+            )
+        zero = ir.Constant(f32, 0.0)
+        tot = builder.call(
+            _fn(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f32]), [zero, builder.load(accf)]
         )
+        mn = builder.call(
+            _fn(builder, "llvm.vector.reduce.fadd.v4f32", f32, [f32, v4f32]), [zero, builder.load(accm)]
+        )
+        return builder.fsub(tot, mn)
 
     return sig, codegen
 
@@ -192,12 +220,12 @@ def quantize(x, xq, xd, xs, xs16):
 @nb.njit(inline="always", fastmath=True)
 def row_dot(w, r0, n_blocks, xq, xd, xs, xs16, q6k):
     """One row (its bytes at r0 of w; Q6_K blocks where q6k, else Q4_K) . the quantized input."""
+    if not q6k:
+        return row_dot_q4k(w, r0, n_blocks, xq, xd, xs)
     acc = np.float32(0.0)
     for b in range(n_blocks):
         if q6k:
             acc += xd[b] * block_dot_q6k(w, r0 + u64(b * Q6K_BYTES), xq, u64(b * QK), xs16, u64(b * 16))
-        else:
-            acc += xd[b] * block_dot(w, r0 + u64(b * BLOCK_BYTES), xq, u64(b * QK), xs, u64(b * 8))
     return acc
 
 
@@ -311,12 +339,20 @@ def mix(gate, up, down, down_q6k, f, d, box, boxf, at_ids, at_take, at_w, n_box,
         for j in range(nt):
             quantize(h[j], hq[j], hd[j], hs[j], hs16[j])
     for t in nb.prange((d + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        for n in range(t * ROWS_PER_TASK, min(d, t * ROWS_PER_TASK + ROWS_PER_TASK)):
+        n0, n1 = t * ROWS_PER_TASK, min(d, t * ROWS_PER_TASK + ROWS_PER_TASK)
+        for n in range(n0, n1):
             for i in range(n_tok):
                 out[i, n] = np.float32(0.0)
-            for j in range(nt):
-                r = (u64(ids[j]) * u64(d) + u64(n)) * rb2
-                out[tok[j], n] += ws[j] * row_dot(down, r, f // QK, hq[j], hd[j], hs[j], hs16[j], down_q6k)
+        # an expert's rows of the task in turn: one stream of its blocks at a time (dozens of experts' rows taken
+        # row by row outran the prefetchers); each output still adds its pairs in j's order
+        for g in range(n_grp):
+            e = u64(ids[starts[g]])
+            for n in range(n0, n1):
+                r = (e * u64(d) + u64(n)) * rb2
+                for j in range(starts[g], starts[g + 1]):
+                    out[tok[j], n] += ws[j] * row_dot(
+                        down, r, f // QK, hq[j], hd[j], hs[j], hs16[j], down_q6k
+                    )
     return 0
 
 
