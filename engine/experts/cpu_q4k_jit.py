@@ -101,37 +101,41 @@ def _q4k_block(builder, wp, oo, xp, xoo, sp, soo):
     return acc, summ, d, dmin
 
 
-@intrinsic
-def row_dot_q4k(typingctx, w, r0, n_blocks, xq, xd, xs):
-    """One row of Q4_K blocks (its bytes at r0 of w) . the quantized input (xq int8, xd float32 a scale per 256, xs
-    int16 sums per 32): the blocks' integer lanes scaled into float lanes that are summed once, at the row's end
-    (a horizontal sum a block cost as much as a block's products)."""
-    sig = types.float32(w, r0, n_blocks, xq, xd, xs)
+def _row_codegen(q6k: bool):
+    """A row of blocks (its bytes at r0 of w) . the quantized input (xq int8, xd float32 a scale per 256, xs int16
+    sums per 32 for Q4_K, per 16 for Q6_K): each block's integer lanes scaled into float lanes that are summed once,
+    at the row's end (a horizontal sum a block cost as much as a block's products)."""
+    block_bytes, sums = (Q6K_BYTES, 16) if q6k else (BLOCK_BYTES, 8)
 
     def codegen(context, builder, signature, args):
-        r, nb_ = args[1], args[2]
+        r, n_blocks = args[1], args[2]
         wp, xp, dp, sp = (cgutils.create_struct_proxy(signature.args[i])(context, builder, value=args[i]).data
                           for i in (0, 3, 4, 5))  # fmt: skip
         f32 = ir.FloatType()
         v8f32, v4f32 = ir.VectorType(f32, 8), ir.VectorType(f32, 4)
+
+        def splat(v, ty, n):
+            vec = builder.insert_element(ir.Constant(ty, ir.Undefined), v, ir.Constant(i32, 0))
+            return builder.shuffle_vector(vec, ir.Constant(ty, ir.Undefined), ir.Constant(ir.VectorType(i32, n), [0] * n))  # fmt: skip
+
         accf = cgutils.alloca_once_value(builder, ir.Constant(v8f32, None))
         accm = cgutils.alloca_once_value(builder, ir.Constant(v4f32, None))
-        with cgutils.for_range(builder, nb_) as loop:
+        with cgutils.for_range(builder, n_blocks) as loop:
             b = loop.index
-            o = builder.add(r, builder.mul(b, ir.Constant(i64, 144)))
-            acc, summ, d, dmin = _q4k_block(builder, wp, o, xp, builder.mul(b, ir.Constant(i64, QK)), sp,
-                                            builder.mul(b, ir.Constant(i64, 8)))  # fmt: skip
+            o = builder.add(r, builder.mul(b, ir.Constant(i64, block_bytes)))
+            xo, so = builder.mul(b, ir.Constant(i64, QK)), builder.mul(b, ir.Constant(i64, sums))
             xdb = builder.load(builder.gep(dp, [b]))
-
-            def splat(v, ty, n):
-                vec = builder.insert_element(ir.Constant(ty, ir.Undefined), v, ir.Constant(i32, 0))
-                return builder.shuffle_vector(vec, ir.Constant(ty, ir.Undefined), ir.Constant(ir.VectorType(i32, n), [0] * n))  # fmt: skip
-
+            if q6k:
+                lanes, d = _q6k_block(builder, wp, o, xp, xo, sp, so)
+            else:
+                lanes, summ, d, dmin = _q4k_block(builder, wp, o, xp, xo, sp, so)
+                m = splat(builder.fmul(dmin, xdb), v4f32, 4)
+                builder.store(
+                    builder.fadd(builder.load(accm), builder.fmul(builder.sitofp(summ, v4f32), m)), accm
+                )
             s = splat(builder.fmul(d, xdb), v8f32, 8)
-            m = splat(builder.fmul(dmin, xdb), v4f32, 4)
-            builder.store(builder.fadd(builder.load(accf), builder.fmul(builder.sitofp(acc, v8f32), s)), accf)
             builder.store(
-                builder.fadd(builder.load(accm), builder.fmul(builder.sitofp(summ, v4f32), m)), accm
+                builder.fadd(builder.load(accf), builder.fmul(builder.sitofp(lanes, v8f32), s)), accf
             )
         zero = ir.Constant(f32, 0.0)
         tot = builder.call(
@@ -142,57 +146,57 @@ def row_dot_q4k(typingctx, w, r0, n_blocks, xq, xd, xs):
         )
         return builder.fsub(tot, mn)
 
-    return sig, codegen
+    return codegen
 
 
 @intrinsic
-def block_dot_q6k(typingctx, w, o, xq, xo, xs16, so):
-    """One Q6_K block . 256 quantized inputs, before the inputs' scale: d * sum(sc * (code - 32) * xq), the 32 taken
-    out through the inputs' sums: w uint8 array with the block's 210 bytes at o (128 low nibbles, 64 bytes of high
-    bit pairs, 16 int8 scales, half d); xq int8 inputs at xo; xs16 int16 array with their sums per 16 at so."""
-    sig = types.float32(w, o, xq, xo, xs16, so)
+def row_dot_q4k(typingctx, w, r0, n_blocks, xq, xd, xs):
+    """One row of Q4_K blocks . the quantized input (_row_codegen)."""
+    return types.float32(w, r0, n_blocks, xq, xd, xs), _row_codegen(False)
 
-    def codegen(context, builder, signature, args):
-        oo, xoo, soo = args[1], args[3], args[5]
-        wp, xp, sp = (cgutils.create_struct_proxy(signature.args[i])(context, builder, value=args[i]).data
-                      for i in (0, 2, 4))  # fmt: skip
-        f32, v16i8 = ir.FloatType(), ir.VectorType(i8, 16)
-        maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
-        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
-        reduce8 = _fn(builder, "llvm.vector.reduce.add.v8i32", i32, [v8i32])
 
-        def at(off: int):
-            return builder.add(oo, ir.Constant(i64, off))
+@intrinsic
+def row_dot_q6k(typingctx, w, r0, n_blocks, xq, xd, xs16):
+    """One row of Q6_K blocks . the quantized input (_row_codegen)."""
+    return types.float32(w, r0, n_blocks, xq, xd, xs16), _row_codegen(True)
 
-        def splat8(v: int):
-            return ir.Constant(v32i8, [v] * 32)
 
-        sc = builder.sext(
-            builder.load(_at(builder, wp, at(192), v16i8), align=1), v16i16
-        )  # a scale per 16 values
-        d = builder.fpext(builder.load(_at(builder, wp, at(208), ir.HalfType()), align=1), f32)
-        acc = ir.Constant(v8i32, None)
-        for n in range(2):  # two halves of 128 values: 64 bytes of low nibbles, 32 of high bit pairs
-            ql0, ql1 = _load32(builder, wp, at(64 * n)), _load32(builder, wp, at(64 * n + 32))
-            qh = _load32(builder, wp, at(128 + 32 * n))
-            his = [
-                builder.shl(builder.and_(builder.lshr(qh, splat8(2 * k)), splat8(3)), splat8(4))
-                for k in range(4)
-            ]
-            codes = [builder.or_(builder.and_(ql0, splat8(15)), his[0]), builder.or_(builder.and_(ql1, splat8(15)), his[1]),
-                     builder.or_(builder.lshr(ql0, splat8(4)), his[2]), builder.or_(builder.lshr(ql1, splat8(4)), his[3])]  # fmt: skip
-            for k, q in enumerate(codes):  # values 128n + 32k .. +32, scales 8n + 2k and 8n + 2k + 1
-                xv = _load32(builder, xp, builder.add(xoo, ir.Constant(i64, 128 * n + 32 * k)))
-                j = 8 * n + 2 * k
-                s2 = builder.shuffle_vector(sc, ir.Constant(v16i16, ir.Undefined),
-                                            ir.Constant(ir.VectorType(i32, 16), [j] * 8 + [j + 1] * 8))  # fmt: skip
-                acc = builder.add(acc, builder.call(maddwd, [builder.call(maddubs, [q, xv]), s2]))
-        sums = builder.load(_at(builder, builder.bitcast(sp, i8.as_pointer()), builder.mul(soo, ir.Constant(i64, 2)), v16i16), align=2)  # fmt: skip
-        corr = builder.call(reduce8, [builder.call(maddwd, [sc, sums])])  # sum of sc * (inputs' sum per 16)
-        sumi = builder.sub(builder.call(reduce8, [acc]), builder.mul(corr, ir.Constant(i32, 32)))
-        return builder.fmul(d, builder.sitofp(sumi, f32))
+def _q6k_block(builder, wp, oo, xp, xoo, sp, soo):
+    """One Q6_K block (210 bytes at oo of wp: 128 of low nibbles, 64 of high bit pairs, 16 int8 scales, half d) .
+    256 int8 inputs (at xoo of xp; their int16 sums per 16 at soo of sp), left unreduced: (8 int32 lanes of
+    sum(sc * (code - 32) * x), the 32 taken out through the inputs' sums, d)."""
+    f32, v16i8 = ir.FloatType(), ir.VectorType(i8, 16)
+    maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
+    maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
 
-    return sig, codegen
+    def at(off: int):
+        return builder.add(oo, ir.Constant(i64, off))
+
+    def splat8(v: int):
+        return ir.Constant(v32i8, [v] * 32)
+
+    sc = builder.sext(
+        builder.load(_at(builder, wp, at(192), v16i8), align=1), v16i16
+    )  # a scale per 16 values
+    d = builder.fpext(builder.load(_at(builder, wp, at(208), ir.HalfType()), align=1), f32)
+    acc = ir.Constant(v8i32, None)
+    for n in range(2):  # two halves of 128 values: 64 bytes of low nibbles, 32 of high bit pairs
+        ql0, ql1 = _load32(builder, wp, at(64 * n)), _load32(builder, wp, at(64 * n + 32))
+        qh = _load32(builder, wp, at(128 + 32 * n))
+        his = [
+            builder.shl(builder.and_(builder.lshr(qh, splat8(2 * k)), splat8(3)), splat8(4)) for k in range(4)
+        ]
+        codes = [builder.or_(builder.and_(ql0, splat8(15)), his[0]), builder.or_(builder.and_(ql1, splat8(15)), his[1]),
+                 builder.or_(builder.lshr(ql0, splat8(4)), his[2]), builder.or_(builder.lshr(ql1, splat8(4)), his[3])]  # fmt: skip
+        for k, q in enumerate(codes):  # values 128n + 32k .. +32, scales 8n + 2k and 8n + 2k + 1
+            xv = _load32(builder, xp, builder.add(xoo, ir.Constant(i64, 128 * n + 32 * k)))
+            j = 8 * n + 2 * k
+            s2 = builder.shuffle_vector(sc, ir.Constant(v16i16, ir.Undefined),
+                                        ir.Constant(ir.VectorType(i32, 16), [j] * 8 + [j + 1] * 8))  # fmt: skip
+            acc = builder.add(acc, builder.call(maddwd, [builder.call(maddubs, [q, xv]), s2]))
+    sums = builder.load(_at(builder, builder.bitcast(sp, i8.as_pointer()), builder.mul(soo, ir.Constant(i64, 2)), v16i16), align=2)  # fmt: skip
+    corr = builder.call(maddwd, [sc, sums])  # sc * (the inputs' sum per 16), in pairs
+    return builder.sub(acc, builder.mul(corr, ir.Constant(v8i32, [32] * 8))), d
 
 
 @nb.njit(fastmath=True, cache=True)
@@ -220,13 +224,9 @@ def quantize(x, xq, xd, xs, xs16):
 @nb.njit(inline="always", fastmath=True)
 def row_dot(w, r0, n_blocks, xq, xd, xs, xs16, q6k):
     """One row (its bytes at r0 of w; Q6_K blocks where q6k, else Q4_K) . the quantized input."""
-    if not q6k:
-        return row_dot_q4k(w, r0, n_blocks, xq, xd, xs)
-    acc = np.float32(0.0)
-    for b in range(n_blocks):
-        if q6k:
-            acc += xd[b] * block_dot_q6k(w, r0 + u64(b * Q6K_BYTES), xq, u64(b * QK), xs16, u64(b * 16))
-    return acc
+    if q6k:
+        return row_dot_q6k(w, r0, n_blocks, xq, xd, xs16)
+    return row_dot_q4k(w, r0, n_blocks, xq, xd, xs)
 
 
 @nb.njit(inline="always")
