@@ -26,6 +26,7 @@ from engine.experts.cpu_q4k import (
     ST_PAIRS,
 )
 from engine.kernels.cpu_blocks_jit import F16 as BLOCKS_F16  # noqa: F401  (StepServer passes it to serve_step)
+from engine.kernels.cpu_blocks_jit import _broadcast as broadcast  # an IR value in every lane
 from engine.kernels.cpu_blocks_jit import mix as blocks_mix
 
 PARALLEL_ROWS = 4  # as in engine/kernels/cpu_blocks_jit.py
@@ -114,10 +115,6 @@ def _row_codegen(q6k: bool):
         f32 = ir.FloatType()
         v8f32, v4f32 = ir.VectorType(f32, 8), ir.VectorType(f32, 4)
 
-        def splat(v, ty, n):
-            vec = builder.insert_element(ir.Constant(ty, ir.Undefined), v, ir.Constant(i32, 0))
-            return builder.shuffle_vector(vec, ir.Constant(ty, ir.Undefined), ir.Constant(ir.VectorType(i32, n), [0] * n))  # fmt: skip
-
         accf = cgutils.alloca_once_value(builder, ir.Constant(v8f32, None))
         accm = cgutils.alloca_once_value(builder, ir.Constant(v4f32, None))
         with cgutils.for_range(builder, n_blocks) as loop:
@@ -129,11 +126,11 @@ def _row_codegen(q6k: bool):
                 lanes, d = _q6k_block(builder, wp, o, xp, xo, sp, so)
             else:
                 lanes, summ, d, dmin = _q4k_block(builder, wp, o, xp, xo, sp, so)
-                m = splat(builder.fmul(dmin, xdb), v4f32, 4)
+                m = broadcast(builder, builder.fmul(dmin, xdb), v4f32)
                 builder.store(
                     builder.fadd(builder.load(accm), builder.fmul(builder.sitofp(summ, v4f32), m)), accm
                 )
-            s = splat(builder.fmul(d, xdb), v8f32, 8)
+            s = broadcast(builder, builder.fmul(d, xdb), v8f32)
             builder.store(
                 builder.fadd(builder.load(accf), builder.fmul(builder.sitofp(lanes, v8f32), s)), accf
             )
