@@ -111,6 +111,17 @@ class _Pending:
 
 
 @dataclass
+class _Queued:
+    """A step of decode rows whose local stages are queued on the device, not sent yet (`_step_remote`):
+    `send()` takes their output to the worker and gives the call that finishes the step."""
+
+    send: Callable[[], Callable[[], torch.Tensor]]
+    parts: list[BatchPart]
+    plan: list[tuple["Slot", _Request, int, int]]
+    t0: float
+
+
+@dataclass
 class _Flight:
     """A launched step: its rows, their logits and the plain rows' draws (on the device, and their host copy)."""
 
@@ -249,6 +260,7 @@ class BatchRunner:
         self._flight: _Flight | None = None
         self.groups = max(1, min(groups, slots)) if getattr(model, "pipelines_groups", False) else 1
         self._pending: dict[int, _Pending] = {}  # group -> its step, sent, not read yet (groups > 1)
+        self._queued: _Queued | None = None  # the next step's local stages, on the device (_step_remote)
         self._turn = 0  # the group whose step is read and launched next
         self.steps = 0
         self._order: list[
@@ -329,7 +341,7 @@ class BatchRunner:
     @property
     def in_flight(self) -> bool:
         """A step was launched whose tokens the host has not read yet (`overlap`): the next `step` reads them."""
-        return self._flight is not None or bool(self._pending)
+        return self._flight is not None or bool(self._pending) or self._queued is not None
 
     @torch.inference_mode()
     def step(self) -> list[BatchStep]:
@@ -339,15 +351,22 @@ class BatchRunner:
         steps read in this call ([] when no slot had work, or a step failed: its requests were told through
         `fail`). With groups, each call reads one group's step and sends its next one."""
         sent = {slot for p in self._pending.values() for slot, _, _, _ in p.plan}
+        if self._queued is not None:  # its rows' KV is written here and goes to the worker in this call
+            sent |= {slot for slot, _, _, _ in self._queued.plan}
         for slot in list(self._order):  # a slot whose step is out leaves once that step is read
             if slot.request is not None and slot.request.cancelled() and slot not in sent:
                 self._leave(slot)
         if self.groups > 1:
             return self._step_group()
         prev, self._flight = self._flight, None
+        if self._queued is not None:
+            return self._step_remote(prev, self._queued)
         parts, plan = self._plan()
         if parts and self._sends_first(parts):
-            return self._step_remote(prev, parts, plan)
+            q = self._queue(parts, plan)
+            if q is not None:
+                return self._step_remote(prev, q)
+            return self._read(prev) if prev is not None else []
         done: list[BatchStep] = []
         flight = self._launch(parts, plan) if parts else None
         if prev is not None:
@@ -368,39 +387,56 @@ class BatchRunner:
             and all(p.tokens.shape[0] == 1 and p.logits == 1 for p in parts)
         )
 
-    def _step_remote(
-        self, prev: "_Flight | None", parts: list[BatchPart], plan: list[tuple[Slot, _Request, int, int]]
-    ) -> list[BatchStep]:
-        """A step of decode rows through a stage in another process, with `overlap`: it goes out (launch_batch: the
-        local stages, then the message), the previous step's tokens are read while the worker computes it, then
-        its answer is taken and the rest of the step queued, its own tokens read by the next call. The host's work
-        on each token hides behind the worker's compute, where `forward_batch` waited for the answer first. The
-        step is whole before this returns, so a slot its read frees is in no step still out."""
-        done: list[BatchStep] = []
+    def _queue(self, parts: list[BatchPart], plan: list[tuple[Slot, _Request, int, int]]) -> "_Queued | None":
+        """The step's local stages queued on the device (launch_local) -> the step to send, or None where that
+        failed (its requests are told)."""
         t0 = time.perf_counter()
-        finish = self._send(parts, plan)
+        try:
+            send = self.model.launch_local(parts)  # type: ignore[attr-defined]
+        except Exception as e:
+            log.exception("a step of %d sequences failed", len(plan))
+            self._fail([(s, r) for s, r, _, _ in plan], e)
+            return None
+        return _Queued(send, parts, plan, t0)
+
+    def _step_remote(self, prev: "_Flight | None", q: _Queued) -> list[BatchStep]:
+        """A step of decode rows through a stage in another process, with `overlap`: its local stages were queued
+        on the device (by the call before, or just now), it goes out, the previous step's tokens are read while
+        the worker computes it, then its answer is taken and the rest of the step queued, its own tokens read by
+        the next call. Before returning, the next step's local stages are queued behind it (its rows are this
+        step's draws, still on the device), so that the card computes them while the caller hands the tokens out;
+        each call then waits for the device only for the worker. The host's work on each token hides behind the
+        worker's compute, where `forward_batch` waited for the answer first. The step is whole before this
+        returns, so a slot its read frees is in no step still out."""
+        self._queued = None
+        done: list[BatchStep] = []
+        finish = self._send(q.send, q.plan)
         if finish is None:
             return self._read(prev) if prev is not None else done
         if prev is not None:
             done += self._read(prev)
-        logits = self._take(finish, plan)
+        logits = self._take(finish, q.plan)
         if logits is None:
             return done
-        f = self._launch(parts, plan, logits, t0)
-        if f is not None:
-            if f.deferrable:
-                self._flight = f
-            else:
-                done += self._read(f)
+        f = self._launch(q.parts, q.plan, logits, q.t0)
+        if f is None:
+            return done
+        if not f.deferrable:
+            return done + self._read(f)
+        self._flight = f
+        parts, plan = self._plan()
+        # a request cancelled meanwhile leaves at the next call (a queued step would keep its slot)
+        if parts and self._sends_first(parts) and not any(r.cancelled() for _, r, _, _ in plan):
+            self._queued = self._queue(parts, plan)
         return done
 
     def _send(
-        self, parts: list[BatchPart], plan: list[tuple[Slot, _Request, int, int]]
+        self, send: Callable[[], Callable[[], torch.Tensor]], plan: list[tuple[Slot, _Request, int, int]]
     ) -> Callable[[], torch.Tensor] | None:
-        """launch_batch's first half of a step (its local stages run, its message goes out) -> the call that
-        finishes it, or None where it failed (its requests are told)."""
+        """A queued step's message out (`send`) -> the call that finishes it, or None where it failed (its requests
+        are told)."""
         try:
-            return self.model.launch_batch(parts)  # type: ignore[attr-defined, no-any-return]
+            return send()
         except Exception as e:
             log.exception("a step of %d sequences failed", len(plan))
             self._fail([(s, r) for s, r, _, _ in plan], e)
@@ -432,7 +468,7 @@ class BatchRunner:
         parts, plan = self._plan(g)
         if parts:
             t0 = time.perf_counter()
-            finish = self._send(parts, plan)
+            finish = self._send(lambda: self.model.launch_batch(parts), plan)  # type: ignore[attr-defined]
             if finish is not None:
                 self._pending[g] = _Pending(finish, parts, plan, t0)
         return done

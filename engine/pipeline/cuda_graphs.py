@@ -43,12 +43,15 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: tuple | None, stream: torch.cud
     process. A holder keeps the last graph it captured into a pool (`keeper`) as long as it keeps the pool's
     handle: without torch's emptying, a pool whose graphs are all gone cannot be captured into again (torch
     asserts). Garbage collection stays off during the capture: a dead model in a reference cycle (an earlier load)
-    would otherwise free its pinned host memory in the middle of it, a CUDA call that a capturing stream forbids."""
+    would otherwise free its pinned host memory in the middle of it, a CUDA call that a capturing stream forbids.
+    Other threads' calls do not break it (thread_local capture; the suite's pipelined-pieces test on one card,
+    stage threads at work beside a capture, failed with cudaErrorStreamCaptureInvalidated under global mode)."""
     gc.disable()
     try:
         torch.cuda.synchronize(stream.device)
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool) if pool is not None else graph.capture_begin()
+            # another thread's wait or allocation (a stage thread's hand-off) is no longer this capture's end
+            graph.capture_begin(pool, capture_error_mode="thread_local")
             try:
                 yield
             finally:

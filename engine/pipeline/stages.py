@@ -198,6 +198,7 @@ class SplitModel:
         # restarted lost, and the link's session each slot's positions were last sent in
         self.remote = any(hasattr(s, "ensure") for s in self.stages)
         self.histories: dict[int, list[int]] = {}
+        self._unheard: list[tuple[int, int, torch.Tensor]] = []  # (slot, start, ids on the card): _remember
         self._session = 0  # counts the new sessions of the remote stages (each one starts empty)
         self._sent_in: dict[int, int] = {}  # slot -> the session that holds its positions
         self._last_only = False  # the current forward's last_only (read by _run)
@@ -406,6 +407,13 @@ class SplitModel:
         the returned call waits for the answer, runs the stages after it and gives each part's wanted logit rows.
         Between the two this process is free to run another group of slots (whose rows the worker then takes
         after these)."""
+        return self.launch_local(parts)()
+
+    def launch_local(self, parts: Sequence[BatchPart]) -> Callable[[], Callable[[], torch.Tensor]]:
+        """`launch_batch` one call earlier: the stages up to the first remote one are queued on the device and
+        this returns without waiting for them; the returned call takes their output to the host and sends it
+        (-> launch_batch's `finish`). Between the two the host is free for other work while the card computes
+        (BatchRunner queues a step's local layers before it hands its tokens to the server)."""
         r = next(i for i, st in enumerate(self.stages) if hasattr(st, "submit_parts"))
         self._resync(parts)
         fused = (
@@ -415,26 +423,36 @@ class SplitModel:
         )
         x = torch.cat([p.tokens.to(self.stages[0].device, non_blocking=True) for p in parts])
         clock = self.clock = ForwardClock(self.devices) if self.measure else None
-        for s in range(r):
-            x = self._stage_rows(s, x, parts, fused)
-        sent = self.stages[r].submit_parts(x, parts)  # type: ignore[attr-defined]
+        for s in range(r):  # the last hand-off (to the host: it waits for the stages) is the send's
+            x = self._stage_rows(s, x, parts, fused, handoff=s < r - 1)
 
-        def finish() -> torch.Tensor:
-            self.clock = clock  # stage_report then tells of this step (another group's may have run since)
-            y = self.stages[r].collect(sent)  # type: ignore[attr-defined]
-            if r < len(self.handoffs):
-                y = self.handoffs[r].send(y)
-            for s in range(r + 1, len(self.stages)):
-                y = self._stage_rows(s, y, parts, fused)
-            for p in parts:
-                p.cache.length = p.start + int(p.tokens.shape[0])
-            self._remember(parts)
-            return y
+        def send() -> Callable[[], torch.Tensor]:
+            self.clock = clock
+            y = x
+            if r - 1 < len(self.handoffs):
+                y = self.handoffs[r - 1].send(y, clock.hop(r - 1) if clock is not None else None)
+            sent = self.stages[r].submit_parts(y, parts)  # type: ignore[attr-defined]
 
-        return finish
+            def finish() -> torch.Tensor:
+                self.clock = clock  # stage_report tells of this step (another group's may have run since)
+                y = self.stages[r].collect(sent)  # type: ignore[attr-defined]
+                if r < len(self.handoffs):
+                    y = self.handoffs[r].send(y)
+                for s in range(r + 1, len(self.stages)):
+                    y = self._stage_rows(s, y, parts, fused)
+                for p in parts:
+                    p.cache.length = p.start + int(p.tokens.shape[0])
+                self._remember(parts)
+                return y
 
-    def _stage_rows(self, s: int, x: torch.Tensor, parts: Sequence[BatchPart], fused: bool) -> torch.Tensor:
-        """Stage s on a step's rows of several sequences, then its hand-off."""
+            return finish
+
+        return send
+
+    def _stage_rows(
+        self, s: int, x: torch.Tensor, parts: Sequence[BatchPart], fused: bool, handoff: bool = True
+    ) -> torch.Tensor:
+        """Stage s on a step's rows of several sequences, then its hand-off (unless not `handoff`)."""
         t0 = time.perf_counter()
         st, clock = self.stages[s], self.clock
         begin = clock.begin(s) if clock is not None and isinstance(st, LocalStage) else None
@@ -444,7 +462,7 @@ class SplitModel:
             x = st.run_parts(x, parts)  # type: ignore[attr-defined]
         if clock is not None and begin is not None:
             clock.end(s, begin)
-        if s < len(self.handoffs):
+        if handoff and s < len(self.handoffs):
             x = self.handoffs[s].send(x, clock.hop(s) if clock is not None and begin is not None else None)
         self.timing.ms[s] = (time.perf_counter() - t0) * 1e3
         return x
@@ -487,18 +505,36 @@ class SplitModel:
             self._sent_in[p.cache.slot] = self._session
 
     def _remember(self, parts: Sequence[BatchPart]) -> None:
-        """Each part's token ids at their positions (what `_replay` reads again); only with a remote stage (the
-        ids may still be on the card: this waits for them)."""
+        """Each part's token ids at their positions (what `_replay` reads again); only with a remote stage. Ids
+        still on the card (drawn by the step before) are read at the next step's call, once they are long there:
+        read here, each part's read waited for the head and the draws just queued behind them."""
         if not self.remote:
             return
-        for p in parts:
-            h = self.histories.setdefault(p.cache.slot, [])
-            del h[p.start :]
-            h.extend(int(v) for v in p.tokens.tolist())
+        self._heard()
+        self._unheard = [(p.cache.slot, p.start, p.tokens) for p in parts]
+        if not any(p.tokens.is_cuda for p in parts):
+            self._heard()
+
+    def _heard(self) -> None:
+        """The ids `_remember` left on the card into `histories` (one read for them all)."""
+        if not self._unheard:
+            return
+        held, self._unheard = self._unheard, []
+        flat = [t.reshape(-1) for _, _, t in held]
+        one = len({t.device for t in flat}) == 1
+        ids = torch.cat(flat).tolist() if one else [v for t in flat for v in t.tolist()]
+        at = 0
+        for slot, start, t in held:
+            n = int(t.numel())
+            h = self.histories.setdefault(slot, [])
+            del h[start:]
+            h.extend(int(v) for v in ids[at : at + n])
+            at += n
 
     def _replay(self, cache: KVCache, start: int) -> None:
         """A remote stage came back empty: read positions 0..start-1 of cache's sequence again (the local stages
         write the same KV)."""
+        self._heard()
         history = self.histories.get(cache.slot, [])
         if len(history) < start:
             raise RuntimeError(

@@ -21,7 +21,7 @@ from engine.link.startup import load_split_model
 from engine.link.transport import Endpoint
 from engine.models.family_base import BatchPart
 from engine.pipeline.batch import BatchRunner
-from engine.pipeline.generate import DoneEvent, Event, GenerationRequest, Runner
+from engine.pipeline.generate import DoneEvent, Event, GenerationRequest, Runner, TokenEvent
 from engine.pipeline.loader import load_model
 from engine.pipeline.sampling import GREEDY
 from engine.pipeline.spec import SpecConfig
@@ -178,18 +178,24 @@ def test_groups_of_slots_are_pipelined_through_the_worker(
         sm.close()
 
 
+def _one_group(model: Path, workers: dict[str, WorkerProc]) -> tuple[object, SplitModel, BatchRunner]:
+    """The unsplit model, and 3 slots in one group over the "last3" worker with overlap (a card's default)."""
+    whole = load_model(model, "cpu", "f32")
+    lm = _load(model, 3, workers["last3"].port, parallel=3)
+    sm = lm.model  # type: ignore[attr-defined]
+    br = BatchRunner(sm, lm.tokenizer, 256, "f32", slots=3, step_tokens=12, overlap=True)  # type: ignore[attr-defined]
+    return whole, sm, br
+
+
 def test_one_group_reads_a_steps_tokens_while_the_worker_computes_the_next(
     model: Path, workers: dict[str, WorkerProc]
 ) -> None:
     """One group with overlap (a card's default): each step goes out before the previous step's tokens are read,
     so the host's work on them hides behind the worker's compute; requests that end at different steps (their
     slots' last rows wasted or not fed) and the ones that take their slots afterwards get their tokens alone."""
-    whole = load_model(model, "cpu", "f32")
-    lm = _load(model, 3, workers["last3"].port, parallel=3)
-    sm = lm.model  # type: ignore[attr-defined]
+    whole, sm, br = _one_group(model, workers)
     try:
         client = sm.stages[1].client
-        br = BatchRunner(sm, lm.tokenizer, 256, "f32", slots=3, step_tokens=12, overlap=True)  # type: ignore[attr-defined]
         assert br.groups == 1
         out_while_read: list[int] = []
         read = br._read
@@ -205,6 +211,42 @@ def test_one_group_reads_a_steps_tokens_while_the_worker_computes_the_next(
         ]
         _each_as_alone(br, reqs, whole)
         assert max(out_while_read) >= 1  # the next step's messages were out during the read
+        assert not br.in_flight and br.free == 3
+    finally:
+        sm.close()
+
+
+def test_one_group_queues_the_next_steps_layers_and_a_cancelled_request_leaves(
+    model: Path, workers: dict[str, WorkerProc]
+) -> None:
+    """With overlap, a decode step returns with the next step's local layers already queued (the host's work on
+    the tokens then overlaps them), none of them sent before that call; a request cancelled meanwhile leaves within
+    a step or two while the others get their tokens alone."""
+    whole, sm, br = _one_group(model, workers)
+    try:
+        client = sm.stages[1].client
+        reqs = [
+            GenerationRequest(p, max_tokens=24, sampling=GREEDY, ignore_eos=True)
+            for p in _prompts(3, seed=17)
+        ]
+        got: list[list[Event]] = [[] for _ in reqs]
+        gone = [False]
+        for i, r in enumerate(reqs):
+            br.admit(r, got[i].append, (lambda: gone[0]) if i == 1 else (lambda: False))
+        queued, cut = 0, None
+        while br.busy or br.in_flight:
+            out_before = len(client.in_flight)
+            br.step()
+            if br._queued is not None:
+                queued += 1
+                assert len(client.in_flight) == out_before == 0  # queued on the device, not sent
+            if cut is None and sum(isinstance(e, TokenEvent) for e in got[1]) >= 6:
+                gone[0], cut = True, sum(isinstance(e, TokenEvent) for e in got[1])
+        assert queued >= 10
+        assert cut is not None and sum(isinstance(e, TokenEvent) for e in got[1]) <= cut + 2
+        assert not any(isinstance(e, DoneEvent) for e in got[1])
+        for i in (0, 2):
+            assert _tokens(got[i]) == _alone(whole, reqs[i])
         assert not br.in_flight and br.free == 3
     finally:
         sm.close()
