@@ -432,6 +432,7 @@ class SplitModel:
             if r - 1 < len(self.handoffs):
                 y = self.handoffs[r - 1].send(y, clock.hop(r - 1) if clock is not None else None)
             sent = self.stages[r].submit_parts(y, parts)  # type: ignore[attr-defined]
+            self._heard()  # the card has nothing queued now (the hand-off waited for it): a read costs no wait
 
             def finish() -> torch.Tensor:
                 self.clock = clock  # stage_report tells of this step (another group's may have run since)
@@ -506,17 +507,18 @@ class SplitModel:
 
     def _remember(self, parts: Sequence[BatchPart]) -> None:
         """Each part's token ids at their positions (what `_replay` reads again); only with a remote stage. Ids
-        still on the card (drawn by the step before) are read at the next step's call, once they are long there:
-        read here, each part's read waited for the head and the draws just queued behind them."""
+        still on the card (drawn by the step before) are read later, in one read (`_heard`): `launch_local`'s send
+        reads them once the card has nothing else queued. Read here, each part's read waited for the head and the
+        draws just queued behind it."""
         if not self.remote:
             return
-        self._heard()
-        self._unheard = [(p.cache.slot, p.start, p.tokens) for p in parts]
-        if not any(p.tokens.is_cuda for p in parts):
+        self._unheard += [(p.cache.slot, p.start, p.tokens) for p in parts]
+        if not any(p.tokens.is_cuda for p in parts) or len(self._unheard) > 256:  # steps that send none
             self._heard()
 
     def _heard(self) -> None:
-        """The ids `_remember` left on the card into `histories` (one read for them all)."""
+        """The ids `_remember` left on the card into `histories`, in the order remembered (one read for them
+        all)."""
         if not self._unheard:
             return
         held, self._unheard = self._unheard, []

@@ -252,6 +252,23 @@ def test_one_group_queues_the_next_steps_layers_and_a_cancelled_request_leaves(
         sm.close()
 
 
+def test_ids_left_on_the_card_join_the_histories_in_order(
+    model: Path, workers: dict[str, WorkerProc]
+) -> None:
+    """The token ids a step leaves on the device (read a step later, all at once) land in each slot's history as
+    reading them at once would have: in the order remembered, a later start cutting what lay past it."""
+    lm = _load(model, 3, workers["last3"].port, parallel=2)
+    sm = lm.model  # type: ignore[attr-defined]
+    try:
+        sm.histories = {0: [1, 2, 3, 4]}
+        sm._unheard = [(0, 2, torch.tensor([5, 6])), (1, 0, torch.tensor([9])), (0, 4, torch.tensor([8])),
+                       (0, 3, torch.tensor([7]))]  # fmt: skip
+        sm._heard()
+        assert sm.histories == {0: [1, 2, 5, 7], 1: [9]} and sm._unheard == []
+    finally:
+        sm.close()
+
+
 def test_a_worker_lost_with_groups_out_fails_their_requests_and_the_next_ones_serve(model: Path) -> None:
     """The worker dies while both groups' steps are out: each group's requests fail with the link's error when
     their step is read (none hangs, no answer of the old connection is taken for a new one), and requests after the
