@@ -428,9 +428,9 @@ class SplitModel:
 
         def send() -> Callable[[], torch.Tensor]:
             self.clock = clock
-            y = x
-            if r - 1 < len(self.handoffs):
-                y = self.handoffs[r - 1].send(y, clock.hop(r - 1) if clock is not None else None)
+            y = self.handoffs[r - 1].send(
+                x, clock.hop(r - 1) if clock is not None else None
+            )  # the host's copy
             sent = self.stages[r].submit_parts(y, parts)  # type: ignore[attr-defined]
             self._heard()  # the card has nothing queued now (the hand-off waited for it): a read costs no wait
 
