@@ -428,9 +428,7 @@ class SplitModel:
 
         def send() -> Callable[[], torch.Tensor]:
             self.clock = clock
-            y = self.handoffs[r - 1].send(
-                x, clock.hop(r - 1) if clock is not None else None
-            )  # the host's copy
+            y = self.handoffs[r - 1].send(x, clock.hop(r - 1) if clock is not None else None)  # to the host
             sent = self.stages[r].submit_parts(y, parts)  # type: ignore[attr-defined]
             self._heard()  # the card has nothing queued now (the hand-off waited for it): a read costs no wait
 
