@@ -233,6 +233,10 @@ def test_one_group_queues_the_next_steps_layers_and_a_cancelled_request_leaves(
         gone = [False]
         for i, r in enumerate(reqs):
             br.admit(r, got[i].append, (lambda: gone[0]) if i == 1 else (lambda: False))
+
+        def tokens_of_1() -> int:
+            return sum(isinstance(e, TokenEvent) for e in got[1])
+
         queued, cut = 0, None
         while br.busy or br.in_flight:
             out_before = len(client.in_flight)
@@ -240,10 +244,10 @@ def test_one_group_queues_the_next_steps_layers_and_a_cancelled_request_leaves(
             if br._queued is not None:
                 queued += 1
                 assert len(client.in_flight) == out_before == 0  # queued on the device, not sent
-            if cut is None and sum(isinstance(e, TokenEvent) for e in got[1]) >= 6:
-                gone[0], cut = True, sum(isinstance(e, TokenEvent) for e in got[1])
+            if cut is None and tokens_of_1() >= 6:
+                gone[0], cut = True, tokens_of_1()
         assert queued >= 10
-        assert cut is not None and sum(isinstance(e, TokenEvent) for e in got[1]) <= cut + 2
+        assert cut is not None and tokens_of_1() <= cut + 2
         assert not any(isinstance(e, DoneEvent) for e in got[1])
         for i in (0, 2):
             assert _tokens(got[i]) == _alone(whole, reqs[i])
