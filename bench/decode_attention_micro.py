@@ -1,8 +1,8 @@
 """Decode attention deep in the cache, the kernel alone: microseconds a layer and the bytes it reads per second.
 
     python bench/decode_attention_micro.py [--depth 32768] [--layers 48] [--kv-types bf16,int8,q4_0]
-        [--per-sm 1,2,4] [--block-s 64,128] [--warps 4,8] [--stages 2,3] [--merge-block 0,32]
-        [--rows 1] [--slots] [--profile] [--out F.json]
+        [--per-sm 1,2,4] [--block-s 64,128] [--warps 4,8] [--stages 2,3] [--merge-block 0,32] [--prefetch 0,-1,2]
+        [--qk8 0,1] [--rows 1] [--slots] [--profile] [--out F.json]
 
 Each layer has a cache of its own (Qwen3-30B-A3B's heads by default: 32 query heads, 4 key heads of 128), filled
 with random values, so the step reads `--layers` caches from memory as a decode step does, not one from L2. For each
@@ -104,10 +104,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1, help="query rows (one sequence's verify window or slots)")
     ap.add_argument("--kv-types", default="bf16,int8,q4_0")
     ap.add_argument("--per-sm", default="1,2,4")
-    ap.add_argument("--block-s", default="64,128")
+    ap.add_argument("--block-s", default="64,128", help="0: the kernel's default for the KV type")
     ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--stages", default="2,3", help="0: Triton's default")
     ap.add_argument("--merge-block", default="0,32", help="0: a merging program per head")
+    ap.add_argument(
+        "--prefetch", default="0", help="DecodeTune.prefetch: 0 none, -1 a split's all at once, n ahead"
+    )
+    ap.add_argument("--qk8", default="0", help="DecodeTune.qk8: 0, 1 or 0,1 (int8 caches)")
     ap.add_argument("--slots", action="store_true", help="each row its own sequence (the server's slots)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--reps", type=int, default=50)
@@ -140,15 +144,19 @@ def main() -> None:
             ints(a.warps),
             ints(a.stages),
             ints(a.merge_block),
+            ints(a.prefetch),
+            ints(a.qk8),
         )
         best_tune, best_us = DEFAULT_TUNE, base_us
-        for per_sm, bs, w, st, mb in shapes:
+        for per_sm, bs, w, st, mb, pf, qk8 in shapes:
             tune = DecodeTune(
                 per_sm=per_sm,
-                block_s=bs,
+                block_s=bs or None,
                 warps=w,
-                stages=st,
+                stages=st or None,
                 merge_block=mb or None,
+                prefetch=pf,
+                qk8=bool(qk8),
             )
             try:
                 us, out = time_shape(q, pos, base, layers, span, scale, tune, a.reps)

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from engine.kernels.fused import rope_pairs, store_q8_rows
 from engine.kernels.launch import INTERPRETED as _INTERPRETED  # no inline PTX in Triton's interpreter
-from engine.kernels.launch import pdl_args, pdl_enter
+from engine.kernels.launch import pdl_args, pdl_enter, prefetch_l2
 
 NO_QUANT, INT8, Q4_0 = 0, 1, 2
 
@@ -349,7 +349,8 @@ def _int8_scales(ks_ptr, vs_ptr, s0, hi, HKV, BLOCK_S: tl.constexpr, QUANT: tl.c
 def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc, vsc, HKV, Dk, Dv, qk_scale,
                   softcap, dk, dv, BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                   IEEE: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
-                  ASM: tl.constexpr, V_WORDS: tl.constexpr):  # fmt: skip
+                  ASM: tl.constexpr, V_WORDS: tl.constexpr, q_lo=None, q_row=None,
+                  QK8: tl.constexpr = False):  # fmt: skip
     """One block of positions s0.. into the running max m_i, sum l_i and output acc of a program's query heads.
     MASKED: positions from `hi` on are left out (only the last block of a split: the others run without masks).
     Scores are in base-2 units (qk_scale carries log2(e); exp2 throughout, and the merge takes base-2 maxima), and
@@ -360,14 +361,25 @@ def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc,
     float16 in fewer instructions than bfloat16."""
     s = s0 + tl.arange(0, BLOCK_S)
     sm = s < hi
-    kb = _cache_tile(kc_ptr, ks_ptr, s, sm, HKV, Dk, dk, BLOCK_S, BLOCK_DK, QUANT, MASKED, ASM)  # [BS, DK]
-    if IEEE:  # float32 compute stays float32 (no TF32 rounding)
-        sc = tl.dot(q, tl.trans(kb.to(q.dtype)), input_precision="ieee")  # [GP, BS]
+    if QK8:  # int8 keys as they are, against q's two int8 halves (_q_halves): no conversion of the codes
+        kp = kc_ptr + s[:, None] * (HKV * Dk) + dk[None, :]
+        if MASKED:
+            kb = tl.load(kp, mask=sm[:, None] & (dk[None, :] < Dk), other=0)
+        else:
+            kb = tl.load(kp, mask=dk[None, :] < Dk, other=0)
+        kt = tl.trans(kb)
+        sc = tl.dot(q, kt, out_dtype=tl.int32).to(tl.float32)
+        sc += tl.dot(q_lo, kt, out_dtype=tl.int32).to(tl.float32) * (1.0 / 254.0)
+        sc = sc * q_row[:, None] * ksc[None, :]
     else:
-        sc = tl.dot(q, tl.trans(kb.to(q.dtype))).to(tl.float32)
-    if QUANT == 1:  # int8 codes are exact in the compute dtype; their scales multiply the scores
+        kb = _cache_tile(kc_ptr, ks_ptr, s, sm, HKV, Dk, dk, BLOCK_S, BLOCK_DK, QUANT, MASKED, ASM)  # [BS,DK]
+        if IEEE:  # float32 compute stays float32 (no TF32 rounding)
+            sc = tl.dot(q, tl.trans(kb.to(q.dtype)), input_precision="ieee")  # [GP, BS]
+        else:
+            sc = tl.dot(q, tl.trans(kb.to(q.dtype))).to(tl.float32)
+    if QUANT == 1 and not QK8:  # int8 codes are exact in the compute dtype; their scales multiply the scores
         sc = sc * (ksc * qk_scale)[None, :]
-    else:
+    elif not QK8:  # (QK8's scores have their scales: q_row, ksc)
         sc = sc * qk_scale
     if SOFTCAP:  # the cap in natural units
         sc = sc * 0.6931471805599453
@@ -386,9 +398,54 @@ def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc,
         pr = pr * vsc[None, :]
     if IEEE:
         pv = tl.dot(pr, vb.to(tl.float32), input_precision="ieee")  # [GP, DV]
+    elif QUANT == 1:
+        pv = tl.dot(pr.to(tl.float16), vb.to(tl.float16)).to(tl.float32)
     else:
         pv = tl.dot(pr.to(q.dtype), vb.to(q.dtype)).to(tl.float32)
     return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _prefetch_share(ptr, lo, hi, hk, HKV, row, BULK: tl.constexpr):
+    """Key head hk's share (one HKV-th) of the cache rows of positions lo..hi of every key head into L2; `ptr` is
+    head hk's row at position 0, `row` the values a head's row holds."""
+    if BULK:  # Hopper's bulk prefetch (where the early launch is: pdl_args)
+        first = ptr + (lo * HKV - hk) * row  # position lo's row of key head 0
+        n = tl.maximum(hi - lo, 0) * HKV * row
+        share = (n + HKV - 1) // HKV
+        a = first + hk * share
+        b = first + tl.minimum(n, (hk + 1) * share)
+        nbytes = b.to(tl.uint64, bitcast=True) - a.to(tl.uint64, bitcast=True)
+        if nbytes > 0:
+            prefetch_l2(a, nbytes.to(tl.uint32), BULK)
+
+
+@triton.jit
+def _prefetch_rows(kc_ptr, vc_ptr, ks_ptr, vs_ptr, lo, hi, hk, HKV, Dk, Dv, QUANT: tl.constexpr,
+                   BULK: tl.constexpr):  # fmt: skip
+    """Positions lo..hi's keys and values (and an int8 cache's scales) into L2, shared among the programs of
+    the HKV key heads, which read the same positions at about the same time (a position's heads lie side by
+    side: one head's rows alone are 1/HKV of every line range)."""
+    if QUANT != 2:
+        _prefetch_share(kc_ptr, lo, hi, hk, HKV, Dk, BULK)
+        _prefetch_share(vc_ptr, lo, hi, hk, HKV, Dv, BULK)
+    if QUANT == 1:
+        _prefetch_share(ks_ptr, lo, hi, hk, HKV, 1, BULK)
+        _prefetch_share(vs_ptr, lo, hi, hk, HKV, 1, BULK)
+
+
+@triton.jit
+def _q_halves(q, qk_scale):
+    """q [GP, DK] as two int8 tensors and a scale per row: q = row * (hi + lo / 254), hi the codes of q over its
+    row's largest value / 127 and lo those of what they leave (half a step at most), so that the scores of int8
+    keys are two int8 products (no float conversion of the codes) to ~15 bits, finer than float16's 11. `row`
+    takes the score scale too."""
+    qf = q.to(tl.float32)
+    step = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 127.0  # [GP]
+    u = qf / step[:, None]
+    hi = tl.minimum(tl.maximum(tl.floor(u + 0.5), -127.0), 127.0)
+    lo = tl.minimum(tl.maximum(tl.floor((u - hi) * 254.0 + 0.5), -127.0), 127.0)
+    return hi.to(tl.int8), lo.to(tl.int8), step * qk_scale
 
 
 @triton.jit
@@ -426,6 +483,8 @@ def _decode_attn_kernel(
     SOFTCAP: tl.constexpr = False,
     ASM: tl.constexpr = True,
     V_WORDS: tl.constexpr = False,  # int8 value heads read as 32-bit words (a power of two >= 4, aligned rows)
+    PREFETCH: tl.constexpr = 0,  # DecodeTune.prefetch
+    QK8: tl.constexpr = False,  # DecodeTune.qk8 (int8 caches, bfloat16 queries)
     PDL: tl.constexpr = False,  # launched early (engine/kernels/launch.py)
 ):
     pid = tl.program_id(0)  # t * HKV + hk
@@ -449,7 +508,11 @@ def _decode_attn_kernel(
         q_ptr + (t * H + heads)[:, None] * Dk + dk[None, :], mask=gm[:, None] & (dk[None, :] < Dk), other=0.0
     )  # [GP, DK]
     qk_scale = scale * 1.4426950408889634  # base-2 scores
-    if QUANT == 1 and not IEEE:  # float16 products over int8 codes: q divided by its largest value, which the
+    q_lo = q
+    q_row = tl.zeros([GP], tl.float32)
+    if QK8:
+        q, q_lo, q_row = _q_halves(q, qk_scale)
+    elif QUANT == 1 and not IEEE:  # float16 products over int8 codes: q over its largest value, which the
         qf = q.to(tl.float32)  # score scale takes back (a bfloat16 query may lie beyond float16's range)
         qa = tl.maximum(tl.max(tl.max(tl.abs(qf), axis=1), axis=0), 1e-30)
         q = (qf / qa).to(tl.float16)
@@ -463,17 +526,26 @@ def _decode_attn_kernel(
     if window > 0:
         lo = tl.maximum(lo, p - window + 1)
     full = lo + (tl.maximum(hi - lo, 0) // BLOCK_S) * BLOCK_S  # whole blocks without masks, then the last
+    if PREFETCH < 0:  # the whole of the program's positions at once
+        _prefetch_rows(kc_ptr, vc_ptr, ks_ptr, vs_ptr, lo, hi, hk, HKV, Dk, Dv, QUANT, PDL)
+    elif PREFETCH > 0:  # the first PREFETCH blocks; the loop keeps as many ahead
+        _prefetch_rows(kc_ptr, vc_ptr, ks_ptr, vs_ptr, lo, tl.minimum(hi, lo + PREFETCH * BLOCK_S), hk, HKV, Dk,
+                       Dv, QUANT, PDL)  # fmt: skip
     ksc, vsc = _int8_scales(ks_ptr, vs_ptr, lo, hi, HKV, BLOCK_S, QUANT)
     for s0 in range(lo, full, BLOCK_S):
+        if PREFETCH > 0:
+            ahead = s0 + PREFETCH * BLOCK_S
+            _prefetch_rows(kc_ptr, vc_ptr, ks_ptr, vs_ptr, ahead, tl.minimum(hi, ahead + BLOCK_S), hk, HKV, Dk,
+                           Dv, QUANT, PDL)  # fmt: skip
         nks, nvs = _int8_scales(ks_ptr, vs_ptr, s0 + BLOCK_S, hi, HKV, BLOCK_S, QUANT)
         m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc, vsc, HKV, Dk,
                                       Dv, qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
-                                      False, SOFTCAP, ASM, V_WORDS)  # fmt: skip
+                                      False, SOFTCAP, ASM, V_WORDS, q_lo, q_row, QK8)  # fmt: skip
         ksc, vsc = nks, nvs
     for s0 in range(full, hi, BLOCK_S):  # the partial last block (its scales loaded above)
         m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc, vsc, HKV, Dk,
                                       Dv, qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
-                                      True, SOFTCAP, ASM, V_WORDS)  # fmt: skip
+                                      True, SOFTCAP, ASM, V_WORDS, q_lo, q_row, QK8)  # fmt: skip
     om = gm[:, None] & (dv[None, :] < Dv)
     if not SPLIT:
         out = acc / l_i[:, None]
@@ -550,6 +622,8 @@ class DecodeTune:
     warps: int = 4
     stages: int | None = None
     merge_block: int | None = 32
+    prefetch: int = 0  # a split's positions into L2 (Hopper): 0 none, -1 all at its start, n: n blocks ahead
+    qk8: bool = False  # int8 keys times q in two int8 halves (_q_halves), instead of keys made float16
 
 
 # Measured on an H200 at a depth of 32,768 (48 layers' caches, bench/results/decode-attention-32k-h200.json): two
@@ -627,6 +701,7 @@ def decode_attention(
         SOFTCAP=softcap > 0,  # a compile-time branch: the cap's code out of the others' loop
         ASM=not _INTERPRETED,
         V_WORDS=quant == INT8 and 4 <= dvv == triton.next_power_of_2(dvv) and v_cache.data_ptr() % 4 == 0,
+        QK8=tune.qk8 and quant == INT8 and q.dtype != torch.float32,
     )
     bp = base if base is not None else pos
     ks = k_scale if k_scale is not None else k_cache
@@ -649,7 +724,7 @@ def decode_attention(
         launch["num_stages"] = tune.stages
     _decode_attn_kernel[(t * hkv, splits)](
         q, k_cache, v_cache, ks, vs, pos, bp, part, ml, qo, h, hkv, dk, dvv, span, chunk, splits, window, scale,
-        softcap, SPLIT=True, **common, **launch, **pdl_args(q.device),
+        softcap, SPLIT=True, PREFETCH=tune.prefetch, **common, **launch, **pdl_args(q.device),
     )  # fmt: skip
     mb = common["BLOCK_DV"] if tune.merge_block is None else min(tune.merge_block, common["BLOCK_DV"])
     mb = max(mb, 32) if q8 else mb  # the 8-bit form's scale covers 32 values

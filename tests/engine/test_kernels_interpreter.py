@@ -463,6 +463,33 @@ def test_split_decode_matches_torch_where_splits_end_mid_block(
         assert (got - want).abs().max().item() < 1e-4, chunk
 
 
+@pytest.mark.parametrize("t,chunk", [(1, 88), (2, 700)])
+def test_int8_keys_against_q_in_two_int8_halves(t: int, chunk: int) -> None:
+    """DecodeTune(qk8=True): an int8 cache's scores as int8 products of the codes and q's two int8 halves equal
+    torch's attention over the dequantized cache as closely as the float16 products do (bfloat16 queries, some of
+    them large: the halves' scale is a row's own)."""
+    from engine.kernels.attention import DecodeTune, decode_attention
+    from engine.layers.attention import attention, causal_mask
+    from engine.layers.kv_cache import dequantize_kv, quantize_kv
+
+    h, hkv, d, span = 8, 2, 64, 700
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(span, hkv, d, generator=g), torch.randn(span, hkv, d, generator=g)
+    q = torch.randn(t, h, d, generator=g)
+    q[:, 0, :4] *= 40.0  # one head with outliers, another tiny: a scale per row serves both
+    q[:, 1] *= 1e-3
+    q = q.to(torch.bfloat16)
+    pos = torch.arange(span - t, span)
+    (kc, ks), (vc, vs) = quantize_kv("int8", k), quantize_kv("int8", v)
+    kd, vd = dequantize_kv("int8", kc, ks, torch.float32), dequantize_kv("int8", vc, vs, torch.float32)
+    want = attention(q.float(), kd, vd, causal_mask(pos, span, 0), d**-0.5).reshape(t, -1)
+    errs = []
+    for tune in (DecodeTune(), DecodeTune(qk8=True)):
+        got = decode_attention(q, kc, vc, pos, span, 0, d**-0.5, chunk=chunk, k_scale=ks, v_scale=vs, tune=tune)
+        errs.append((got.float() - want).abs().max().item())
+    assert errs[1] < 2e-2 and errs[1] <= 1.5 * errs[0] + 1e-3, errs
+
+
 @pytest.mark.parametrize("t,topk,e", [(9, 2, 4), (300, 8, 128), (64, 10, 512), (1, 8, 128), (700, 8, 128)])
 def test_block_table_matches_the_torch_schedule(t: int, topk: int, e: int) -> None:
     """The block table and the expert order (a stable sort by expert, as torch.argsort) from their launches
