@@ -485,7 +485,9 @@ def test_int8_keys_against_q_in_two_int8_halves(t: int, chunk: int) -> None:
     want = attention(q.float(), kd, vd, causal_mask(pos, span, 0), d**-0.5).reshape(t, -1)
     errs = []
     for tune in (DecodeTune(), DecodeTune(qk8=True)):
-        got = decode_attention(q, kc, vc, pos, span, 0, d**-0.5, chunk=chunk, k_scale=ks, v_scale=vs, tune=tune)
+        got = decode_attention(
+            q, kc, vc, pos, span, 0, d**-0.5, chunk=chunk, k_scale=ks, v_scale=vs, tune=tune
+        )
         errs.append((got.float() - want).abs().max().item())
     assert errs[1] < 2e-2 and errs[1] <= 1.5 * errs[0] + 1e-3, errs
 
