@@ -1,7 +1,7 @@
 """Decode attention deep in the cache, the kernel alone: microseconds a layer and the bytes it reads per second.
 
     python bench/decode_attention_micro.py [--depth 32768] [--layers 48] [--kv-types bf16,int8,q4_0]
-        [--per-sm 1,2,4] [--block-s 64,128] [--warps 4,8] [--stages 2,3] [--merge-block 0,32] [--prefetch 0,-1,2]
+        [--per-sm 1,2,4] [--block-s 64,128] [--warps 4,8] [--stages 2,3] [--merge-block 0,32]
         [--qk8 0,1] [--rows 1] [--slots] [--profile] [--out F.json]
 
 Each layer has a cache of its own (Qwen3-30B-A3B's heads by default: 32 query heads, 4 key heads of 128), filled
@@ -108,9 +108,6 @@ def main() -> None:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="2,3", help="0: Triton's default")
     ap.add_argument("--merge-block", default="0,32", help="0: a merging program per head")
-    ap.add_argument(
-        "--prefetch", default="0", help="DecodeTune.prefetch: 0 none, -1 a split's all at once, n ahead"
-    )
     ap.add_argument("--qk8", default="0", help="DecodeTune.qk8: 0, 1 or 0,1 (int8 caches)")
     ap.add_argument("--slots", action="store_true", help="each row its own sequence (the server's slots)")
     ap.add_argument("--profile", action="store_true")
@@ -144,18 +141,16 @@ def main() -> None:
             ints(a.warps),
             ints(a.stages),
             ints(a.merge_block),
-            ints(a.prefetch),
             ints(a.qk8),
         )
         best_tune, best_us = DEFAULT_TUNE, base_us
-        for per_sm, bs, w, st, mb, pf, qk8 in shapes:
+        for per_sm, bs, w, st, mb, qk8 in shapes:
             tune = DecodeTune(
                 per_sm=per_sm,
                 block_s=bs or None,
                 warps=w,
                 stages=st or None,
                 merge_block=mb or None,
-                prefetch=pf,
                 qk8=bool(qk8),
             )
             try:

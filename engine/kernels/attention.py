@@ -19,7 +19,7 @@ import triton.language as tl
 
 from engine.kernels.fused import rope_pairs, store_q8_rows
 from engine.kernels.launch import INTERPRETED as _INTERPRETED  # no inline PTX in Triton's interpreter
-from engine.kernels.launch import pdl_args, pdl_enter, prefetch_l2
+from engine.kernels.launch import pdl_args, pdl_enter
 
 NO_QUANT, INT8, Q4_0 = 0, 1, 2
 
@@ -406,35 +406,6 @@ def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc,
 
 
 @triton.jit
-def _prefetch_share(ptr, lo, hi, hk, HKV, row, BULK: tl.constexpr):
-    """Key head hk's share (one HKV-th) of the cache rows of positions lo..hi of every key head into L2; `ptr` is
-    head hk's row at position 0, `row` the values a head's row holds."""
-    if BULK:  # Hopper's bulk prefetch (where the early launch is: pdl_args)
-        first = ptr + (lo * HKV - hk) * row  # position lo's row of key head 0
-        n = tl.maximum(hi - lo, 0) * HKV * row
-        share = (n + HKV - 1) // HKV
-        a = first + hk * share
-        b = first + tl.minimum(n, (hk + 1) * share)
-        nbytes = b.to(tl.uint64, bitcast=True) - a.to(tl.uint64, bitcast=True)
-        if nbytes > 0:
-            prefetch_l2(a, nbytes.to(tl.uint32), BULK)
-
-
-@triton.jit
-def _prefetch_rows(kc_ptr, vc_ptr, ks_ptr, vs_ptr, lo, hi, hk, HKV, Dk, Dv, QUANT: tl.constexpr,
-                   BULK: tl.constexpr):  # fmt: skip
-    """Positions lo..hi's keys and values (and an int8 cache's scales) into L2, shared among the programs of
-    the HKV key heads, which read the same positions at about the same time (a position's heads lie side by
-    side: one head's rows alone are 1/HKV of every line range)."""
-    if QUANT != 2:
-        _prefetch_share(kc_ptr, lo, hi, hk, HKV, Dk, BULK)
-        _prefetch_share(vc_ptr, lo, hi, hk, HKV, Dv, BULK)
-    if QUANT == 1:
-        _prefetch_share(ks_ptr, lo, hi, hk, HKV, 1, BULK)
-        _prefetch_share(vs_ptr, lo, hi, hk, HKV, 1, BULK)
-
-
-@triton.jit
 def _q_halves(q, qk_scale):
     """q [GP, DK] as two int8 tensors and a scale per row: q = row * (hi + lo / 254), hi the codes of q over its
     row's largest value / 127 and lo those of what they leave (half a step at most), so that the scores of int8
@@ -483,7 +454,6 @@ def _decode_attn_kernel(
     SOFTCAP: tl.constexpr = False,
     ASM: tl.constexpr = True,
     V_WORDS: tl.constexpr = False,  # int8 value heads read as 32-bit words (a power of two >= 4, aligned rows)
-    PREFETCH: tl.constexpr = 0,  # DecodeTune.prefetch
     QK8: tl.constexpr = False,  # DecodeTune.qk8 (int8 caches, bfloat16 queries)
     PDL: tl.constexpr = False,  # launched early (engine/kernels/launch.py)
 ):
@@ -526,17 +496,8 @@ def _decode_attn_kernel(
     if window > 0:
         lo = tl.maximum(lo, p - window + 1)
     full = lo + (tl.maximum(hi - lo, 0) // BLOCK_S) * BLOCK_S  # whole blocks without masks, then the last
-    if PREFETCH < 0:  # the whole of the program's positions at once
-        _prefetch_rows(kc_ptr, vc_ptr, ks_ptr, vs_ptr, lo, hi, hk, HKV, Dk, Dv, QUANT, PDL)
-    elif PREFETCH > 0:  # the first PREFETCH blocks; the loop keeps as many ahead
-        _prefetch_rows(kc_ptr, vc_ptr, ks_ptr, vs_ptr, lo, tl.minimum(hi, lo + PREFETCH * BLOCK_S), hk, HKV, Dk,
-                       Dv, QUANT, PDL)  # fmt: skip
     ksc, vsc = _int8_scales(ks_ptr, vs_ptr, lo, hi, HKV, BLOCK_S, QUANT)
     for s0 in range(lo, full, BLOCK_S):
-        if PREFETCH > 0:
-            ahead = s0 + PREFETCH * BLOCK_S
-            _prefetch_rows(kc_ptr, vc_ptr, ks_ptr, vs_ptr, ahead, tl.minimum(hi, ahead + BLOCK_S), hk, HKV, Dk,
-                           Dv, QUANT, PDL)  # fmt: skip
         nks, nvs = _int8_scales(ks_ptr, vs_ptr, s0 + BLOCK_S, hi, HKV, BLOCK_S, QUANT)
         m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc, vsc, HKV, Dk,
                                       Dv, qk_scale, softcap, dk, dv, BLOCK_S, BLOCK_DK, BLOCK_DV, IEEE, QUANT,
@@ -622,7 +583,6 @@ class DecodeTune:
     warps: int = 4
     stages: int | None = None
     merge_block: int | None = 32
-    prefetch: int = 0  # a split's positions into L2 (Hopper): 0 none, -1 all at its start, n: n blocks ahead
     qk8: bool = False  # int8 keys times q in two int8 halves (_q_halves), instead of keys made float16
 
 
@@ -724,7 +684,7 @@ def decode_attention(
         launch["num_stages"] = tune.stages
     _decode_attn_kernel[(t * hkv, splits)](
         q, k_cache, v_cache, ks, vs, pos, bp, part, ml, qo, h, hkv, dk, dvv, span, chunk, splits, window, scale,
-        softcap, SPLIT=True, PREFETCH=tune.prefetch, **common, **launch, **pdl_args(q.device),
+        softcap, SPLIT=True, **common, **launch, **pdl_args(q.device),
     )  # fmt: skip
     mb = common["BLOCK_DV"] if tune.merge_block is None else min(tune.merge_block, common["BLOCK_DV"])
     mb = max(mb, 32) if q8 else mb  # the 8-bit form's scale covers 32 values
