@@ -377,10 +377,10 @@ def _attend_block(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s0, hi, m_i, l_i, acc, ksc,
             sc = tl.dot(q, tl.trans(kb.to(q.dtype)), input_precision="ieee")  # [GP, BS]
         else:
             sc = tl.dot(q, tl.trans(kb.to(q.dtype))).to(tl.float32)
-    if QUANT == 1 and not QK8:  # int8 codes are exact in the compute dtype; their scales multiply the scores
-        sc = sc * (ksc * qk_scale)[None, :]
-    elif not QK8:  # (QK8's scores have their scales: q_row, ksc)
-        sc = sc * qk_scale
+        if QUANT == 1:  # int8 codes are exact in the compute dtype; their scales multiply the scores
+            sc = sc * (ksc * qk_scale)[None, :]
+        else:
+            sc = sc * qk_scale
     if SOFTCAP:  # the cap in natural units
         sc = sc * 0.6931471805599453
         sc = softcap * (2.0 / (1.0 + tl.exp(-2.0 * sc / softcap)) - 1.0) * 1.4426950408889634
