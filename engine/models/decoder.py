@@ -269,7 +269,12 @@ class DecoderLM(FamilyLM):
         if rest:
             # prompt chunks: each from its captured size's graphs where there are some (no launch-bound eager
             # pass over all of them together)
-            each = self.prompt_graphs is not None and all(parts[j].tokens.shape[0] > 1 for j in rest)
+            each = (
+                self.prompt_graphs is not None
+                and self.has_embed
+                and self.has_head
+                and all(parts[j].tokens.shape[0] > 1 for j in rest)
+            )
             part = [parts[j] for j in rest]
             logits = forward_each(self, part) if each else self._batch_rows(part)
             at = 0

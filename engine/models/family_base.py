@@ -352,7 +352,8 @@ class FamilyLM:
         t = tokens.shape[0]
         if t == 1 and self.graphs is not None and self.graphs.usable:
             return self.graphs.step(tokens, cache, start)
-        if last_only and self.prompt_graphs is not None:
+        if last_only and self.prompt_graphs is not None and self.has_embed and self.has_head:
+            # (a split's stage runs its own through LocalStage.run)
             logits = self.prompt_graphs.step(tokens.to(self.device), cache, start)
             if logits is not None:
                 return logits

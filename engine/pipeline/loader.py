@@ -70,13 +70,7 @@ def prepare(model: DecoderLM, experts: ExpertPolicy | None = None, cuda_graphs: 
         if model.graphs.usable and getattr(model, "fast", False):
             # several slots' decode rows in one step (DecoderLM.decode_rows; a split's LocalStage.run_rows)
             model.slot_graphs = SlotGraphs(model)
-        if (
-            runtime_switches().prompt_graphs
-            and model.supports_prompt_graphs
-            and model.has_embed
-            and model.has_head
-            and PromptGraphs.usable(model)
-        ):
+        if runtime_switches().prompt_graphs and model.supports_prompt_graphs and PromptGraphs.usable(model):
             model.prompt_graphs = PromptGraphs(model)
     return model
 

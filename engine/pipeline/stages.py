@@ -31,7 +31,7 @@ from engine.models.decoder import BatchRows, DecoderLM
 from engine.models.family_base import BatchPart, forward_each, scratch_steps
 from engine.models.fast_decode import FAST_MAX_ROWS
 from engine.models.gated_delta import RecurrentCache
-from engine.pipeline.cuda_graphs import StepGraphs, cpu_misses, read_prompt_sizes
+from engine.pipeline.cuda_graphs import PromptGraphs, StepGraphs, cpu_misses, read_prompt_sizes
 from engine.pipeline.handoff import Handoff, HandoffMode
 from engine.pipeline.stage_clock import ForwardClock
 
@@ -80,14 +80,32 @@ class LocalStage:
     def last(self) -> bool:
         return self.with_head
 
-    takes_last_only = True  # run() takes last_only (SplitModel.forward passes it to the stage with the head)
+    takes_last_only = (
+        True  # run() takes last_only (SplitModel.forward passes it to every stage of a prompt chunk)
+    )
+
+    @property
+    def prompt_graphs(self) -> PromptGraphs | None:
+        """The stage model's prompt graphs where they compute what this stage hands on (not a model that holds the
+        head that a HeadStage runs after a remote chain)."""
+        pg = getattr(self.model, "prompt_graphs", None)
+        return pg if pg is not None and self.with_head == self.model.has_head else None
 
     def run(self, x: torch.Tensor, cache: KVCache, start: int, last_only: bool = False) -> torch.Tensor:
-        """`last_only`: the head on the last row only (a prompt chunk, whose other rows' logits nobody reads)."""
+        """`last_only`: a prompt chunk, whose other rows' logits nobody reads: the stage with the head computes the
+        last row's only, a stage without it hands every row on. Prompt chunks run from the stage's prompt graphs
+        where it has them; a stage without the head also takes a piece of more than a verify window's rows as a
+        prompt's (a worker is not told)."""
         # Triton launches on the current card, not on its tensors' card: a stage on another card than the main
         # one makes its own current while it runs
         with on_device(self.device):
-            if self.graphs is not None and x.shape[0] <= _WINDOW_ROWS:
+            t = int(x.shape[0])
+            pg = self.prompt_graphs
+            if pg is not None and t > 1 and (last_only or (t > _WINDOW_ROWS and not self.with_head)):
+                y = pg.step(x.to(self.device), cache, start)
+                if y is not None:
+                    return y
+            if self.graphs is not None and t <= _WINDOW_ROWS:
                 return self.graphs.step(x, cache, start)  # a decode step, or a verify window (--spec)
             m = self.model
             h = m.embed(x.to(self.device)) if m.has_embed else x  # [T, D]
@@ -299,7 +317,7 @@ class SplitModel:
         """cuda_graphs.warm_prompts through every stage (a remote worker's too, through the link: on one H200,
         eight requests' first round over a remote stage took 8 s where the next took 1.6) -> the sizes read ([]
         where no stage is on a GPU)."""
-        if not caches or not self._builds_kernels():
+        if not caches or not self._builds_kernels() or self._prompts_graphed():
             return []
         return read_prompt_sizes(self, self._models(), caches, most)
 
@@ -384,17 +402,40 @@ class SplitModel:
             for n, j in enumerate(js):
                 out[j] = logits[n : n + 1]
         rest = [parts[j] for j, o in enumerate(out) if o is None]
-        if len(rest) == 1:  # a prompt chunk alone: forward (its pieces pipelined over the stages)
+        # a prompt chunk alone: forward (its pieces pipelined over the stages); prompt chunks of several slots each
+        # from the stages' prompt graphs where every stage has them (as one model's forward_batch does), else
+        # together through the eager layers
+        each = len(rest) == 1 or (
+            self._prompts_graphed() and all(p.tokens.shape[0] > 1 and p.logits == 1 for p in rest)
+        )
+        if each and rest:
             got = forward_each(self, rest)
         elif rest:
             got = self._through_stages(rest, fused=False)
-        self._remember([parts[j] for j in rows] + (rest if len(rest) > 1 else []))
+        self._remember([parts[j] for j in rows] + ([] if each else rest))
         n = 0
         for j, o in enumerate(out):
             if o is None:
                 out[j] = got[n : n + parts[j].logits]
                 n += parts[j].logits
         return torch.cat(out)  # type: ignore[arg-type]
+
+    def _prompts_graphed(self) -> bool:
+        """Whether every stage is in this process and runs prompt chunks from its prompt graphs."""
+        return all(isinstance(st, LocalStage) and st.prompt_graphs is not None for st in self.stages)
+
+    def warm_prompt_graphs(self, most: int, kv_type: str) -> list[int]:
+        """Capture each local stage's prompt graphs of chunks up to `most` tokens and build their attention
+        kernels (PromptGraphs.warm), so that no request waits for a capture -> the sizes captured. Stages on
+        different devices also read a long prompt in `pipe_chunk` pieces."""
+        most = max(most, self.pipe_chunk) if self.pipelines_prompts else most
+        sizes: set[int] = set()
+        for st in self.stages:
+            pg = st.prompt_graphs if isinstance(st, LocalStage) else None
+            if pg is not None:
+                with on_device(st.device):
+                    sizes.update(pg.warm(most, kv_type))
+        return sorted(sizes)
 
     @property
     def pipelines_groups(self) -> bool:
@@ -704,9 +745,9 @@ class SplitModel:
     def _run(self, s: int, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """Stage s on x; the last stage computes only the last row's logits where the forward asked for that."""
         stage = self.stages[s]
+        if self._last_only and getattr(stage, "takes_last_only", False):
+            return stage.run(x, cache, start, last_only=True)  # type: ignore[call-arg]
         if self._last_only and s == len(self.stages) - 1:
-            if getattr(stage, "takes_last_only", False):
-                return stage.run(x, cache, start, last_only=True)  # type: ignore[call-arg]
             return stage.run(x, cache, start)[-1:]
         return stage.run(x, cache, start)
 

@@ -247,9 +247,11 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                     log.info("%d slots: decode graphs for 1-%d rows captured in %.1f s", slots, warmed,
                              time.perf_counter() - tw)  # fmt: skip
             graphs = getattr(lm.model, "prompt_graphs", None)
-            if graphs is not None:  # every prompt length then runs from graphs: none waits for a capture
+            split_graphs = getattr(lm.model, "warm_prompt_graphs", None)  # a layer split's stages' own
+            if graphs is not None or split_graphs is not None:
+                # every prompt length then runs from graphs: none waits for a capture
                 tw = time.perf_counter()
-                sizes = graphs.warm(chunk, kv)
+                sizes = graphs.warm(chunk, kv) if graphs is not None else split_graphs(chunk, kv)
                 if sizes:
                     log.info("prompt graphs for chunks of 2-%d tokens (%d sizes) captured in %.1f s", sizes[-1],
                              len(sizes), time.perf_counter() - tw)  # fmt: skip

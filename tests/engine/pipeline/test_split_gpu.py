@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.link.startup import load_split_model
+from engine.models.family_base import BatchPart
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.handoff import Handoff
 from engine.pipeline.loader import load_model
@@ -77,6 +78,49 @@ def test_pipelined_pieces_on_one_card_match(tmp_path_factory: pytest.TempPathFac
         rc, sc = base.model.new_cache(64, "f32"), sm.new_cache(64, "f32")
         ref = torch.cat([base.model.forward(torch.tensor(PROMPT[o : o + 4]), rc, o) for o in range(0, 24, 4)])
         assert torch.equal(sm.forward(torch.tensor(PROMPT), sc, 0), ref)
+
+
+def test_prompt_chunks_run_from_each_stages_prompt_graphs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each stage captures prompt graphs of its own layers (the second stage takes hidden rows in place of token
+    ids, the first hands its hidden rows on): once warm, the prompt chunks of two slots in one step run through
+    no eager layer and give the unsplit model's graphed logits and KV; a second chunk at a later position too."""
+    path = write_tiny_model(
+        tmp_path_factory.mktemp("g") / "m.gguf", "qwen3moe", qtype="Q4_K", seed=5, n_layer=6
+    )
+    base = load_model(path, "cuda", "bf16").model
+    sm = load_split_model(
+        path, SplitOptions(device="cuda", layer_split=(3,), split_device=("0",)), 128, "bf16", "bf16"
+    ).model
+    assert isinstance(sm, SplitModel) and sm._prompts_graphed()
+    assert sm.warm_prompt_graphs(64, "bf16") == [4, 8, 12, 16, 24, 32, 48, 64]
+    base.prompt_graphs.warm(64, "bf16")
+
+    def eager(*a: object, **k: object) -> None:
+        raise AssertionError("a prompt chunk ran through the eager layers")
+
+    for st in sm.stages:
+        st.model.layer_at = eager  # type: ignore[attr-defined]
+        st.model.layers_batch = eager  # type: ignore[attr-defined]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 400, (n,), generator=g) for n in (37, 29)]
+    with torch.inference_mode():
+        caches = [sm.new_cache(128, "bf16") for _ in prompts]
+        refs = [base.new_cache(128, "bf16") for _ in prompts]
+        for at, n in ((0, 15), (15, 9)):  # two chunks each: the second attends to the first's KV
+            parts = [BatchPart(p[at : at + n], c, at) for p, c in zip(prompts, caches, strict=True)]
+            got = sm.forward_batch(parts)
+            ref = torch.cat(
+                [
+                    base.forward(p[at : at + n], c, at, last_only=True)
+                    for p, c in zip(prompts, refs, strict=True)
+                ]
+            )
+            assert got.shape == ref.shape == (2, ref.shape[1])
+            torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+    for c, r in zip(caches, refs, strict=True):
+        for i in range(6):
+            torch.testing.assert_close(c.layers[i].k[:24], r.layers[i].k[:24], rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(c.layers[i].v[:24], r.layers[i].v[:24], rtol=1e-2, atol=1e-2)
 
 
 def test_host_handoff_moves_every_byte() -> None:
