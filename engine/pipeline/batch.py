@@ -69,6 +69,7 @@ class BatchStep:
     decode_rows: int  # of those, one a decoding slot
     prompt_tokens: int  # of those, prompt tokens
     busy: int  # slots holding a request
+    stages: list[dict[str, object]] | None = None  # a split's stage_report of this step (None: one stage)
 
 
 @dataclass
@@ -139,6 +140,7 @@ class _Flight:
     rows: int
     decode_rows: int
     busy: int
+    clock: object = None  # a split's marks of this step (SplitModel.clock), read once the step is done
 
     @property
     def deferrable(self) -> bool:
@@ -580,7 +582,7 @@ class BatchRunner:
         n_rows = sum(p.tokens.shape[0] for p in parts)
         decode = sum(1 for _, _, n, _ in plan if n == 0)
         f = _Flight(self.steps, plan, logits, offs, draws, host, {j: i for i, j in enumerate(rows)}, timer, t0,
-                    n_rows, decode, self.busy)  # fmt: skip
+                    n_rows, decode, self.busy, getattr(self.model, "clock", None))  # fmt: skip
         self.steps += 1
         for j, (slot, r, n, at) in enumerate(plan):
             if n == 0:
@@ -639,7 +641,9 @@ class BatchRunner:
                 r.timings.prompt_ms = (now - r.t_prompt) * 1e3
                 r.t_decode = now
                 self._decided(slot, r.sampler.sample(f.logits[row], r.history), f.logits[row], fed=False)
-        return [BatchStep(f.index, ms, f.rows, f.decode_rows, f.rows - f.decode_rows, f.busy)]
+        report = getattr(self.model, "stage_report", None)
+        stages = report(f.clock) if report is not None else None
+        return [BatchStep(f.index, ms, f.rows, f.decode_rows, f.rows - f.decode_rows, f.busy, stages)]
 
     def _verify(self, slot: Slot, r: _Request, at: int, rows: torch.Tensor) -> None:
         """r's verify window, read at position `at` (its token, then its drafts): keep the drafts the target agrees

@@ -512,7 +512,8 @@ class SplitModel:
         wanted logit rows. `fused`: one decode row a part, the slots' caches rows of one (run_rows)."""
         dev = self.stages[0].device  # type: ignore[union-attr]
         x = torch.cat([p.tokens.to(dev, non_blocking=True) for p in parts])  # some may be drawn on a device
-        self.clock = None  # host times only (stage_report): no device clock around shared steps yet
+        # each stage's own device time in the step (stage_report; the host's is only its launches on a card)
+        self.clock = ForwardClock(self.devices) if self.measure else None
         for s in range(len(self.stages)):
             x = self._stage_rows(s, x, parts, fused)
         for p in parts:
@@ -591,10 +592,12 @@ class SplitModel:
         finally:
             self._last_only = last_only
 
-    def stage_report(self) -> list[dict[str, object]]:
-        """Each stage's own time in the last forward (a prompt chunk or a step), for the timing lines and the
-        server's event stream: local stages `{"layers", "where", "ms"}` (host time) plus, once their devices have
-        finished the forward, `"compute_ms", "wait_ms", "transfer_ms"` (stage_clock); each worker behind a link
+    def stage_report(self, clock: ForwardClock | None = None) -> list[dict[str, object]]:
+        """Each stage's own time in the last forward (a prompt chunk or a step; `clock`: that forward's marks, taken
+        from `clock` when the forward ran, for a step read after later ones were launched), for the timing lines
+        and the server's event stream: local stages `{"layers", "where", "ms"}` (host time) plus, once their
+        devices have finished the forward, `"compute_ms", "wait_ms", "transfer_ms"` (stage_clock); each worker
+        behind a link
         `{"layers", "where", "compute_ms", "wait_ms", "transfer_ms"}`."""
         out: list[dict[str, object]] = []
         for s, (st, ms) in enumerate(zip(self.stages, self.timing.ms, strict=True)):
@@ -606,7 +609,8 @@ class SplitModel:
                     "where": st.label,
                     "ms": ms,
                 }
-                split = self.clock.split(s) if self.clock is not None else None
+                marks = clock if clock is not None else self.clock
+                split = marks.split(s) if marks is not None else None
                 if split is not None:
                     r.update(
                         compute_ms=split.compute_ms, wait_ms=split.wait_ms, transfer_ms=split.transfer_ms

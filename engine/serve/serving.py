@@ -536,11 +536,10 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                 self.rows.add(st.rows)
                 extra = {"tokens": st.decode_rows, "rows": st.rows, "slots": st.busy}
                 if st.decode_rows:
-                    self._record("step", st.ms, st.index, extra)
+                    self._record("step", st.ms, st.index, extra, report=st.stages)
                 else:
-                    self._record(
-                        "prompt_chunk", st.ms, st.index, {"rows": st.rows, "slots": st.busy}, st.rows
-                    )
+                    extra = {"rows": st.rows, "slots": st.busy}
+                    self._record("prompt_chunk", st.ms, st.index, extra, st.rows, st.stages)
             if ended:
                 self._snapshot_experts(force=not self.running)
                 if self.profile is not None:
@@ -567,14 +566,24 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
             self.running.append(job)
             self.active = self.running[0]
 
-    def _record(self, kind: str, ms: float, at: int, extra: dict[str, Any], tokens: int = 0) -> None:
+    def _record(
+        self,
+        kind: str,
+        ms: float,
+        at: int,
+        extra: dict[str, Any],
+        tokens: int = 0,
+        report: list[dict[str, Any]] | None = None,
+    ) -> None:
         """One decode step (`at`: its index) or prompt chunk (`at`: its first position) into the telemetry: the
-        whole forward as stage 0 for one stage, each stage's own time from `stage_report()` for a split."""
+        whole forward as stage 0 for one stage, each stage's own time from `stage_report()` for a split (`report`:
+        the one a shared step took when it was read)."""
         tel = self.telemetry
         if self.stage_times is None or self.lm is None:
             parts = [(0, ms, extra)]
         else:
-            report = self.lm.model.stage_report()  # type: ignore[union-attr]
+            if report is None:
+                report = self.lm.model.stage_report()  # type: ignore[union-attr]
             parts = [
                 (i, own, {**details, **extra}) for i, own, details in self.stage_times.record(kind, report)
             ]

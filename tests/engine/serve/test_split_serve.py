@@ -119,6 +119,32 @@ def test_in_process_split_answers_like_one_process(servers: Servers) -> None:
     assert "remote_stages" not in servers.split.get("/health").json()
 
 
+def test_in_process_split_shared_steps_report_each_stages_own_time(servers: Servers) -> None:
+    """Two requests decoding together cross the stages in shared steps: each stage's step events carry its own
+    compute, waiting and transfer in that step (the step's clock, read once the step is), as a request alone's do,
+    not the host's time around the stage's launches."""
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(
+            _client(servers.split).completions.create,
+            model="tiny-moe6",
+            prompt="keep going",
+            max_tokens=300,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        deadline = time.monotonic() + 30
+        while not any(s["state"] == "decode" for s in servers.split.get("/stats").json()["slots"]["slots"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        events, _ = servers.split.events_of({"prompt": "stage by stage", "max_tokens": 6, "ignore_eos": True})
+        assert other.result().usage.completion_tokens == 300  # type: ignore[union-attr]
+    steps = [e for e in events if e["type"] == "step"]
+    assert any(e["tokens"] == 2 for e in steps)  # steps both requests shared
+    assert {e["stage"] for e in steps} == {0, 1, 2}
+    for e in steps:
+        assert e["ms"] == e["compute_ms"] > 0 and e["wait_ms"] >= 0 and e["transfer_ms"] >= 0, e
+
+
 def test_remote_stage_answers_like_one_process(servers: Servers) -> None:
     assert _chat(servers.remote) == _chat(servers.plain)
     assert [_complete(servers.remote, p) for p in PROMPTS] == [_complete(servers.plain, p) for p in PROMPTS]
