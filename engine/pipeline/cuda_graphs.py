@@ -287,7 +287,7 @@ PROMPT_BUCKETS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768
 
 def warm_prompts(model: object, caches: Sequence[KVCache], most: int) -> list[int]:
     """Build the prompt path's Triton kernels before the first request, where no prompt graphs are captured at
-    load (an expert cache that does not hold every expert; a layer split): read dummy chunks of the sizes a step
+    load (an expert cache that does not hold every expert; a remote stage): read dummy chunks of the sizes a step
     holds (PROMPT_BUCKETS up to `most` tokens and one token short of each, since Triton builds a kernel per tile
     height and per whether a length is a multiple of 16), alone and two in a step where there are two caches.
     The caches and the expert counts are left as they were. Without it the first requests of each new length
