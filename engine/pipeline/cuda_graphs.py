@@ -347,9 +347,7 @@ class _PromptGraph:
     k: torch.Tensor  # [B, Hkv, Dk]
     v: torch.Tensor  # [B, Hkv, Dv]
     a: torch.Tensor  # [B, H * Dv]: the attention's output, written between the pieces
-    out: (
-        torch.Tensor
-    )  # [1, V]: the last row's logits (a stage without the head: every row's hidden state, [B, D])
+    out: torch.Tensor  # [1, V]: the last row's logits (without the head: every row's hidden state, [B, D])
 
 
 class PromptGraphs:

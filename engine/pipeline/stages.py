@@ -80,9 +80,7 @@ class LocalStage:
     def last(self) -> bool:
         return self.with_head
 
-    takes_last_only = (
-        True  # run() takes last_only (SplitModel.forward passes it to every stage of a prompt chunk)
-    )
+    takes_last_only = True  # run() takes last_only (SplitModel._run passes it for every stage of a prompt)
 
     @property
     def prompt_graphs(self) -> PromptGraphs | None:
@@ -593,12 +591,11 @@ class SplitModel:
             self._last_only = last_only
 
     def stage_report(self, clock: ForwardClock | None = None) -> list[dict[str, object]]:
-        """Each stage's own time in the last forward (a prompt chunk or a step; `clock`: that forward's marks, taken
-        from `clock` when the forward ran, for a step read after later ones were launched), for the timing lines
-        and the server's event stream: local stages `{"layers", "where", "ms"}` (host time) plus, once their
-        devices have finished the forward, `"compute_ms", "wait_ms", "transfer_ms"` (stage_clock); each worker
-        behind a link
-        `{"layers", "where", "compute_ms", "wait_ms", "transfer_ms"}`."""
+        """Each stage's own time in the last forward (a prompt chunk or a step), for the timing lines and the
+        server's event stream: local stages `{"layers", "where", "ms"}` (host time) plus, once their devices have
+        finished the forward, `"compute_ms", "wait_ms", "transfer_ms"` (stage_clock); each worker behind a link
+        `{"layers", "where", "compute_ms", "wait_ms", "transfer_ms"}`. `clock`: the device marks of an earlier
+        forward (its `self.clock` then), for a step read after later ones were launched."""
         out: list[dict[str, object]] = []
         for s, (st, ms) in enumerate(zip(self.stages, self.timing.ms, strict=True)):
             if hasattr(st, "last_timing"):
