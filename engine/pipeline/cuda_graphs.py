@@ -368,8 +368,11 @@ class PromptGraphs:
     (run eagerly, a split's prompts had cost its server more host time than the steps between them: on one H100,
     8 clients' prompts took 1.3 s of a split's generating thread's 3.7, 0.23 s of one stage's 2.6)."""
 
-    def __init__(self, model: "DecoderLM") -> None:
+    def __init__(self, model: "DecoderLM", head: bool | None = None) -> None:
+        """`head` False: hand every row's hidden state on though the model holds the head (a remote main's first
+        stage, whose head runs after the chain)."""
         self.model = model
+        self.head = model.has_head if head is None else head and model.has_head
         self.seen: set[int] = set()
         self.failed: set[int] = set()  # sizes whose capture ran out of VRAM: they stay eager
         self.sets: dict[int, _PromptGraph] = {}
@@ -462,7 +465,7 @@ class PromptGraphs:
             a = m.attn_core(i, g.q[:t], g.k[:t], g.v[:t], cache, g.pos[:t], span, masks)
             torch.index_select(a, 0, g.rows, out=g.a)  # the pads' rows repeat their originals'
         g.graphs[-1].replay()
-        return (g.out if m.has_head else g.out[:t]).clone()  # the next replay overwrites it
+        return (g.out if self.head else g.out[:t]).clone()  # the next replay overwrites it
 
     def _add(self, b: int) -> bool:
         """Capture bucket b's set; False (and the size stays eager) where the card has no room for it."""
@@ -495,7 +498,7 @@ class PromptGraphs:
 
         def last() -> None:
             h = m.attn_out_ffn(layers[-1], g.h, g.a)
-            g.out.copy_(m.head(h.index_select(0, g.last), last_only=True) if m.has_head else h)
+            g.out.copy_(m.head(h.index_select(0, g.last), last_only=True) if self.head else h)
 
         return [first, *(between(a, b) for a, b in pairwise(layers)), last]
 
@@ -522,7 +525,7 @@ class PromptGraphs:
             a=torch.zeros(b, c.n_head * c.head_dim_v, dtype=dt, device=dev),
             out=(
                 torch.zeros(1, c.n_vocab, dtype=torch.float32, device=dev)
-                if m.has_head
+                if self.head
                 else torch.zeros(b, c.n_embd, dtype=torch.float32, device=dev)
             ),
         )

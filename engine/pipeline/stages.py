@@ -64,6 +64,12 @@ class LocalStage:
         self.label = label
         # The head runs here unless a later stage runs it (after a remote chain, a `HeadStage` does).
         self.with_head = model.has_head if head is None else head and model.has_head
+        # its prompt graphs compute what this stage hands on: a model holding the head that a HeadStage runs after
+        # a remote chain gets its own, without the head
+        pg = getattr(model, "prompt_graphs", None)
+        self._prompt_graphs = (
+            pg if pg is None or self.with_head == model.has_head else PromptGraphs(model, head=self.with_head)
+        )
         own = getattr(model, "graphs", None)
         usable = own is not None and bool(getattr(own, "usable", False)) and hasattr(model, "layer_at")
         self.graphs = (
@@ -84,10 +90,8 @@ class LocalStage:
 
     @property
     def prompt_graphs(self) -> PromptGraphs | None:
-        """The stage model's prompt graphs where they compute what this stage hands on (not a model that holds the
-        head that a HeadStage runs after a remote chain)."""
-        pg = getattr(self.model, "prompt_graphs", None)
-        return pg if pg is not None and self.with_head == self.model.has_head else None
+        """The prompt graphs of the stage's layers (None: its prompt chunks run eagerly)."""
+        return self._prompt_graphs
 
     def run(self, x: torch.Tensor, cache: KVCache, start: int, last_only: bool = False) -> torch.Tensor:
         """`last_only`: a prompt chunk, whose other rows' logits nobody reads: the stage with the head computes the
@@ -118,6 +122,17 @@ class LocalStage:
         """Several sequences' rows (token ids [R] for the first stage, else hidden [R, D]) through the stage's
         layers together -> hidden [R, D], or each part's wanted logit rows (BatchPart.logits) from the stage with
         the head."""
+        if self.prompt_graphs is not None and all(
+            p.tokens.shape[0] > 1 and (p.logits == 1 or not self.with_head) for p in parts
+        ):
+            # prompt chunks only: each from the prompt graphs (no eager pass over all of them together)
+            cuts = list(itertools.accumulate((int(p.tokens.shape[0]) for p in parts), initial=0))
+            return torch.cat(
+                [
+                    self.run(p.tokens if self.first else x[a:b], p.cache, p.start, last_only=True)
+                    for p, a, b in zip(parts, cuts, cuts[1:], strict=False)
+                ]
+            )
         with on_device(self.device):
             m = self.model
             rows = BatchRows(parts, self.device, m.step_masks)

@@ -166,3 +166,28 @@ def test_warm_builds_every_attention_kernel_a_prompt_needs(tmp_path: Path) -> No
             m.forward(ids[:start], cache, 0)
         assert pg.step(ids[start:].cuda(), cache, start) is not None
     assert built() == before
+
+
+@pytest.mark.gpu
+def test_graphs_without_the_head_hand_every_row_on(tmp_path: Path) -> None:
+    """A remote main's first stage holds the head that runs after the chain: its stage's prompt graphs (head=False)
+    give every real row's hidden state, as the eager layers do, and the second chunk attends to the first's KV."""
+    from engine.pipeline.stages import LocalStage
+
+    lm = load_model(_model(tmp_path, "qwen3moe"), device="cuda", dtype="bf16")
+    m = lm.model
+    st = LocalStage(m, "first", head=False)
+    pg = st.prompt_graphs
+    assert pg is not None and pg is not m.prompt_graphs and not pg.head and m.prompt_graphs.head
+    pg.warm(64)
+    ids = torch.randint(1, 400, (53,), generator=torch.Generator().manual_seed(4)).cuda()
+    cache, ref_cache = m.new_cache(128, "bf16"), m.new_cache(128, "bf16")
+    for start, n in ((0, 37), (37, 16)):
+        got = st.run(ids[start : start + n], cache, start, last_only=True)
+        pos = torch.arange(start, start + n, device=m.device)
+        masks = m.step_masks(pos, start + n)
+        h = m.embed(ids[start : start + n])
+        for i in m.layer_range:
+            h = m.layer_at(i, h, ref_cache, pos, start + n, masks)
+        assert got.shape == (n, m.cfg.n_embd)
+        torch.testing.assert_close(got, h, rtol=1e-3, atol=1e-2)

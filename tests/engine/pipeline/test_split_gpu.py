@@ -80,13 +80,16 @@ def test_pipelined_pieces_on_one_card_match(tmp_path_factory: pytest.TempPathFac
         assert torch.equal(sm.forward(torch.tensor(PROMPT), sc, 0), ref)
 
 
-def test_prompt_chunks_run_from_each_stages_prompt_graphs(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize(
+    ("arch", "qtype"), [("qwen3moe", "Q4_K"), ("qwen3", "Q4_K"), ("gemma3", "Q8_0")]
+)  # gemma3: sliding windows, its embedding scale on the first stage only
+def test_prompt_chunks_run_from_each_stages_prompt_graphs(
+    tmp_path_factory: pytest.TempPathFactory, arch: str, qtype: str
+) -> None:
     """Each stage captures prompt graphs of its own layers (the second stage takes hidden rows in place of token
     ids, the first hands its hidden rows on): once warm, the prompt chunks of two slots in one step run through
     no eager layer and give the unsplit model's graphed logits and KV; a second chunk at a later position too."""
-    path = write_tiny_model(
-        tmp_path_factory.mktemp("g") / "m.gguf", "qwen3moe", qtype="Q4_K", seed=5, n_layer=6
-    )
+    path = write_tiny_model(tmp_path_factory.mktemp("g") / "m.gguf", arch, qtype=qtype, seed=5, n_layer=6)
     base = load_model(path, "cuda", "bf16").model
     sm = load_split_model(
         path, SplitOptions(device="cuda", layer_split=(3,), split_device=("0",)), 128, "bf16", "bf16"
