@@ -23,6 +23,7 @@ from engine.models.decoder import DecoderLM
 from engine.models.family_base import BatchPart, logit_rows, scratch_steps
 from engine.models.fast_decode import FAST_MAX_ROWS
 from engine.models.gated_delta import RecurrentCache
+from engine.pipeline.cuda_graphs import HeadGraphs
 from engine.pipeline.stages import LocalStage
 
 log = logging.getLogger("strata.link")
@@ -406,15 +407,30 @@ class HeadStage:
         self.layers = range(model.cfg.n_layer, model.cfg.n_layer)
         self.device = model.device
         self.label = label
+        # decode steps' heads from CUDA graphs, captured by warm() (SplitModel.warm_rows) where the model's decode
+        # step can be captured
+        own = getattr(model, "graphs", None)
+        usable = model.device.type == "cuda" and own is not None and bool(getattr(own, "usable", False))
+        self.graphs = HeadGraphs(model, FAST_MAX_ROWS) if usable else None
 
     takes_last_only = True
 
+    def warm_head(self, most: int) -> int:
+        """Capture the head of steps of 1 .. most rows -> how many row counts are captured (0: none here)."""
+        return self.graphs.warm(most) if self.graphs is not None else 0
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.graphs.run(x) if self.graphs is not None else None
+        return self.model.head(x) if y is None else y
+
     def run(self, x: torch.Tensor, cache: KVCache, start: int, last_only: bool = False) -> torch.Tensor:
-        return self.model.head(x, last_only)  # [T, V] ([1, V] with last_only)
+        if last_only and x.shape[0] > 1:
+            return self.model.head(x, last_only)  # [1, V]: a prompt chunk's last row
+        return self._head(x)  # [T, V]
 
     def run_parts(self, x: torch.Tensor, parts: Sequence[BatchPart]) -> torch.Tensor:
         """Several sequences' rows [R, D] -> each part's wanted logit rows (its last; a verify window's every row)."""
         want = logit_rows(parts)
         if len(want) == x.shape[0]:  # every row (decode rows, windows): no gather
-            return self.model.head(x)
+            return self._head(x)
         return self.model.head(x.index_select(0, torch.tensor(want, device=x.device)))

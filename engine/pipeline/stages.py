@@ -323,7 +323,9 @@ class SplitModel:
             for t in range(1, n + 1) if local else [n]:
                 self.forward_batch([BatchPart(torch.zeros(1, dtype=torch.long), c, 0) for c in caches[:t]])
         if remote:
-            log.info("remote stage: steps of up to %d rows sent, the worker's decode rows are warm", n)
+            heads = max((st.warm_head(n) for st in self.stages if hasattr(st, "warm_head")), default=0)
+            log.info("remote stage: steps of up to %d rows sent, the worker's decode rows are warm%s", n,
+                     f"; the head's of 1-{heads} rows captured" if heads else "")  # fmt: skip
         return n if local else 0
 
     def warm_prompts(self, caches: Sequence[KVCache], most: int) -> list[int]:

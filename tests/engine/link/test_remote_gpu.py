@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.link.remote import HeadStage
 from engine.link.startup import load_split_model
 from engine.models.family_base import BatchPart
 from engine.pipeline.loader import load_model
@@ -48,6 +49,12 @@ def test_slots_through_a_worker_on_the_card_match_each_sequence_alone(
         caches = m.new_caches(4, 128, "bf16")
         # the main's stage runs the rows through its fused path too, without the head (which runs after the worker)
         assert all(c.shared is not None for c in caches) and m.warm_rows(caches) == 4
+        head = m.stages[-1]
+        assert (
+            isinstance(head, HeadStage)
+            and head.graphs is not None
+            and sorted(head.graphs.sets) == [1, 2, 3, 4]
+        )
         refs = [whole.new_cache(128, "bf16") for _ in range(4)]
         prompts = [PROMPT[: 3 + i] for i in range(4)]
         for p, c, r in zip(prompts, caches, refs, strict=True):
@@ -68,3 +75,23 @@ def test_slots_through_a_worker_on_the_card_match_each_sequence_alone(
         m.close()
     finally:
         worker.stop()
+
+
+def test_the_heads_graphs_give_the_eager_heads_logits(tmp_path: Path) -> None:
+    """A remote main's head after the worker replays a graph per row count: the same logits as its eager launches,
+    bit for bit, for every row count a step may have; a count not captured runs eagerly."""
+    path = write_tiny_model(tmp_path / "m.gguf", "qwen3moe", qtype="Q4_K", types={"ffn_down": "Q6_K"}, seed=5)
+    m = load_model(path, device="cuda", dtype="bf16").model
+    st = HeadStage(m, "main")
+    assert st.graphs is not None and st.warm_head(16) == 16 and st.warm_head(40) == 16
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for t in (1, 2, 5, 8, 16, 17):
+        x = torch.randn(t, m.cfg.n_embd, device="cuda", generator=gen)
+        assert (st.graphs.run(x) is None) == (t > 16)
+        want = m.head(x)
+        for _ in range(2):  # a replay does not depend on the one before
+            got = st.run_parts(
+                x, [BatchPart(torch.zeros(t, dtype=torch.long), m.new_cache(32, "bf16"), 0, t)]
+            )
+            assert got.shape == want.shape and torch.equal(got, want), t
+        assert torch.equal(st.run(x[:1], m.new_cache(32, "bf16"), 0, last_only=True), m.head(x[:1]))
