@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.report import emit
 from engine.experts.profile import UsageProfile, profile_location, save_profile
 from engine.experts.trace import hit_rate, load_trace, save_trace, usage_counts
-from engine.experts.trace_gen import generate, preset
+from engine.experts.trace_gen import generate, trace_spec
 from engine.gguf.reader import GGUFFile
 from engine.models.registry import file_config
 from engine.tokenizer import Tokenizer
@@ -49,7 +49,8 @@ def _trace_file(name: str, model: str, work: Path, tokens: int) -> Path | None:
     if not path.exists():
         layers, n_expert, k = _geometry(model)
         t0 = time.perf_counter()
-        save_trace(path, generate(tokens, layers, n_expert, k, preset(name), seed=1))
+        params, streams = trace_spec(name)  # NAME-xS: S conversations interleaved (a step of S slots' rows)
+        save_trace(path, generate(tokens, layers, n_expert, k, params, seed=1, streams=streams))
         print(
             f"trace {name}: {tokens} tokens x {layers} layers in {time.perf_counter() - t0:.1f} s", flush=True
         )

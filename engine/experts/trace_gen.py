@@ -37,51 +37,78 @@ PRESETS: dict[str, TraceParams] = {
 
 
 def generate(
-    tokens: int, layers: int, n_expert: int, k: int, params: TraceParams, seed: int = 0
+    tokens: int, layers: int, n_expert: int, k: int, params: TraceParams, seed: int = 0, streams: int = 1
 ) -> RoutingTrace:
-    """A trace of `tokens` tokens for `layers` MoE layers routing to k of n_expert experts."""
+    """A trace of `tokens` tokens for `layers` MoE layers routing to k of n_expert experts. With `streams` S > 1 it
+    interleaves S conversations token by token (token i is conversation i % S's token i // S), each with its own
+    recency and all with the layers' one popularity: a step of S slots' decode rows, which replays S consecutive
+    trace tokens, then routes as S separate conversations do, not as one conversation's neighbouring tokens."""
     if not 0 < k <= n_expert:
         raise ValueError(f"k = {k} must be 1..n_expert ({n_expert})")
     if not 0.0 <= params.reuse <= 1.0 or params.depth < 1.0 or params.skew < 0.0:
         raise ValueError(f"{params}: reuse is a probability, depth >= 1, skew >= 0")
+    if not 1 <= streams <= max(tokens, 1):
+        raise ValueError(f"streams = {streams} must be 1..tokens ({tokens})")
     rng = np.random.default_rng(seed)
     ids = np.empty((tokens, layers, k), dtype=np.int16)
     ranks = np.arange(1, n_expert + 1, dtype=np.float64)
     zipf = ranks**-params.skew
     zipf /= zipf.sum()
-    p_back = 1.0 / params.depth
     for li in range(layers):
         pop = np.empty(n_expert)
         pop[rng.permutation(n_expert)] = zipf
-        draws = rng.choice(n_expert, size=(tokens, 4 * k), p=pop)  # popularity draws, spares for repeats
-        reuse = rng.random((tokens, k)) < params.reuse
-        back = rng.geometric(p_back, size=(tokens, k))
-        pick = rng.integers(0, k, size=(tokens, k))
-        col = ids[:, li]
-        for t in range(tokens):
-            chosen: list[int] = []
-            d = 0
-            for j in range(k):
-                e = -1
-                if reuse[t, j] and t > 0:
-                    e = int(col[max(t - int(back[t, j]), 0), pick[t, j]])
-                    if e in chosen:
-                        e = -1
-                while e < 0 or e in chosen:
-                    if d < draws.shape[1]:
-                        e = int(draws[t, d])
-                        d += 1
-                    else:
-                        e = int(rng.choice(n_expert, p=pop))
-                chosen.append(e)
-            col[t] = chosen
+        for s in range(streams):
+            ids[s::streams, li] = _column(rng, pop, len(range(s, tokens, streams)), k, params)
     w = np.sort(rng.dirichlet(np.ones(k), size=(tokens, layers)), axis=-1)[..., ::-1].astype(np.float32)
     meta = {"source": "generated", "params": asdict(params), "seed": seed}
+    if streams > 1:
+        meta["streams"] = streams
     return RoutingTrace(ids, np.ascontiguousarray(w), list(range(layers)), n_expert, meta)
+
+
+def _column(
+    rng: np.random.Generator, pop: np.ndarray, tokens: int, k: int, params: TraceParams
+) -> np.ndarray:
+    """One conversation's choices [tokens, k] in one layer of popularity `pop`."""
+    n_expert = pop.shape[0]
+    col = np.empty((tokens, k), dtype=np.int16)
+    draws = rng.choice(n_expert, size=(tokens, 4 * k), p=pop)  # popularity draws, spares for repeats
+    reuse = rng.random((tokens, k)) < params.reuse
+    back = rng.geometric(1.0 / params.depth, size=(tokens, k))
+    pick = rng.integers(0, k, size=(tokens, k))
+    for t in range(tokens):
+        chosen: list[int] = []
+        d = 0
+        for j in range(k):
+            e = -1
+            if reuse[t, j] and t > 0:
+                e = int(col[max(t - int(back[t, j]), 0), pick[t, j]])
+                if e in chosen:
+                    e = -1
+            while e < 0 or e in chosen:
+                if d < draws.shape[1]:
+                    e = int(draws[t, d])
+                    d += 1
+                else:
+                    e = int(rng.choice(n_expert, p=pop))
+            chosen.append(e)
+        col[t] = chosen
+    return col
+
+
+def trace_spec(name: str) -> tuple[TraceParams, int]:
+    """A preset's name, or NAME-xS for S interleaved conversations (generate's `streams`: "realistic-x8", the
+    routing of 8 slots' decode rows) -> (its parameters, S)."""
+    base, sep, n = name.rpartition("-x")
+    if sep and n.isdigit() and int(n) >= 1:
+        return preset(base), int(n)
+    return preset(name), 1
 
 
 def preset(name: str) -> TraceParams:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"trace preset {name!r}: use one of {', '.join(PRESETS)}") from None
+        raise ValueError(
+            f"trace preset {name!r}: use one of {', '.join(PRESETS)} (NAME-xS: S interleaved conversations)"
+        ) from None

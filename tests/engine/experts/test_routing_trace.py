@@ -19,7 +19,7 @@ from engine.experts.trace import (
     save_trace,
     usage_counts,
 )
-from engine.experts.trace_gen import PRESETS, TraceParams, generate, preset
+from engine.experts.trace_gen import PRESETS, TraceParams, generate, preset, trace_spec
 from engine.link.startup import load_split_model
 from engine.pipeline.generate import DoneEvent, GenerationRequest, Runner
 from engine.pipeline.sampling import SamplingParams
@@ -135,6 +135,33 @@ def test_the_realistic_preset_matches_the_published_routing_figures() -> None:
     assert np.allclose(t.weights.sum(-1), 1.0, atol=1e-5) and (np.diff(t.weights, axis=-1) <= 0).all()
     with pytest.raises(ValueError, match="use one of uniform, realistic, local"):
         preset("real")
+
+
+def test_streams_interleave_conversations_of_one_popularity() -> None:
+    """realistic-x8: token i is conversation i % 8's token i // 8. Each conversation keeps the preset's recency (its
+    own LRU hits as one stream's do), all share the layers' popularity, and 8 consecutive tokens (one step of 8
+    slots' decode rows) choose more distinct experts than 8 neighbouring tokens of one conversation."""
+    params, streams = trace_spec("realistic-x8")
+    assert params == preset("realistic") and streams == 8 and trace_spec("uniform") == (preset("uniform"), 1)
+    one = generate(1600, 2, 128, 8, params, seed=11)
+    many = generate(1600, 2, 128, 8, params, seed=11, streams=8)
+    assert many.meta["streams"] == 8 and "streams" not in one.meta and many.ids.shape == one.ids.shape
+    for j in range(2):
+        own = np.mean([hit_rate(many.ids[s::8, j], 16) for s in range(8)])
+        assert abs(own - hit_rate(one.ids[:, j], 16)) < 0.05, own
+        # the interleaved trace read in order has lost its recency: one step's 8 rows are 8 conversations
+        assert hit_rate(many.ids[:, j], 16) < own - 0.15
+
+        def distinct(ids: np.ndarray) -> float:
+            return float(np.mean([len(np.unique(ids[i : i + 8])) for i in range(0, ids.shape[0], 8)]))
+
+        assert distinct(many.ids[:, j]) > distinct(one.ids[:, j]) + 5
+        # one popularity: the conversations' most used experts agree
+        a = np.bincount(many.ids[0::8, j].ravel(), minlength=128)
+        b = np.bincount(many.ids[1::8, j].ravel(), minlength=128)
+        assert np.corrcoef(a, b)[0, 1] > 0.5
+    with pytest.raises(ValueError, match="streams"):
+        generate(4, 1, 8, 2, params, streams=5)
 
 
 @pytest.fixture(scope="module")
