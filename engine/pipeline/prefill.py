@@ -47,12 +47,14 @@ def auto_chunk(
     max_ctx: int = 4096,
     flash: bool = False,
 ) -> int:
-    """The chunk for `--prefill auto` (see the module's text)."""
+    """The chunk for `--prefill auto` (see the module's text); none longer than the context needs (a prompt of
+    `max_ctx` tokens in one chunk), whose temporaries the room would then keep for nothing."""
     if not cuda:
         return CHUNKS[-1]
     room = free_bytes - kv_bytes - reserve_bytes
+    top = min((n for n in CHUNKS if n >= max_ctx), default=CHUNKS[0])
     for chunk in CHUNKS:
-        if chunk_bytes(c, chunk, max_ctx, flash) <= room:
+        if chunk <= top and chunk_bytes(c, chunk, max_ctx, flash) <= room:
             return chunk
     return CHUNKS[-1]
 
@@ -80,9 +82,11 @@ def span_tokens(c: ModelConfig, chunk: int, room_bytes: int, max_ctx: int) -> in
     return max(chunk, n // chunk * chunk)
 
 
-def _device_room(model: object, max_ctx: int, kv_type: str, budget_mib: int | None) -> tuple[int, int] | None:
-    """(bytes free, of `budget_mib` where given; bytes the KV cache still to come takes) for a one-card CUDA model;
-    None for anything else."""
+def _device_room(
+    model: object, max_ctx: int, kv_type: str, budget_mib: int | None, slots: int = 1
+) -> tuple[int, int] | None:
+    """(bytes free, of `budget_mib` where given; bytes the KV caches still to come take: `slots` of `max_ctx`
+    positions, the server's --parallel) for a one-card CUDA model; None for anything else."""
     dev = getattr(model, "device", None)
     cfg = getattr(model, "cfg", None)
     if not isinstance(dev, torch.device) or dev.type != "cuda" or not isinstance(cfg, ModelConfig):
@@ -98,12 +102,15 @@ def _device_room(model: object, max_ctx: int, kv_type: str, budget_mib: int | No
     free -= getattr(ec, "pending_bytes", 0)  # the experts' staging area, allocated at the first prompt
     layers = len(getattr(model, "layer_range", range(cfg.n_layer)))
     layers -= len(getattr(model, "kv_host_layers", ()))  # their KV lives in host RAM (--kv-resident)
-    return free, layers * max_ctx * kv_bytes_per_token(cfg, kv_type)
+    return free, max(1, slots) * layers * max_ctx * kv_bytes_per_token(cfg, kv_type)
 
 
-def device_chunk(model: object, max_ctx: int, kv_type: str, budget_mib: int | None, reserve_mib: int) -> int:
-    """auto_chunk for a loaded one-card model: the VRAM free now (or left of `budget_mib`, --vram-budget-mib)."""
-    room = _device_room(model, max_ctx, kv_type, budget_mib)
+def device_chunk(
+    model: object, max_ctx: int, kv_type: str, budget_mib: int | None, reserve_mib: int, slots: int = 1
+) -> int:
+    """auto_chunk for a loaded one-card model: the VRAM free now (or left of `budget_mib`, --vram-budget-mib), less
+    the KV caches of `slots` sequences still to come."""
+    room = _device_room(model, max_ctx, kv_type, budget_mib, slots)
     if room is None:
         return CHUNKS[-1]
     free, kv = room
@@ -115,21 +122,29 @@ def device_chunk(model: object, max_ctx: int, kv_type: str, budget_mib: int | No
     flash = _flash(model)
     chunk = auto_chunk(cfg, True, free, kv, reserve_mib << 20, max_ctx, flash)
     log.info(
-        "prompt chunks of %d tokens (--prefill auto: ~%d MiB of temporaries; %d MiB free before the KV cache)",
+        "prompt chunks of %d tokens (--prefill auto: ~%d MiB of temporaries; %d MiB free before the KV cache of "
+        "%d MiB)",
         chunk,
         chunk_bytes(cfg, chunk, max_ctx, flash) >> 20,
         free >> 20,
+        kv >> 20,
     )
     return chunk
 
 
 def device_span(
-    model: object, chunk: int, max_ctx: int, kv_type: str, budget_mib: int | None, reserve_mib: int
+    model: object,
+    chunk: int,
+    max_ctx: int,
+    kv_type: str,
+    budget_mib: int | None,
+    reserve_mib: int,
+    slots: int = 1,
 ) -> int:
     """span_tokens for a loaded one-card model that streams experts for its prompt chunks; `chunk` otherwise."""
     if not _reads_spans(model):
         return chunk
-    room = _device_room(model, max_ctx, kv_type, budget_mib)
+    room = _device_room(model, max_ctx, kv_type, budget_mib, slots)
     if room is None:
         return chunk
     free, kv = room

@@ -532,16 +532,18 @@ def prefill_chunk(
     kv_type: str = "bf16",
     budget_mib: int | None = None,
     reserve_mib: int = ExpertPolicy.reserve_mib,
+    slots: int = 1,
 ) -> int:
     """The prompt chunk `Runner` reads per forward for `--prefill auto`: on a pipelined split, several pieces per
     chunk so that the stages overlap (2 x stages pieces of `pipe_chunk`); on one card, given `max_ctx`, the largest
-    chunk whose temporaries fit in the VRAM left (engine/pipeline/prefill.py); otherwise `default`."""
+    chunk whose temporaries fit in the VRAM left once the KV caches of `slots` sequences (--parallel) are counted
+    (engine/pipeline/prefill.py); otherwise `default`."""
     if arg != "auto":
         return int(arg)
     if isinstance(model, SplitModel) and model.pipeline and len(model.stages) > 1:
         return model.pipe_chunk * 2 * len(model.stages)
     if max_ctx is not None and not isinstance(model, SplitModel):
-        return device_chunk(model, max_ctx, kv_type, budget_mib, reserve_mib)
+        return device_chunk(model, max_ctx, kv_type, budget_mib, reserve_mib, slots)
     return default
 
 
@@ -557,6 +559,7 @@ def prefill_span(
     kv_type: str = "bf16",
     budget_mib: int | None = None,
     reserve_mib: int = ExpertPolicy.reserve_mib,
+    slots: int = 1,
 ) -> int:
     """The tokens `Runner` reads per forward: layer by layer in chunks of `chunk` on one card that streams experts
     for its prompt chunks (engine/pipeline/prefill.py, span_tokens); as one pipeline of `SPLIT_SPAN_CHUNKS`
@@ -564,4 +567,4 @@ def prefill_span(
     if isinstance(model, SplitModel):
         return min(max_ctx, chunk * SPLIT_SPAN_CHUNKS) if model.pipelines_prompts else chunk
 
-    return device_span(model, chunk, max_ctx, kv_type, budget_mib, reserve_mib)
+    return device_span(model, chunk, max_ctx, kv_type, budget_mib, reserve_mib, slots)

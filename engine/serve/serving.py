@@ -204,15 +204,19 @@ class EngineService(RequestTranslation, Answers, Status, Metrics):
                 # A worker's KV cannot be restored from this process's host memory.
                 log.info("prompt cache off: the remote stage keeps its own KV")
                 cache = None
+            slots = lm.sequences
+            spec = SpecConfig.from_flags(o.spec, o.suffix_draft, o.mtp, o.pipeline_windows)
+            alone = _runs_alone(lm.model, spec, slots)
+            # every slot's KV cache is still to come: the prompt's temporaries get what they leave
+            caches = 1 if alone is not None else slots
             if o.prefill is None:
-                chunk = prefill_chunk(lm.model, "auto", max_ctx=o.max_context, kv_type=kv,
+                chunk = prefill_chunk(lm.model, "auto", max_ctx=o.max_context, kv_type=kv, slots=caches,
                                       budget_mib=split.vram_budget_mib, reserve_mib=split.reserve_mib)  # fmt: skip
             else:
                 chunk = o.prefill
-            spec = SpecConfig.from_flags(o.spec, o.suffix_draft, o.mtp, o.pipeline_windows)
-            span = prefill_span(lm.model, chunk, o.max_context, kv, split.vram_budget_mib, split.reserve_mib)
-            slots = lm.sequences
-            alone = _runs_alone(lm.model, spec, slots)
+            span = prefill_span(
+                lm.model, chunk, o.max_context, kv, split.vram_budget_mib, split.reserve_mib, caches
+            )
             if alone is not None and slots > 1:
                 log.info("--parallel %d: %s: 1 slot", slots, alone)
             elif slots > 1 and spec.n > 0:

@@ -16,6 +16,22 @@ def _a3b() -> ModelConfig:  # Qwen3-30B-A3B's geometry
     )  # fmt: skip
 
 
+def _cuda_model(monkeypatch, allocated: int, reserved: int, free: int | None = None) -> object:
+    """What device_chunk reads of a loaded one-card model, with the device's memory queries faked (bytes)."""
+    import torch
+
+    class Model:
+        device = torch.device("cuda", 0)
+        cfg = _a3b()
+        layer_range = range(48)
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: allocated)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: reserved)
+    if free is not None:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (free, 80 << 30))
+    return Model()
+
+
 def test_temporaries_grow_with_the_chunk() -> None:
     c = _a3b()
     small, large = chunk_bytes(c, 512, 4096), chunk_bytes(c, 4096, 4096)
@@ -47,6 +63,32 @@ def test_the_largest_chunk_that_fits() -> None:
     assert auto_chunk(c, cuda=True, free_bytes=3 << 30, kv_bytes=3 << 30, reserve_bytes=0) == 512
 
 
+def test_no_chunk_longer_than_the_context_needs() -> None:
+    """A prompt is at most --max-context tokens: a longer chunk's temporaries would be kept for nothing (a server
+    at --max-context 2048 had chosen 4,096-token chunks, ~940 MiB, and built their kernels at load)."""
+    c = _a3b()
+    room = dict(free_bytes=80 << 30, kv_bytes=0, reserve_bytes=0)
+    assert auto_chunk(c, cuda=True, max_ctx=2048, **room) == 2048
+    assert auto_chunk(c, cuda=True, max_ctx=1000, **room) == 1024  # one chunk still holds the longest prompt
+    assert auto_chunk(c, cuda=True, max_ctx=300, **room) == 512
+    assert auto_chunk(c, cuda=True, max_ctx=131072, **room) == 4096
+
+
+def test_every_slots_kv_cache_is_counted(monkeypatch) -> None:
+    """A server of several slots allocates each one's KV cache after the chunk is chosen: the chunk gets what all
+    of them leave, not what one leaves (8 slots of 2,048 positions of Qwen3-30B-A3B take 1.5 GiB, one 192 MiB:
+    counting one let a chunk's temporaries into the room of the other seven and of the reserve)."""
+    from engine.pipeline.prefill import device_chunk
+    from engine.pipeline.split import prefill_chunk
+
+    m = _cuda_model(monkeypatch, allocated=4 << 30, reserved=4 << 30)
+    budget = 4 * 1024 + 2400  # 2,400 MiB left before the KV caches
+    assert device_chunk(m, 2048, "bf16", budget, 512) == 2048  # one slot's KV: room for the longest
+    got = prefill_chunk(m, "auto", max_ctx=2048, kv_type="bf16", budget_mib=budget, reserve_mib=512, slots=8)
+    assert got == 1024 and chunk_bytes(_a3b(), got, 2048) <= (2400 - 1536 - 512) * MiB
+    assert device_chunk(m, 2048, "bf16", budget, 512, slots=16) == 512  # the KV leaves no room: the least
+
+
 def test_a_cpu_model_reads_512_token_chunks(tmp_path) -> None:
     from engine.pipeline.loader import load_model
     from engine.pipeline.split import prefill_chunk
@@ -59,41 +101,23 @@ def test_a_cpu_model_reads_512_token_chunks(tmp_path) -> None:
 
 def test_a_gpu_models_chunk_from_the_free_vram(monkeypatch) -> None:
     """device_chunk's GPU branch with the device queries faked: free VRAM, or what a --vram-budget-mib leaves."""
-    import torch
-
     from engine.pipeline.prefill import device_chunk
 
-    class Model:  # what device_chunk reads of a loaded model
-        device = torch.device("cuda", 0)
-        cfg = _a3b()
-        layer_range = range(48)
-
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (40 << 30, 80 << 30))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 5 << 30)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 5 << 30)
-    assert device_chunk(Model(), 4096, "bf16", None, 512) == 4096
-    assert device_chunk(Model(), 4096, "bf16", 5 * 1024 + 900, 512) == 512  # a budget with ~900 MiB left
+    m = _cuda_model(monkeypatch, allocated=5 << 30, reserved=5 << 30, free=40 << 30)
+    assert device_chunk(m, 4096, "bf16", None, 512) == 4096
+    assert device_chunk(m, 4096, "bf16", 5 * 1024 + 900, 512) == 512  # a budget with ~900 MiB left
     assert device_chunk(object(), 4096, "bf16", None, 512) == 512  # not a CUDA model
 
 
 def test_cached_blocks_count_as_room(monkeypatch) -> None:
     """What the allocator holds cached but not allocated (loading's temporaries) is room for the chunk too: the
     measured case, an H200 held to llama.cpp -ncmoe 36's VRAM at a 32K context, had ~650 MiB of it."""
-    import torch
-
     from engine.pipeline.prefill import device_chunk
 
-    class Model:
-        device = torch.device("cuda", 0)
-        cfg = _a3b()
-        layer_range = range(48)
-
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 4 << 30)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 5 << 30)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (1 << 30, 80 << 30))
+    m = _cuda_model(monkeypatch, allocated=4 << 30, reserved=5 << 30, free=1 << 30)
     budget = 5 * 1024 + 900  # ~900 MiB beyond what is reserved, 1,924 beyond what is allocated
-    assert device_chunk(Model(), 4096, "bf16", budget, 512) > 512
-    assert device_chunk(Model(), 4096, "bf16", None, 512) > 512  # 1 GiB free on the card, 1 GiB cached
+    assert device_chunk(m, 4096, "bf16", budget, 512) > 512
+    assert device_chunk(m, 4096, "bf16", None, 512) > 512  # 1 GiB free on the card, 1 GiB cached
 
 
 def test_a_card_that_streams_experts_keeps_room_for_a_span(monkeypatch) -> None:
