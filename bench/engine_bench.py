@@ -246,6 +246,15 @@ def _trace_profile(model_path: str) -> torch.Tensor:
     return torch.from_numpy(usage_counts(t, int(n_layer), t.tokens // 2))
 
 
+def cuda_context_mib() -> int:
+    """MiB of the card that this process's CUDA context takes, measured before anything else is allocated (what
+    --vram-process-mib, another program's whole-process figure, leaves to the budget is that figure less this)."""
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) // 2**20
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -331,10 +340,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's own account, in the log
     if a.threads:
         torch.set_num_threads(a.threads)
-    torch.cuda.init()
-    torch.empty(1, device="cuda")
-    free, total = torch.cuda.mem_get_info()
-    context_mib = (total - free) // 2**20  # the CUDA context (nothing else allocated yet)
+    context_mib = cuda_context_mib()
     if a.vram_process_mib:
         a.vram_budget_mib = a.vram_process_mib - context_mib
     profile = _trace_profile(a.model) if a.profile_from_trace else None

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engine_bench import _kernel_table, _kv_bytes, _trace_profile
+from bench.engine_bench import _kernel_table, _kv_bytes, _trace_profile, cuda_context_mib
 from bench.report import emit
 from engine.experts.policy import ExpertPolicy
 from engine.link.startup import load_split_model
@@ -54,14 +54,8 @@ def _policy(a: argparse.Namespace, rows: int) -> ExpertPolicy:
     """The expert cache as the server sizes it for `rows` slots; within --vram-process-mib where given."""
     if not a.vram_process_mib:
         return ExpertPolicy()
-    torch.cuda.init()
-    torch.empty(1, device="cuda")
-    free, total = torch.cuda.mem_get_info()
-    budget = (
-        a.vram_process_mib - (total - free) // 2**20
-    )  # less the CUDA context, measured before anything else
     return ExpertPolicy(
-        vram_budget_mib=budget,
+        vram_budget_mib=a.vram_process_mib - cuda_context_mib(),
         reserve_mib=a.vram_reserve_mib,
         kv_bytes=rows * _kv_bytes(a.model, a.max_context),
         profile=_trace_profile(a.model) if a.profile_from_trace else None,
