@@ -15,6 +15,7 @@ the first piece to the last): the served decode, apart from the prompt's reading
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -257,7 +258,11 @@ def main() -> None:
         "model": (a.model or default_model_path()).name if not a.url else "(the server's)",
         "slots": (stats or {}).get("slots", {}) and stats["slots"]["total"],  # type: ignore[index]
         "tokens": a.tokens,
-        "machine": {"cpu_count": __import__("os").cpu_count(), "platform": platform.platform()},
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        # the routing our server replayed in place of the router's (engine/experts/replay.py), if any
+        "route_trace": Path(os.environ["STRATA_ROUTE_TRACE"]).name
+        if not a.url and os.environ.get("STRATA_ROUTE_TRACE")
+        else None,
         "rounds": rounds,
         "stats_after": after,
         "over_one_client": {str(r["clients"]): round(r["aggregate_tok_s"] / one, 3) for r in rounds}
