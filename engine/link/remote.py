@@ -23,7 +23,7 @@ from engine.models.decoder import DecoderLM
 from engine.models.family_base import BatchPart, logit_rows, scratch_steps
 from engine.models.fast_decode import FAST_MAX_ROWS
 from engine.models.gated_delta import RecurrentCache
-from engine.pipeline.cuda_graphs import HeadGraphs
+from engine.pipeline.cuda_graphs import HeadGraphs, decode_graphs_usable
 from engine.pipeline.stages import LocalStage
 
 log = logging.getLogger("strata.link")
@@ -409,9 +409,7 @@ class HeadStage:
         self.label = label
         # decode steps' heads from CUDA graphs, captured by warm() (SplitModel.warm_rows) where the model's decode
         # step can be captured
-        own = getattr(model, "graphs", None)
-        usable = model.device.type == "cuda" and own is not None and bool(getattr(own, "usable", False))
-        self.graphs = HeadGraphs(model, FAST_MAX_ROWS) if usable else None
+        self.graphs = HeadGraphs(model, FAST_MAX_ROWS) if decode_graphs_usable(model) else None
 
     takes_last_only = True
 

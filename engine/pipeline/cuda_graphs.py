@@ -177,6 +177,13 @@ def capturable(model: "DecoderLM") -> bool:
     return fused_experts(model)
 
 
+def decode_graphs_usable(model: object) -> bool:
+    """Whether the model is on a card and its decode steps replay CUDA graphs (the loader set `graphs.usable`)."""
+    dev = getattr(model, "device", None)
+    own = getattr(model, "graphs", None)
+    return getattr(dev, "type", None) == "cuda" and own is not None and bool(getattr(own, "usable", False))
+
+
 def cpu_misses(model: object) -> "CpuMisses | None":
     ec = getattr(model, "expert_cache", None)
     return getattr(ec, "cpu_misses", None)

@@ -31,7 +31,13 @@ from engine.models.decoder import BatchRows, DecoderLM
 from engine.models.family_base import BatchPart, forward_each, scratch_steps
 from engine.models.fast_decode import FAST_MAX_ROWS
 from engine.models.gated_delta import RecurrentCache
-from engine.pipeline.cuda_graphs import PromptGraphs, StepGraphs, cpu_misses, read_prompt_sizes
+from engine.pipeline.cuda_graphs import (
+    PromptGraphs,
+    StepGraphs,
+    cpu_misses,
+    decode_graphs_usable,
+    read_prompt_sizes,
+)
 from engine.pipeline.handoff import Handoff, HandoffMode
 from engine.pipeline.stage_clock import ForwardClock
 
@@ -64,17 +70,15 @@ class LocalStage:
         self.label = label
         # The head runs here unless a later stage runs it (after a remote chain, a `HeadStage` does).
         self.with_head = model.has_head if head is None else head and model.has_head
-        # its prompt graphs compute what this stage hands on: a model holding the head that a HeadStage runs after
-        # a remote chain gets its own, without the head
+        # The prompt graphs of the stage's layers (None: its prompt chunks run eagerly) compute what this stage
+        # hands on: a model holding the head that a HeadStage runs after a remote chain gets its own, without it
         pg = getattr(model, "prompt_graphs", None)
-        self._prompt_graphs = (
+        self.prompt_graphs: PromptGraphs | None = (
             pg if pg is None or self.with_head == model.has_head else PromptGraphs(model, head=self.with_head)
         )
-        own = getattr(model, "graphs", None)
-        usable = own is not None and bool(getattr(own, "usable", False)) and hasattr(model, "layer_at")
         self.graphs = (
             StepGraphs(self.body, model.device, model.expert_counts, cpu_misses(model))
-            if cuda_graphs and usable and model.device.type == "cuda"
+            if cuda_graphs and decode_graphs_usable(model) and hasattr(model, "layer_at")
             else None
         )
 
@@ -87,11 +91,6 @@ class LocalStage:
         return self.with_head
 
     takes_last_only = True  # run() takes last_only (SplitModel._run passes it for every stage of a prompt)
-
-    @property
-    def prompt_graphs(self) -> PromptGraphs | None:
-        """The prompt graphs of the stage's layers (None: its prompt chunks run eagerly)."""
-        return self._prompt_graphs
 
     def run(self, x: torch.Tensor, cache: KVCache, start: int, last_only: bool = False) -> torch.Tensor:
         """`last_only`: a prompt chunk, whose other rows' logits nobody reads: the stage with the head computes the
